@@ -1,0 +1,406 @@
+"""Flax NNX Llama (RMSNorm, SwiGLU, GQA, rotate-half RoPE with Llama-3 scaling) wired to the KV core.
+
+Shape letters follow `rocketkv_jax.shapes`: B batch, T tokens, N query heads, K KV heads, G = N/K,
+H head dim, D model dim, F MLP hidden, V vocab, S cache slots, L layers.
+
+Every layer owns separate weight buffers and the layer loop is a Python loop, unrolled under jit:
+stacking layers and scanning made a whole decode step ~3x slower on an H200 (PLATFORM.md).
+
+Public functions (the accuracy helpers depend on these names):
+  logits_BV, caches = prefill(model, tokens_BT, lengths_B, config)
+  logits_BV, caches = decode(model, tokens_B, caches, config)          # caches donated
+  logits_BTV = forward_full(model, tokens_BT)
+  logits_BV, layer_qkv = prefill_dense(model, tokens_BT, lengths_B)
+  caches = compress_layers(layer_qkv, lengths_B, config)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+try:  # The core API; until it lands, a dense full-KV stand-in with the same signatures.
+  from rocketkv_jax import cache_nbytes, decode_step, make_config, prefill_compress
+except ImportError:  # pragma: no cover - only before the core exists
+  from ._dense_core import cache_nbytes, decode_step, make_config, prefill_compress
+
+__all__ = [
+    "LlamaConfig", "Llama", "prefill", "decode", "forward_full", "prefill_dense",
+    "compress_layers", "make_config", "cache_nbytes", "rope_inv_freq", "causal_attention",
+]
+
+# Prompts longer than this use the query-block (flash-style) path on CPU, so no [T, T] scores.
+DENSE_ATTENTION_MAX_T = 1024
+ATTENTION_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+  """Architecture of a Llama checkpoint; frozen and hashable so it can be a static jit argument.
+
+  `rope_scaling` is None or a sorted tuple of (key, value) pairs of the HF `rope_scaling` dict
+  (types "llama3" and "linear" are supported).
+  """
+
+  vocab_size: int
+  dim: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple | None = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  max_len: int = 8192
+  bos_id: int | None = None
+  eos_id: int | None = None
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                 "max_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
+    if self.rope_scaling is not None:
+      kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
+      if kind not in ("llama3", "linear", "default", "factors"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear, factors, default)")
+
+  def to_json(self) -> str:
+    d = dataclasses.asdict(self)
+    d["rope_scaling"] = None if self.rope_scaling is None else dict(self.rope_scaling)
+    return json.dumps(d)
+
+  @classmethod
+  def from_json(cls, text: str) -> "LlamaConfig":
+    return cls(**json.loads(text))
+
+
+def _freeze(d: dict) -> tuple:
+  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
+  """Inverse frequencies [H/2] (float64 numpy, a trace-time constant), with HF's Llama-3 scaling."""
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling is None:
+    return inv
+  s = dict(scaling)
+  kind = s.get("rope_type", s.get("type"))
+  if kind == "linear":
+    return inv / s["factor"]
+  if kind == "factors":  # GGUF rope_freqs: per-frequency divisors (llama.cpp's Llama-3.1 form)
+    return inv / np.asarray(s["factors"], np.float64)
+  if kind == "llama3":
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+  return inv
+
+
+def apply_rope(x_BTXH: jax.Array, pos_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotate-half RoPE (HF convention): pairs channel i with channel i + H/2."""
+  ang = pos_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B,T,H/2]
+  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  xf = x_BTXH.astype(jnp.float32)
+  half = x_BTXH.shape[-1] // 2
+  rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  return (xf * cos + rot * sin).astype(x_BTXH.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return w * xf.astype(x.dtype)
+
+
+class Block(nnx.Module):
+  """One decoder layer; weights stored [in, out] (HF Linear weights transposed)."""
+
+  def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    init = nnx.initializers.normal(0.02)
+    self.attn_norm = nnx.Param(jnp.ones((D,), dtype))
+    self.wq = nnx.Param(init(rngs.params(), (D, N * H), dtype))
+    self.wk = nnx.Param(init(rngs.params(), (D, K * H), dtype))
+    self.wv = nnx.Param(init(rngs.params(), (D, K * H), dtype))
+    self.wo = nnx.Param(init(rngs.params(), (N * H, D), dtype))
+    self.mlp_norm = nnx.Param(jnp.ones((D,), dtype))
+    self.w_gate = nnx.Param(init(rngs.params(), (D, F), dtype))
+    self.w_up = nnx.Param(init(rngs.params(), (D, F), dtype))
+    self.w_down = nnx.Param(init(rngs.params(), (F, D), dtype))
+
+
+class Llama(nnx.Module):
+  """Llama decoder. `config` is a static LlamaConfig; `layers` are separate per-layer buffers."""
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    init = nnx.initializers.normal(0.02)
+    self.embed = nnx.Param(init(rngs.params(), (config.vocab_size, config.dim), dtype))
+    self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.n_layers)])
+    self.norm = nnx.Param(jnp.ones((config.dim,), dtype))
+    if not config.tie_embeddings:
+      self.lm_head = nnx.Param(init(rngs.params(), (config.dim, config.vocab_size), dtype))
+
+  @property
+  def dtype(self):
+    return self.embed[...].dtype
+
+
+def from_params(config: LlamaConfig, params: dict, dtype=jnp.float32) -> Llama:
+  """Builds a Llama from a nested dict of arrays laid out as the module (see weights.py)."""
+  abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  want = state.to_pure_dict()
+  flat_want = dict(_flatten(want))
+  flat_got = dict(_flatten(params))
+  missing = sorted(set(flat_want) - set(flat_got))
+  extra = sorted(set(flat_got) - set(flat_want))
+  if missing or extra:
+    raise ValueError(f"parameter names do not match the model: missing {missing[:8]}, unexpected {extra[:8]}")
+  for name, leaf in flat_want.items():
+    if tuple(flat_got[name].shape) != tuple(leaf.shape):
+      raise ValueError(f"parameter {name}: shape {tuple(flat_got[name].shape)}, expected {tuple(leaf.shape)}")
+  pure = _unflatten({k: jnp.asarray(v, dtype) for k, v in flat_got.items()})
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
+
+
+def _flatten(d, prefix=()):
+  for k, v in d.items():
+    if isinstance(v, dict):
+      yield from _flatten(v, prefix + (k,))
+    else:
+      yield "/".join(str(p) for p in prefix + (k,)), v
+
+
+def _unflatten(flat: dict) -> dict:
+  out: dict = {}
+  for name, v in flat.items():
+    parts = [int(p) if p.isdigit() else p for p in name.split("/")]
+    node = out
+    for p in parts[:-1]:
+      node = node.setdefault(p, {})
+    node[parts[-1]] = v
+  return out
+
+
+# ----------------------------------------------------------------------------- layer pieces
+
+
+def _embed(model: Llama, tokens) -> jax.Array:
+  return jnp.take(model.embed[...], tokens, axis=0)
+
+
+def _head(model: Llama, x_BD: jax.Array) -> jax.Array:
+  cfg = model.config
+  h = rms_norm(x_BD, model.norm[...], cfg.norm_eps)
+  w = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
+  return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def _qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
+  B, T, _ = x_BTD.shape
+  inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+  h = rms_norm(x_BTD, blk.attn_norm[...], cfg.norm_eps)
+  q = (h @ blk.wq[...]).reshape(B, T, cfg.n_heads, cfg.head_dim)
+  k = (h @ blk.wk[...]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+  v = (h @ blk.wv[...]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+  return apply_rope(q, pos_BT, inv), apply_rope(k, pos_BT, inv), v
+
+
+def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
+  B, T, _ = x_BTD.shape
+  x = x_BTD + attn_BTNH.reshape(B, T, -1).astype(x_BTD.dtype) @ blk.wo[...]
+  h = rms_norm(x, blk.mlp_norm[...], cfg.norm_eps)
+  return x + (jax.nn.silu(h @ blk.w_gate[...]) * (h @ blk.w_up[...])) @ blk.w_down[...]
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _blocked_causal_attention(q_BTNH, k_BTKH, v_BTKH, block: int):
+  """Flash-style causal attention: a loop over query blocks, each an online-softmax loop over the
+  key blocks at or before it. Holds [B, N, block, block] scores at a time, never [T, T]."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BTKH.shape[2]
+  G = N // K
+  nb = -(-T // block)
+  pad = nb * block - T
+  padt = lambda a: jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  q = padt(q_BTNH).reshape(B, nb, block, K, G, H).astype(jnp.float32) / math.sqrt(H)
+  k = padt(k_BTKH).reshape(B, nb, block, K, H).astype(jnp.float32)
+  v = padt(v_BTKH).reshape(B, nb, block, K, H).astype(jnp.float32)
+  ar = jnp.arange(block)
+
+  def query_block(i):
+    q_i = jax.lax.dynamic_index_in_dim(q, i, axis=1, keepdims=False)  # [B,C,K,G,H]
+
+    def key_block(j, carry):
+      m, l, acc = carry
+      k_j = jax.lax.dynamic_index_in_dim(k, j, axis=1, keepdims=False)  # [B,C,K,H]
+      v_j = jax.lax.dynamic_index_in_dim(v, j, axis=1, keepdims=False)
+      s = jnp.einsum("BCKGH,BSKH->BKGCS", q_i, k_j)
+      visible = (j * block + ar)[None, :] <= (i * block + ar)[:, None]  # [C,S]
+      s = jnp.where(visible, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(-1))
+      p = jnp.exp(s - m_new[..., None])
+      corr = jnp.exp(m - m_new)
+      l = l * corr + p.sum(-1)
+      acc = acc * corr[..., None] + jnp.einsum("BKGCS,BSKH->BKGCH", p, v_j)
+      return m_new, l, acc
+
+    init = (jnp.full((B, K, G, block), -jnp.inf, jnp.float32),
+            jnp.zeros((B, K, G, block), jnp.float32),
+            jnp.zeros((B, K, G, block, H), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+    return acc / l[..., None]  # [B,K,G,C,H]
+
+  out = jax.lax.map(query_block, jnp.arange(nb))  # [nb,B,K,G,C,H]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nb * block, N, H)
+  return out[:, :T].astype(q_BTNH.dtype)
+
+
+def causal_attention(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto"):
+  """Causal GQA attention for right-padded prompts (valid queries only see valid keys).
+
+  impl: "dense" (jax.nn.dot_product_attention, XLA or cuDNN as it chooses), "blocked"
+  (query-block flash-style loop), or "auto": dense for short prompts and for bf16/fp16 on GPU
+  (cuDNN flash attention), blocked otherwise so long prompts never build [T, T] scores.
+  """
+  T = q_BTNH.shape[1]
+  if impl == "auto":
+    on_gpu = jax.default_backend() == "gpu"
+    half = q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
+    impl = "dense" if (T <= DENSE_ATTENTION_MAX_T or (on_gpu and half)) else "blocked"
+  if impl == "dense":
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=None)
+  if impl == "blocked":
+    return _blocked_causal_attention(q_BTNH, k_BTKH, v_BTKH, min(ATTENTION_BLOCK, T))
+  raise ValueError(f"{impl=} must be 'auto', 'dense' or 'blocked'")
+
+
+# ----------------------------------------------------------------------------- jitted entry points
+
+
+def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
+  """Runs the prompt through every layer; on_layer(i, q, k, v) is called right after the layer's
+  attention, so a compressing callback leaves only one layer's full KV alive."""
+  cfg = model.config
+  B, T = tokens_BT.shape
+  x = _embed(model, tokens_BT)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  outs = []
+  for blk in model.layers:
+    q, k, v = _qkv(blk, cfg, x, pos)
+    o = causal_attention(q, k, v, impl=impl)
+    outs.append(on_layer(q, k, v))
+    x = _finish(blk, cfg, x, o)
+  last = x[jnp.arange(B), lengths_B - 1]
+  return _head(model, last), tuple(outs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
+def _prefill_jit(graphdef, state, tokens_BT, lengths_B, config):
+  model = nnx.merge(graphdef, state)
+  lengths_B = lengths_B.astype(jnp.int32)
+  return _layers_prefill(
+      model, tokens_BT, lengths_B,
+      lambda q, k, v: prefill_compress(q, k, v, lengths_B, config=config))
+
+
+def prefill(model: Llama, tokens_BT, lengths_B, config):
+  """Prefill + per-layer compression. Returns (logits [B, V] of each last valid token, caches)."""
+  graphdef, state = nnx.split(model)
+  return _prefill_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32),
+                      jnp.asarray(lengths_B, jnp.int32), config)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill_dense_jit(graphdef, state, tokens_BT, lengths_B):
+  model = nnx.merge(graphdef, state)
+  return _layers_prefill(model, tokens_BT, lengths_B.astype(jnp.int32), lambda q, k, v: (q, k, v))
+
+
+def prefill_dense(model: Llama, tokens_BT, lengths_B):
+  """Dense prefill that keeps every layer's post-RoPE (q, k, v); pair with compress_layers to
+  compress one prefill several ways (costs all layers' full KV in memory)."""
+  graphdef, state = nnx.split(model)
+  return _prefill_dense_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32),
+                            jnp.asarray(lengths_B, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def compress_layers(layer_qkv, lengths_B, config):
+  """Per-layer prefill_compress over prefill_dense's (q, k, v) tuple -> tuple of caches."""
+  lengths_B = jnp.asarray(lengths_B, jnp.int32)
+  return tuple(prefill_compress(q, k, v, lengths_B, config=config) for q, k, v in layer_qkv)
+
+
+def decode_body(model: Llama, tokens_B, caches, config):
+  """One decode step (traceable): new token at each sequence's cache.pos."""
+  cfg = model.config
+  x = _embed(model, tokens_B)[:, None, :]  # [B,1,D]
+  new = []
+  for blk, cache in zip(model.layers, caches):
+    q, k, v = _qkv(blk, cfg, x, cache.pos[:, None])
+    o, cache = decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=config)
+    x = _finish(blk, cfg, x, o[:, None])
+    new.append(cache)
+  return _head(model, x[:, 0]), tuple(new)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("caches",))
+def _decode_jit(graphdef, state, tokens_B, caches, config):
+  return decode_body(nnx.merge(graphdef, state), tokens_B, caches, config)
+
+
+def decode(model: Llama, tokens_B, caches, config):
+  """One decode step for a batch: (logits [B, V], caches). The input caches are donated."""
+  graphdef, state = nnx.split(model)
+  return _decode_jit(graphdef, state, jnp.asarray(tokens_B, jnp.int32), caches, config)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
+def _forward_full_jit(graphdef, state, tokens_BT, impl):
+  model = nnx.merge(graphdef, state)
+  cfg = model.config
+  B, T = tokens_BT.shape
+  x = _embed(model, tokens_BT)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  for blk in model.layers:
+    q, k, v = _qkv(blk, cfg, x, pos)
+    x = _finish(blk, cfg, x, causal_attention(q, k, v, impl=impl))
+  h = rms_norm(x, model.norm[...], cfg.norm_eps)
+  w = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
+  return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def forward_full(model: Llama, tokens_BT, *, impl: str = "auto"):
+  """Plain dense causal forward: logits [B, T, V] for every position (tests, teacher forcing)."""
+  graphdef, state = nnx.split(model)
+  return _forward_full_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), impl)

@@ -1,0 +1,181 @@
+"""Tokenizers for Llama checkpoints: built from GGUF metadata (GPT-2 byte-level BPE) or tokenizer.json.
+
+`TextTokenizer` wraps a `tokenizers.Tokenizer` with the model's special ids and chat template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Sequence
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> the HF pre-tokenizer that matches them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# GGUF token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _pre_tokenizer(pre: str | None):
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre in ("smollm",):  # every digit alone, then GPT-2's split
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+  if pre in ("llama-bpe", "llama3"):
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  if pre in (None, "default", "gpt2", "gpt-2"):
+    return byte_level
+  raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported (smollm, llama-bpe, gpt2, default)")
+
+
+def tokenizer_from_gguf_metadata(tokens: Sequence[str], token_types: Sequence[int],
+                                 merges: Sequence[str], pre: str | None) -> tokenizers.Tokenizer:
+  """A byte-level BPE `tokenizers.Tokenizer` from GGUF's tokenizer.ggml.* arrays."""
+  vocab = {t: i for i, t in enumerate(tokens)}
+  pairs = []
+  for m in merges:
+    a, sep, b = m.partition(" ")
+    if not sep:
+      raise ValueError(f"malformed GGUF merge {m!r} (expected two tokens separated by a space)")
+    pairs.append((a, b))
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+  tok.pre_tokenizer = _pre_tokenizer(pre)
+  tok.decoder = decoders.ByteLevel()
+  special = [AddedToken(tokens[i], special=True, normalized=False)
+             for i, t in enumerate(token_types) if t == _CONTROL]
+  added = [AddedToken(tokens[i], special=False, normalized=False)
+           for i, t in enumerate(token_types) if t == _USER_DEFINED]
+  tok.add_special_tokens(special)
+  if added:
+    tok.add_tokens(added)
+  return tok
+
+
+@dataclasses.dataclass
+class TextTokenizer:
+  """Text <-> ids for one model. `eos_id` ends raw generations; `chat_eos_id` ends chat turns."""
+
+  tokenizer: tokenizers.Tokenizer
+  bos_id: int | None = None
+  eos_id: int | None = None
+  add_bos: bool = False
+  chat_template: str | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def chat_eos_id(self) -> int | None:
+    for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+      i = self.tokenizer.token_to_id(name)
+      if i is not None and self.chat_template and name in self.chat_template:
+        return i
+    return self.eos_id
+
+  def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+    """Ids of `text`; with chat=True, of a one-user-turn chat ending in the assistant prompt."""
+    if chat:
+      text = self.apply_chat([{"role": "user", "content": text}], system=system)
+    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+      ids = [self.bos_id] + ids
+    return ids
+
+  def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+    return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+  def apply_chat(self, messages: list[dict], *, system: str | None = None,
+                 add_generation_prompt: bool = True) -> str:
+    """Renders messages with the model's template: jinja2 when installed, else built-in ChatML /
+    Llama-3 formats (SmolLM2's ChatML adds a default system turn when none is given)."""
+    tpl = self.chat_template or ""
+    if system is not None:
+      messages = [{"role": "system", "content": system}] + list(messages)
+    try:
+      import jinja2  # optional
+      env = jinja2.Environment(loader=jinja2.BaseLoader(), trim_blocks=False, lstrip_blocks=False)
+      bos = self.tokenizer.id_to_token(self.bos_id) if self.bos_id is not None else ""
+      eos = self.tokenizer.id_to_token(self.eos_id) if self.eos_id is not None else ""
+      if tpl:
+        text = env.from_string(tpl).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           bos_token=bos, eos_token=eos)
+        if self.add_bos and bos and text.startswith(bos):
+          text = text[len(bos):]  # encode() adds BOS itself
+        return text
+    except ImportError:
+      pass
+    if "<|start_header_id|>" in tpl:
+      out = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+                    for m in messages)
+      return out + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
+    # ChatML (SmolLM2, Qwen, ...), the default.
+    out = ""
+    default_system = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", tpl, re.S)
+    if messages and messages[0]["role"] != "system" and default_system:
+      out += f"<|im_start|>system\n{default_system.group(1)}<|im_end|>\n"
+    for m in messages:
+      out += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+    if add_generation_prompt:
+      out += "<|im_start|>assistant\n"
+    return out
+
+  # Persistence next to converted weights.
+  def save(self, directory: str) -> None:
+    self.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    meta = dict(bos_id=self.bos_id, eos_id=self.eos_id, add_bos=self.add_bos, chat_template=self.chat_template)
+    with open(os.path.join(directory, "tokenizer_meta.json"), "w") as f:
+      json.dump(meta, f)
+
+  @classmethod
+  def load(cls, directory: str) -> "TextTokenizer":
+    tok = tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_meta.json")) as f:
+      meta = json.load(f)
+    return cls(tokenizer=tok, **meta)
+
+
+def tokenizer_from_hf_dir(directory: str, config: dict) -> TextTokenizer:
+  """tokenizer.json (+ tokenizer_config.json for the chat template and BOS handling)."""
+  path = os.path.join(directory, "tokenizer.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no tokenizer.json in {directory!r} (looked for {path})")
+  try:
+    tok = tokenizers.Tokenizer.from_file(path)
+  except Exception as e:
+    raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from e
+  tcfg = {}
+  tcfg_path = os.path.join(directory, "tokenizer_config.json")
+  if os.path.exists(tcfg_path):
+    with open(tcfg_path) as f:
+      tcfg = json.load(f)
+
+  def tid(v):
+    if isinstance(v, dict):
+      v = v.get("content")
+    return tok.token_to_id(v) if isinstance(v, str) else None
+
+  bos = config.get("bos_token_id")
+  eos = config.get("eos_token_id")
+  if isinstance(eos, list):
+    eos = eos[0] if eos else None
+  bos = tid(tcfg.get("bos_token")) if bos is None else bos
+  eos = tid(tcfg.get("eos_token")) if eos is None else eos
+  # A post-processor (Llama-3's TemplateProcessing) already adds BOS; add it ourselves only when
+  # tokenizer_config asks for it and the tokenizer would not.
+  add_bos = bool(tcfg.get("add_bos_token", False))
+  if add_bos and bos is not None and tok.encode("a").ids[:1] == [bos]:
+    add_bos = False
+  if tok.post_processor is not None and bos is not None and tok.encode("a").ids[:1] == [bos]:
+    add_bos = True  # we call encode(add_special_tokens=False), so add it ourselves
+  template = tcfg.get("chat_template")
+  if isinstance(template, list):  # [{"name": ..., "template": ...}]
+    template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+  return TextTokenizer(tokenizer=tok, bos_id=bos, eos_id=eos, add_bos=add_bos, chat_template=template)
