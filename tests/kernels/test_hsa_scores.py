@@ -1,0 +1,92 @@
+"""HSA page-scoring kernel against its jnp reference."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, ragged_lengths, rel_err
+from rocketkv_jax.kernels.hsa_scores import hsa_page_scores, hsa_page_scores_reference
+
+KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
+
+
+def make_inputs(c, seed, page_size, R, kt_dtype):
+  rng = np.random.default_rng(seed)
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  B, K, G, H, S, dt = c["B"], c["K"], c["G"], c["H"], c["S"], c["dtype"]
+  P = -(-S // page_size)
+  q = jax.random.normal(ks[0], (B, K, G, H), jnp.float32).astype(dt)
+  a = jax.random.normal(ks[1], (B, K, H, P))
+  b = jax.random.normal(ks[2], (B, K, H, P))
+  kt_min, kt_max = jnp.minimum(a, b), jnp.maximum(a, b)
+  length = ragged_lengths(rng, B, S)
+  n = jnp.clip(length[:, None] - jnp.arange(P) * page_size, 0, page_size)
+  empty = (n == 0)[:, None, None, :]
+  kt_min = jnp.where(empty, jnp.nan, kt_min).astype(kt_dtype)
+  kt_max = jnp.where(empty, jnp.inf, kt_max).astype(kt_dtype)
+  channels = jax.lax.top_k(jnp.abs(q.astype(jnp.float32)).sum(2), R)[1].astype(jnp.int32)
+  return q, kt_min, kt_max, channels, length, n
+
+
+def check(c, seed, page_size, R, kt_dtype, interpret, **tuning):
+  q, kt_min, kt_max, channels, length, n = make_inputs(c, seed, page_size, R, kt_dtype)
+  out = hsa_page_scores(q, kt_min, kt_max, channels, length, page_size=page_size,
+                        interpret=interpret, **tuning)
+  ref = hsa_page_scores_reference(q, kt_min, kt_max, channels, length, page_size=page_size)
+  out, ref, n = np.asarray(out), np.asarray(ref), np.asarray(n)
+  assert out.dtype == np.float32 and out.shape == ref.shape
+  live = np.broadcast_to((n > 0)[:, None, :], out.shape)
+  assert (out[~live] == -np.inf).all(), "empty pages must score -inf"
+  # Scores are probabilities computed in f32 from the same upcast inputs in both versions.
+  assert rel_err(out, ref, where=live) < 1e-4
+  total = np.where(live, out, 0.0) * n[:, None, :]
+  np.testing.assert_allclose(total.sum(-1), 1.0, rtol=1e-4)
+
+
+@pytest.mark.parametrize("c", CASES)
+@pytest.mark.parametrize("page_size,R,kt_dtype", [(3, 21, jnp.bfloat16), (1, 64, jnp.float32),
+                                                  (4, 7, jnp.float8_e5m2)])
+def test_matches_reference_interpret(c, page_size, R, kt_dtype):
+  check(c, seed=1, page_size=page_size, R=min(R, c["H"]), kt_dtype=kt_dtype, interpret=True,
+        block_p=16)
+
+
+def test_single_channel_and_all_channels():
+  c = dict(B=2, K=2, G=4, H=64, S=50, dtype=jnp.float32)
+  check(c, seed=2, page_size=5, R=1, kt_dtype=jnp.float32, interpret=True)
+  check(c, seed=3, page_size=5, R=64, kt_dtype=jnp.float32, interpret=True)
+
+
+def test_rejects_bad_shapes():
+  q = jnp.ones((1, 2, 4, 64))
+  kt = jnp.ones((1, 2, 64, 5))
+  ch = jnp.zeros((1, 2, 8), jnp.int32)
+  length = jnp.ones((1,), jnp.int32)
+  with pytest.raises(ValueError, match="kt_max_BKHP.shape"):
+    hsa_page_scores(q, kt, jnp.ones((1, 2, 64, 6)), ch, length, page_size=2)
+  with pytest.raises(ValueError, match="top_r R=65"):
+    hsa_page_scores(q, kt, kt, jnp.zeros((1, 2, 65), jnp.int32), length, page_size=2)
+  with pytest.raises(ValueError, match="page_size=0"):
+    hsa_page_scores(q, kt, kt, ch, length, page_size=0)
+
+
+@pytest.mark.parametrize("H,G,R,kt_dtype", [(64, 1, 13, jnp.float32), (128, 4, 61, jnp.bfloat16),
+                                            (128, 8, 128, jnp.float8_e5m2)])
+def test_lowers_for_h200_through_triton(H, G, R, kt_dtype):
+  q = jax.ShapeDtypeStruct((2, 2, G, H), jnp.bfloat16)
+  kt = jax.ShapeDtypeStruct((2, 2, H, 333), kt_dtype)
+  ch = jax.ShapeDtypeStruct((2, 2, R), jnp.int32)
+  length = jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = lower_for_h200(lambda *a: hsa_page_scores(*a, page_size=3), q, kt, kt, ch, length)
+  assert "rocketkv_hsa_scores" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES + CASES)
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
+def test_matches_reference_gpu(c, kt_dtype):
+  needs_gpu()
+  check(c, seed=3, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False)
+  check(c, seed=4, page_size=1, R=c["H"] // 2, kt_dtype=kt_dtype, interpret=False, block_p=32)
