@@ -9,3 +9,6 @@ __all__ = [
     "Llama", "LlamaConfig", "prefill", "decode", "forward_full", "prefill_dense", "compress_layers",
     "TextTokenizer", "CheckpointError", "gguf_permute", "gguf_unpermute", "load",
 ]
+from .generate import GenerateResult, GenerateStats, generate  # noqa: E402
+
+__all__ += ["GenerateResult", "GenerateStats", "generate"]

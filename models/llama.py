@@ -27,10 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-try:  # The core API; until it lands, a dense full-KV stand-in with the same signatures.
-  from rocketkv_jax import cache_nbytes, decode_step, make_config, prefill_compress
-except ImportError:  # pragma: no cover - only before the core exists
-  from ._dense_core import cache_nbytes, decode_step, make_config, prefill_compress
+from rocketkv_jax import cache_nbytes, decode_step, make_config, prefill_compress
 
 __all__ = [
     "LlamaConfig", "Llama", "prefill", "decode", "forward_full", "prefill_dense",
