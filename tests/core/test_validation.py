@@ -1,0 +1,94 @@
+"""Every bad input raises ValueError naming the value, before any device work."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rocketkv_jax as rk
+
+B, T, N, K, H = 2, 64, 4, 2, 16
+
+
+def _cfg(method="rocketkv", **kw):
+  return rk.make_config(method, token_budget=64, prompt_len=T, max_new_tokens=2, head_dim=H, impl="xla", **kw)
+
+
+def _qkv(t=T, n=N, n_kv=K, h=H, dtype=jnp.float32):
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, t, n, h), dtype)
+  y = jax.random.normal(jax.random.PRNGKey(1), (B, t, n_kv, h), dtype)
+  return x, y, y
+
+
+LEN = jnp.array([T, 40], jnp.int32)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, k, v, l: (q[0], k, v, l), r"q.shape=\(64, 4, 16\)"),
+    (lambda q, k, v, l: (q, k[:, :10], v, l), r"k.shape=\(2, 10, 2, 16\)"),
+    (lambda q, k, v, l: (q, k, v[..., :8], l), r"v.shape=\(2, 64, 2, 8\)"),
+    (lambda q, k, v, l: (q[:, :, :3], k, v, l), r"N=3 must be a positive multiple of KV heads K=2"),
+    (lambda q, k, v, l: (q, k.astype(jnp.bfloat16), v, l), r"k.dtype=bfloat16"),
+    (lambda q, k, v, l: (q.astype(jnp.int32), k, v, l), r"q.dtype=int32"),
+    (lambda q, k, v, l: (q, k, v, l[:1]), r"lengths must be an int array of shape \(B,\)=\(2,\)"),
+    (lambda q, k, v, l: (q, k, v, l.astype(jnp.float32)), r"dtype=float32"),
+    (lambda q, k, v, l: (q, k, v, jnp.array([0, 5])), r"lengths=\[0, 5\] must all lie in \[1, T=64\]"),
+    (lambda q, k, v, l: (q, k, v, jnp.array([65, 5])), r"lengths=\[65, 5\]"),
+])
+def test_prefill_rejects(mutate, match):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=match):
+    rk.prefill_compress(*mutate(q, k, v, LEN), config=_cfg())
+
+
+def test_prompt_past_capacity():
+  q, k, v = _qkv()
+  cfg = rk.FullConfig(max_len=32)
+  with pytest.raises(ValueError, match=r"T=64 exceeds full capacity=32"):
+    rk.prefill_compress(q, k, v, LEN, config=cfg)
+
+
+def test_topr_larger_than_head_dim():
+  q, k, v = _qkv()
+  cfg = rk.RocketKVConfig(prompt_budget=40, max_new_tokens=2, topk=8, topr=32, page_size=2)
+  with pytest.raises(ValueError, match=r"topr=32 must be <= head_dim=16"):
+    rk.prefill_compress(q, k, v, LEN, config=cfg)
+
+
+def test_not_a_config():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="must be a MethodConfig"):
+    rk.prefill_compress(q, k, v, LEN, config="rocketkv")
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv", "snapkv", "hsa"])
+def test_decode_past_capacity(method):
+  q, k, v = _qkv()
+  cfg = _cfg(method)
+  cache = rk.prefill_compress(q, k, v, LEN, config=cfg)
+  steps = cfg.capacity - int(np.max(cache.length))
+  for _ in range(steps):
+    _, cache = rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+  with pytest.raises(ValueError, match=rf"has reached capacity={cfg.capacity}"):
+    rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, k, v: (q[:, :, :8], k, v), r"q.shape=\(2, 4, 8\)"),
+    (lambda q, k, v: (q, k[:1], v), r"k_new.shape=\(1, 2, 16\)"),
+    (lambda q, k, v: (q, k, v[:, :1]), r"v_new.shape=\(2, 1, 16\)"),
+    (lambda q, k, v: (q.astype(jnp.bfloat16), k, v), r"dtype"),
+    (lambda q, k, v: (q, k.astype(jnp.float16), v), r"k_new.dtype=float16"),
+])
+def test_decode_rejects(mutate, match):
+  q, k, v = _qkv()
+  cfg = _cfg()
+  cache = rk.prefill_compress(q, k, v, LEN, config=cfg)
+  with pytest.raises(ValueError, match=match):
+    rk.decode_step(cache, *mutate(q[:, 0], k[:, 0], v[:, 0]), config=cfg)
+
+
+def test_decode_with_other_config():
+  q, k, v = _qkv()
+  cache = rk.prefill_compress(q, k, v, LEN, config=_cfg())
+  with pytest.raises(ValueError, match="does not match config.capacity"):
+    rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=_cfg("full"))
