@@ -93,3 +93,21 @@ def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size: int)
   kt_min = kt_min_BKHP.at[b, :, :, page_B].set(new_min.astype(kt_min_BKHP.dtype), mode="promise_in_bounds")
   kt_max = kt_max_BKHP.at[b, :, :, page_B].set(new_max.astype(kt_max_BKHP.dtype), mode="promise_in_bounds")
   return kt_min, kt_max
+
+
+def concat_caches(caches):
+  """Joins caches of sub-batches (each a KVCache or a tuple of per-layer KVCaches) along the batch axis.
+
+  This is how a server prefills prompts in sub-batches and decodes them as one batch: each sub-batch is
+  compressed on its own (prefill_compress is per sequence), then the compressed caches are assembled.
+  All parts must come from the same config (same capacity, leaves and dtypes).
+  """
+  caches = list(caches)
+  if not caches:
+    raise ValueError("concat_caches needs at least one cache")
+  ref = jax.tree.structure(caches[0])
+  ref_shapes = [(x.shape[1:], x.dtype) for x in jax.tree.leaves(caches[0])]
+  for i, c in enumerate(caches[1:], 1):
+    if jax.tree.structure(c) != ref or [(x.shape[1:], x.dtype) for x in jax.tree.leaves(c)] != ref_shapes:
+      raise ValueError(f"caches[{i}] does not match caches[0] (different config, capacity or dtype)")
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *caches)

@@ -226,3 +226,23 @@ def test_cache_is_static_and_donated():
     assert jax.tree.map(lambda x: (x.shape, x.dtype), cache) == shapes
   assert np.asarray(cache.length).tolist() == [min(200, config.prompt_budget) + 3, 100 + 3]
   assert np.asarray(cache.pos).tolist() == [203, 103]
+
+
+@pytest.mark.parametrize("method", ["rocketkv", "h2o", "sparq"])
+def test_sub_batches_assemble_into_one_batch(method):
+  """Prefill in sub-batches, concat_caches, decode as one batch == prefill and decode all at once."""
+  T, lengths, n_steps = 220, [220, 150, 199], 2
+  config = _config(method, 64, T, n_steps)
+  q, k, v = _inputs(11, 3, T)
+  steps = _steps(11, 3, n_steps)
+  want, _ = _run(config, q, k, v, lengths, steps)
+  parts = [rk.prefill_compress(q[:1], k[:1], v[:1], jnp.array(lengths[:1]), config=config),
+           rk.prefill_compress(q[1:], k[1:], v[1:], jnp.array(lengths[1:]), config=config)]
+  cache = rk.concat_caches(parts)
+  outs = []
+  for qs, kn, vn in zip(*steps):
+    out, cache = rk.decode_step(cache, qs, kn, vn, config=config)
+    outs.append(np.asarray(out))
+  np.testing.assert_allclose(np.stack(outs, 1), want, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="does not match"):
+    rk.concat_caches([parts[0], rk.prefill_compress(q, k, v, jnp.array(lengths), config=_config("full", 64, T, 2))])
