@@ -1,6 +1,7 @@
 """The decode hot path behind the `impl` switch: dense decode attention, sparse (top-k) decode attention and
 HSA page scoring. `impl="xla"` is plain XLA (below); `impl="pallas"` calls the Pallas Triton kernels of
-`rocketkv_jax.kernels` with the same arguments; `"auto"` picks Pallas on GPU and XLA elsewhere.
+`rocketkv_jax.kernels` with the same arguments; `"interpret"` runs those kernels in Pallas interpret mode (CPU tests);
+`"auto"` picks Pallas on GPU and XLA elsewhere.
 
 Layouts: q [B, K, G, H] (query heads grouped by KV head), k/v [B, K, S, H], KT pages [B, K, H, P].
 """
@@ -81,22 +82,23 @@ def hsa_page_scores_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B
 
 
 def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, impl):
-  if resolve_impl(impl) == "pallas":
+  if resolve_impl(impl) in ("pallas", "interpret"):
     from rocketkv_jax.kernels import dense_decode
-    return dense_decode.dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B)
+    return dense_decode.dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, interpret=impl == "interpret")
   return dense_decode_attention_xla(q_BKGH, k_BKSH, v_BKSH, length_B)
 
 
 def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl):
-  if resolve_impl(impl) == "pallas":
+  if resolve_impl(impl) in ("pallas", "interpret"):
     from rocketkv_jax.kernels import sparse_decode
-    return sparse_decode.sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM)
+    return sparse_decode.sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM,
+                                                 interpret=impl == "interpret")
   return sparse_decode_attention_xla(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM)
 
 
 def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *, page_size, impl):
-  if resolve_impl(impl) == "pallas":
+  if resolve_impl(impl) in ("pallas", "interpret"):
     from rocketkv_jax.kernels import hsa_scores
     return hsa_scores.hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B,
-                                      page_size=page_size)
+                                      page_size=page_size, interpret=impl == "interpret")
   return hsa_page_scores_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, page_size=page_size)

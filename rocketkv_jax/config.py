@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, plan_budget
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "interpret")
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
 
 
@@ -39,8 +39,8 @@ def _check_budget(token_budget: int) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MethodConfig:
-  """Base of all configs. `impl` picks the decode hot path: "xla", "pallas" (GPU kernels) or "auto"
-  (Pallas on GPU, XLA elsewhere)."""
+  """Base of all configs. `impl` picks the decode hot path: "xla", "pallas" (GPU kernels), "interpret"
+  (the Pallas kernels in interpret mode, for CPU tests) or "auto" (Pallas on GPU, XLA elsewhere)."""
 
   method: ClassVar[str]
   impl: str = "auto"

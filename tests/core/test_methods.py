@@ -246,3 +246,16 @@ def test_sub_batches_assemble_into_one_batch(method):
   np.testing.assert_allclose(np.stack(outs, 1), want, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="does not match"):
     rk.concat_caches([parts[0], rk.prefill_compress(q, k, v, jnp.array(lengths), config=_config("full", 64, T, 2))])
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv", "hsa", "rocketkv", "quest", "sparq", "exact_topk"])
+def test_pallas_impl_matches_xla(method):
+  """The impl switch: the Pallas kernels (interpret mode on CPU) give what the XLA path gives."""
+  T, lengths, n_steps = 150, [150, 77], 2
+  xla = _config(method, 64, T, n_steps)
+  pallas = dataclasses.replace(xla, impl="interpret")
+  q, k, v = _inputs(12, 2, T)
+  steps = _steps(12, 2, n_steps)
+  want, _ = _run(xla, q, k, v, lengths, steps)
+  got, _ = _run(pallas, q, k, v, lengths, steps)
+  np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
