@@ -1,0 +1,345 @@
+"""Kernel benchmark (issue 4): dense decode and the RocketKV sparse path at Llama-3.1-8B shapes.
+
+One layer of decode attention: 32 query heads, 8 KV heads (G=4), head dim 128, bf16.
+  dense:  Pallas flash-decoding vs XLA einsum/softmax vs jax's Pallas decode_attention.gqa,
+          batch {1, 8, 32} x cache {4k, 32k, 128k} (points that do not fit are reported, not run).
+  sparse: per step, top-r channels (XLA) + HSA page scores + top-k pages (XLA) + sparse attention,
+          Pallas kernels vs the same step with the jnp references (the XLA path), for the RocketKV
+          plans (ALGORITHM.md section 1, max_new_tokens=256) at token budgets t in {256, 1024}.
+
+Every point is checked against a reference first, then timed two ways: device time per call
+summed over the GPU kernels of a jax.profiler trace (dispatch excluded), and wall time per call
+over many back-to-back calls (dispatch overlaps the device; this is what a decode loop sees).
+Inputs rotate over enough copies to defeat the 50 MB L2. Bandwidth figures are against a
+device-to-device copy measured in the same run (bytes read + written).
+
+  python3 benchmarks/kernels.py --out results.jsonl        # on the GPU
+  python3 benchmarks/kernels.py --smoke                    # tiny shapes, interpret mode, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+from rocketkv_jax.kernels.dense_decode import (dense_decode_attention,  # noqa: E402
+                                               dense_decode_attention_reference)
+from rocketkv_jax.kernels.hsa_scores import hsa_page_scores, hsa_page_scores_reference  # noqa: E402
+from rocketkv_jax.kernels.sparse_decode import (sparse_decode_attention,  # noqa: E402
+                                                sparse_decode_attention_reference)
+
+K_HEADS, G, H = 8, 4, 128  # Llama-3.1-8B attention
+DT = jnp.bfloat16
+MAX_NEW = 256
+L2_DEFEAT_BYTES = 256 << 20
+MEM_LIMIT_BYTES = 120 << 30  # leave headroom on the 139 GiB H200
+
+
+def rocketkv_plan(S: int, t: int, d: int = H, max_new: int = MAX_NEW):
+  """ALGORITHM.md section 1 (S = prompt + max_new_tokens)."""
+  c = max(1.0, S / t)
+  r = min(0.2 + 0.06 * math.log2(c), 0.8)
+  capacity = int(S / c ** r)
+  capacity = max(capacity, min(2 * max_new, S))
+  top_k = t // 2
+  c2 = max(1.0, capacity / t)
+  P = math.ceil(math.sqrt(c2))
+  if P > c2:
+    P = 1
+  top_r = max(1, min(d, int(d * P / c2)))
+  return dict(capacity=capacity, page_size=P, top_r=top_r, top_k=top_k)
+
+
+assert rocketkv_plan(16384, 256) == dict(capacity=1595, page_size=3, top_r=61, top_k=128)
+
+
+# ----------------------------------------------------------------------------- implementations
+
+def dense_xla(q, k, v, length):
+  """The XLA baseline: bf16 einsums with f32 accumulation, masked softmax."""
+  S = k.shape[2]
+  s = jnp.einsum("BKGH,BKSH->BKGS", q, k, preferred_element_type=jnp.float32) / math.sqrt(H)
+  s = jnp.where((jnp.arange(S)[None, :] < length[:, None])[:, None, None, :], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("BKGS,BKSH->BKGH", p.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def make_dense_gqa():
+  from jax.experimental.pallas.ops.gpu import decode_attention as da
+
+  def run(q, k_t, v_t, length):  # k_t: [B, S, K, H] (that op's layout)
+    B = q.shape[0]
+    out = da.gqa(q.reshape(B, K_HEADS * G, H), k_t, v_t, kv_seq_len=length)
+    return out.reshape(B, K_HEADS, G, H)
+  return run
+
+
+def sparse_step(q, k, v, kt_min, kt_max, length, *, plan, impl, interpret=False):
+  """One layer's HSA step: channels, page scores, top pages, attention over their slots."""
+  page_size, top_r, top_k = plan["page_size"], plan["top_r"], plan["top_k"]
+  S = k.shape[2]
+  P = kt_min.shape[-1]
+  B = q.shape[0]
+  channels = jax.lax.top_k(jnp.abs(q.astype(jnp.float32)).sum(2), top_r)[1].astype(jnp.int32)
+  if impl == "pallas":
+    scores = hsa_page_scores(q, kt_min, kt_max, channels, length, page_size=page_size,
+                             interpret=interpret)
+  else:
+    scores = hsa_page_scores_reference(q, kt_min, kt_max, channels, length, page_size=page_size)
+  n_sel = min(P, -(-top_k // page_size))
+  pages = jax.lax.top_k(scores, n_sel)[1]
+  idx = (pages[..., None] * page_size + jnp.arange(page_size)).reshape(B, K_HEADS, -1)
+  valid = idx < length[:, None, None]
+  idx = jnp.minimum(idx, S - 1).astype(jnp.int32)
+  if impl == "pallas":
+    return sparse_decode_attention(q, k, v, idx, valid, interpret=interpret)
+  return sparse_decode_attention_reference(q, k, v, idx, valid)
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _gpu_kernel_ns(trace_dir: str):
+  """Total duration of GPU kernel events in the trace, and a per-name breakdown."""
+  from jax.profiler import ProfileData
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  if not files:
+    return None, {}
+  pd = ProfileData.from_file(max(files, key=os.path.getmtime))
+  total, by_name = 0.0, {}
+  for plane in pd.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    lines = list(plane.lines)
+    stream_lines = [ln for ln in lines if ln.name.startswith("Stream")]
+    use = stream_lines or [ln for ln in lines if ln.name == "XLA Ops"]
+    for line in use:
+      for ev in line.events:
+        total += ev.duration_ns
+        by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.duration_ns
+  return (total if by_name else None), by_name
+
+
+def time_fn(fn, arg_sets, iters: int, profile: bool):
+  """(device us per call from the profile or None, wall us per call, top kernels)."""
+  for a in arg_sets:
+    jax.block_until_ready(fn(*a))
+  n = len(arg_sets)
+  walls = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(iters):
+      out = fn(*arg_sets[i % n])
+    jax.block_until_ready(out)
+    walls.append((time.perf_counter() - t0) / iters * 1e6)
+  device_us, top = None, []
+  if profile:
+    d = tempfile.mkdtemp(prefix="kbench_")
+    try:
+      jax.profiler.start_trace(d)
+      out = None
+      for i in range(iters):
+        out = fn(*arg_sets[i % n])
+      jax.block_until_ready(out)
+      jax.profiler.stop_trace()
+      total, by_name = _gpu_kernel_ns(d)
+      if total is not None:
+        device_us = total / iters / 1e3
+        top = sorted(((k_, v_ / iters / 1e3) for k_, v_ in by_name.items()), key=lambda x: -x[1])[:4]
+    except Exception as e:  # noqa: BLE001 - a broken trace must not lose the wall figures
+      print(f"  profile failed: {e!r}", file=sys.stderr)
+    finally:
+      shutil.rmtree(d, ignore_errors=True)
+  return device_us, float(np.median(walls)), [(k_[:60], round(v_, 2)) for k_, v_ in top]
+
+
+def rel_err(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def copy_bandwidth(profile: bool, nbytes: int = 2 << 30):
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16) * 1.5
+  f = jax.jit(lambda x: x * 2)
+  dev, wall, _ = time_fn(f, [(x,)], iters=20, profile=profile)
+  t = dev if dev else wall
+  return 2 * nbytes / (t * 1e-6), dev, wall
+
+
+def tiny_launch(profile: bool):
+  x = jnp.ones((1024,), jnp.float32)
+  dev, wall, _ = time_fn(jax.jit(lambda x: x + 1), [(x,)], iters=200, profile=profile)
+  return dev, wall
+
+
+# ----------------------------------------------------------------------------- main
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="kernels_bench.jsonl")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+  ap.add_argument("--iters", type=int, default=50)
+  ap.add_argument("--only", default="", help="dense|sparse")
+  args = ap.parse_args()
+  on_gpu = any(d.platform == "gpu" for d in jax.devices())
+  interpret = not on_gpu
+  profile = on_gpu
+  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+              command=" ".join([os.path.basename(sys.executable)] + sys.argv))
+  if args.smoke:
+    batches, lengths, budgets, iters = [2], [700], [64], 2
+  else:
+    batches, lengths, budgets, iters = [1, 8, 32], [4096, 32768, 131072], [256, 1024], args.iters
+  rows = []
+  fout = open(args.out, "w")
+
+  def emit(rec):
+    rec = {**meta, **rec}
+    rows.append(rec)
+    fout.write(json.dumps(rec) + "\n")
+    fout.flush()
+    print(json.dumps(rec), flush=True)
+
+  bw, bw_dev, bw_wall = copy_bandwidth(profile) if on_gpu else (1e12, None, None)
+  launch_dev, launch_wall = tiny_launch(profile) if on_gpu else (None, None)
+  emit(dict(kind="ceiling", copy_GBps=bw / 1e9, copy_device_us=bw_dev, copy_wall_us=bw_wall,
+            tiny_kernel_device_us=launch_dev, tiny_call_wall_us=launch_wall))
+  key = jax.random.PRNGKey(0)
+
+  def run_point(kind, impl, fn, arg_sets, nbytes, extra):
+    dev, wall, top = time_fn(fn, arg_sets, iters, profile)
+    t = dev if dev is not None else wall
+    emit(dict(kind=kind, impl=impl, **extra, bytes=nbytes, device_us=dev, wall_us=wall,
+              GBps=nbytes / (t * 1e-6) / 1e9, frac_copy_bw=nbytes / (t * 1e-6) / bw,
+              floor_us=nbytes / bw * 1e6, top_kernels=top))
+
+  # ---------------- dense
+  if args.only in ("", "dense"):
+    gqa = make_dense_gqa() if on_gpu else None
+    for L in lengths:
+      for B in batches:
+        kv_bytes = 2 * B * K_HEADS * L * H * 2
+        extra = dict(B=B, L=L)
+        if 2 * kv_bytes > MEM_LIMIT_BYTES:  # the cache plus gqa's transposed copy
+          emit(dict(kind="dense", impl="skipped", **extra, bytes=kv_bytes,
+                    reason=f"KV {kv_bytes / 2**30:.0f} GiB (x2 with the gqa layout copy) does "
+                           f"not fit {MEM_LIMIT_BYTES / 2**30:.0f} GiB"))
+          continue
+        n_rot = max(1, min(8, -(-L2_DEFEAT_BYTES // kv_bytes)))
+        sets = []
+        for r in range(n_rot):
+          ks = jax.random.split(jax.random.fold_in(key, 1000 * L + 10 * B + r), 3)
+          q = jax.random.normal(ks[0], (B, K_HEADS, G, H), DT)
+          k = jax.random.normal(ks[1], (B, K_HEADS, L, H), DT)
+          v = jax.random.normal(ks[2], (B, K_HEADS, L, H), DT)
+          sets.append((q, k, v, jnp.full((B,), L, jnp.int32)))
+        pallas = jax.jit(lambda q, k, v, l: dense_decode_attention(q, k, v, l, interpret=interpret))
+        xla = jax.jit(dense_xla)
+        q, k, v, length = sets[0]
+        out_p = pallas(q, k, v, length)
+        out_x = xla(q, k, v, length)
+        err = dict(err_pallas_vs_xla=rel_err(out_p, out_x))
+        if kv_bytes <= (2 << 30):
+          ref = dense_decode_attention_reference(q, k, v, length)
+          err.update(err_pallas_vs_ref=rel_err(out_p, ref), err_xla_vs_ref=rel_err(out_x, ref))
+        extra.update(err)
+        if err["err_pallas_vs_xla"] > 2e-2:
+          print(f"WARNING dense B={B} L={L}: pallas vs xla error {err}", flush=True)
+        run_point("dense", "pallas", pallas, sets, kv_bytes, extra)
+        run_point("dense", "xla", xla, sets, kv_bytes, extra)
+        if gqa is not None:
+          tsets = [(q_, jnp.swapaxes(k_, 1, 2), jnp.swapaxes(v_, 1, 2), l_) for q_, k_, v_, l_ in sets]
+          del sets
+          g = jax.jit(gqa)
+          e = rel_err(g(*tsets[0]), out_x)
+          run_point("dense", "jax_pallas_gqa", g, tsets, kv_bytes, {**extra, "err_vs_xla": e})
+          del tsets
+        else:
+          del sets
+
+  # ---------------- sparse (RocketKV step for one layer)
+  if args.only in ("", "sparse"):
+    for t in budgets:
+      for L in lengths:
+        plan = rocketkv_plan(L, t) if not args.smoke else dict(capacity=300, page_size=3,
+                                                                  top_r=40, top_k=32)
+        cap, ps, R = plan["capacity"], plan["page_size"], plan["top_r"]
+        P = -(-cap // ps)
+        for B in batches:
+          M = min(P, -(-plan["top_k"] // ps)) * ps
+          nbytes = B * K_HEADS * (R * P * 2 + 2 * M * H * 2)  # KT rows (min or max) + K/V rows
+          cache_bytes = B * K_HEADS * (2 * cap * H * 2 + 2 * H * P * 2)
+          n_rot = max(1, min(16, -(-L2_DEFEAT_BYTES // cache_bytes)))
+          sets = []
+          for r in range(n_rot):
+            ks = jax.random.split(jax.random.fold_in(key, 7 + 1000 * L + 10 * B + r + t), 5)
+            q = jax.random.normal(ks[0], (B, K_HEADS, G, H), DT)
+            k = jax.random.normal(ks[1], (B, K_HEADS, cap, H), DT)
+            v = jax.random.normal(ks[2], (B, K_HEADS, cap, H), DT)
+            a = jax.random.normal(ks[3], (B, K_HEADS, H, P), DT)
+            b = jax.random.normal(ks[4], (B, K_HEADS, H, P), DT)
+            sets.append((q, k, v, jnp.minimum(a, b), jnp.maximum(a, b),
+                         jnp.full((B,), cap, jnp.int32)))
+          step_p = jax.jit(lambda *a: sparse_step(*a, plan=plan, impl="pallas", interpret=interpret))
+          step_x = jax.jit(lambda *a: sparse_step(*a, plan=plan, impl="xla"))
+          # Check the two kernels on identical selections (the top-k may break near-ties apart).
+          q, k, v, kmin, kmax, length = sets[0]
+          ch = jax.lax.top_k(jnp.abs(q.astype(jnp.float32)).sum(2), R)[1].astype(jnp.int32)
+          sc_p = hsa_page_scores(q, kmin, kmax, ch, length, page_size=ps, interpret=interpret)
+          sc_r = hsa_page_scores_reference(q, kmin, kmax, ch, length, page_size=ps)
+          live = np.isfinite(np.asarray(sc_r))
+          err_s = rel_err(np.asarray(sc_p)[live], np.asarray(sc_r)[live])
+          idx = jax.random.randint(key, (B, K_HEADS, M), 0, cap, jnp.int32)
+          valid = jnp.ones((B, K_HEADS, M), bool)
+          err_a = rel_err(sparse_decode_attention(q, k, v, idx, valid, interpret=interpret),
+                          sparse_decode_attention_reference(q, k, v, idx, valid))
+          extra = dict(B=B, L=L, t=t, **plan, M=M, err_scores=err_s, err_attention=err_a)
+          run_point("sparse_step", "pallas", step_p, sets, nbytes, extra)
+          run_point("sparse_step", "xla", step_x, sets, nbytes, extra)
+          del sets
+
+  fout.close()
+  print_table(rows)
+
+
+def print_table(rows):
+  print("\n" + "-" * 118)
+  print(f"{'kind':12s} {'impl':15s} {'B':>3s} {'L':>7s} {'t':>5s} {'MB':>9s} {'dev_us':>9s} "
+        f"{'wall_us':>9s} {'floor_us':>9s} {'GB/s':>8s} {'%copy':>6s}  err")
+  for r in rows:
+    if r["kind"] == "ceiling":
+      print(f"copy bandwidth {r['copy_GBps']:.0f} GB/s; tiny kernel {r['tiny_kernel_device_us']} "
+            f"us device, {r['tiny_call_wall_us']:.1f} us wall" if r["tiny_call_wall_us"] else
+            "no GPU: ceilings not measured")
+      continue
+    if r.get("impl") == "skipped":
+      print(f"{r['kind']:12s} {'skipped':15s} {r['B']:3d} {r['L']:7d} {'':>5s} "
+            f"{r['bytes'] / 1e6:9.1f}  {r['reason']}")
+      continue
+    errs = {k: v for k, v in r.items() if k.startswith("err")}
+    dev = f"{r['device_us']:9.1f}" if r["device_us"] is not None else f"{'-':>9s}"
+    print(f"{r['kind']:12s} {r['impl']:15s} {r['B']:3d} {r['L']:7d} {r.get('t', ''):>5} "
+          f"{r['bytes'] / 1e6:9.2f} {dev} {r['wall_us']:9.1f} {r['floor_us']:9.2f} "
+          f"{r['GBps']:8.0f} {100 * r['frac_copy_bw']:6.1f}  "
+          + " ".join(f"{k[4:]}={v:.1e}" for k, v in errs.items()))
+
+
+if __name__ == "__main__":
+  main()
