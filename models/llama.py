@@ -295,7 +295,11 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto"):
     half = q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
     impl = "dense" if (T <= DENSE_ATTENTION_MAX_T or (on_gpu and half)) else "blocked"
   if impl == "dense":
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=None)
+    # implementation=None means XLA's attention, which materializes [T, T] and runs out of memory at 32k
+    # on an H200; cuDNN's flash attention handles GQA and bf16/fp16 (PLATFORM.md).
+    cudnn = jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                        implementation="cudnn" if cudnn else None)
   if impl == "blocked":
     return _blocked_causal_attention(q_BTNH, k_BTKH, v_BTKH, min(ATTENTION_BLOCK, T))
   raise ValueError(f"{impl=} must be 'auto', 'dense' or 'blocked'")

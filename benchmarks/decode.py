@@ -1,0 +1,298 @@
+"""Whole-model decode benchmark at Llama-3.1-8B scale (random bf16 weights; speed does not depend on values).
+
+For each method, token budget, context and batch: a real prefill of random-token prompts (sub-batches,
+compressed per layer, assembled with `concat_caches`), then timed decode of the whole model: one jitted
+chunk of `--chunk` greedy steps (a fori_loop over tokens, caches donated, per-layer buffers, unrolled layers),
+median over `--reps` chunks. Each point is reported against its bandwidth floor: the weight bytes plus the
+KV / KT / index bytes the method must read per step, at the device-to-device copy bandwidth measured in the
+same run. Peak device memory (`memory_stats()` peak over prefill + decode, batch 1) is measured in a fresh
+subprocess per point, since the peak counter cannot be reset.
+
+  python -m benchmarks.decode --out benchmarks/results/decode_h200.jsonl            # default grid
+  python -m benchmarks.decode --tiny --contexts 256 --batches 1,2 --steps 4          # CPU smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import rocketkv_jax as rk
+from rocketkv_jax.models import llama
+
+LLAMA_31_8B = llama.LlamaConfig(
+    vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+    rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    norm_eps=1e-5, tie_embeddings=False, max_len=131072 + 1024)
+TINY = llama.LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
+                         tie_embeddings=False, max_len=8192)
+NEW_TOKENS = 256  # max_new_tokens every plan is made for (capacity holds warm-up + timed steps)
+
+
+def _parse_tokens(s: str) -> int:
+  s = s.strip().lower()
+  return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+  """Device-to-device copy bandwidth, bytes read + written per second (median of 10)."""
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda a: a * 1.0001)
+  f(x).block_until_ready()
+  ts = []
+  for _ in range(10):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    ts.append(time.perf_counter() - t)
+  del x
+  return 2 * nbytes / float(np.median(ts))
+
+
+def weight_bytes(model) -> int:
+  """Bytes one decode step must read: every parameter except the embedding table (B rows only)."""
+  state = nnx.state(model)
+  total = sum(x.nbytes for x in jax.tree.leaves(state))
+  return int(total - model.embed[...].nbytes)
+
+
+def kv_bytes_needed(config, cfg: llama.LlamaConfig, length: int, batch: int, itemsize: int = 2) -> int:
+  """KV, KT-page and index bytes a step must read at `length` valid slots, all layers (ALGORITHM.md §3, §5)."""
+  h, n_kv = cfg.head_dim, cfg.n_kv_heads
+  kv_pair = 2 * h * itemsize
+  m = config.method
+  if m in ("full", "snapkv", "streaming_llm", "h2o"):
+    per_head = min(length, config.capacity) * kv_pair
+  else:
+    topk = config.topk
+    attend = min(topk, length) * (kv_pair + 4)  # K and V rows plus an int32 index
+    kt_item = jnp.dtype(config.kt_cache_dtype or "bfloat16").itemsize
+    if m in ("hsa", "rocketkv"):
+      score = math.ceil(length / config.page_size) * config.topr * kt_item
+    elif m == "quest":
+      score = math.ceil(length / config.page_size) * 2 * h * kt_item
+    elif m == "sparq":
+      score = length * config.topr * itemsize
+    else:  # exact_topk reads every key for its scores
+      score = length * h * itemsize
+    per_head = score + attend
+  return int(per_head * n_kv * batch * cfg.n_layers)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "n"), donate_argnames=("caches",))
+def decode_chunk(graphdef, state, tokens_B, caches, *, config, n):
+  """n greedy decode steps of the whole model in one jit (fori_loop over tokens, caches carried in place)."""
+  model = nnx.merge(graphdef, state)
+
+  def body(_, carry):
+    tokens, caches = carry
+    logits, caches = llama.decode_body(model, tokens, caches, config)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
+
+  return jax.lax.fori_loop(0, n, body, (tokens_B, caches))
+
+
+def build_model(cfg, seed=0):
+  return llama.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+
+
+def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed: int):
+  """Prefills `batch` random prompts of `context` tokens in sub-batches, each compressed per layer, and
+  assembles the caches. Returns (caches, seconds of one sub-batch prefill, compile excluded).
+
+  Only the first sub-batch is really distinct prompts; further sub-batches reuse its compressed cache
+  (decode time does not depend on values), which keeps prefill device time bounded at large batch."""
+  graphdef, state = nnx.split(model)
+  vocab = model.config.vocab_size
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (sub_batch, context), 0, vocab, jnp.int32)
+  lengths = jnp.full((sub_batch,), context, jnp.int32)
+  compiled = llama._prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
+  t0 = time.perf_counter()
+  logits, caches = compiled(state, tokens, lengths)
+  jax.block_until_ready((logits, caches))
+  seconds = time.perf_counter() - t0
+  if batch == sub_batch:
+    return caches, seconds
+  parts = [caches] * (batch // sub_batch)
+  assembled = rk.concat_caches(parts)
+  del caches, parts
+  return assembled, seconds
+
+
+def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: str | None = None):
+  graphdef, state = nnx.split(model)
+  b = caches[0].k.shape[0]
+  tokens = jnp.zeros((b,), jnp.int32)
+  compiled = decode_chunk.lower(graphdef, state, tokens, caches, config=config, n=chunk).compile()
+  tokens, caches = compiled(state, tokens, caches)  # warm-up
+  tokens.block_until_ready()
+  per_step = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    tokens, caches = compiled(state, tokens, caches)
+    tokens.block_until_ready()
+    per_step.append((time.perf_counter() - t0) / chunk)
+  top = None
+  if profile_dir:
+    from benchmarks.profile_util import top_ops
+    os.makedirs(profile_dir, exist_ok=True)
+    with jax.profiler.trace(profile_dir):
+      tokens, caches = compiled(state, tokens, caches)
+      tokens.block_until_ready()
+    top = top_ops(profile_dir, 15, steps=chunk)
+  length = int(np.asarray(caches[0].length).max())
+  del caches
+  return float(np.median(per_step)), per_step, length, top
+
+
+def _is_oom(e: Exception) -> bool:
+  s = str(e)
+  return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
+
+
+def peak_point(cfg, method, budget, context, steps, impl):
+  """Batch-1 prefill + `steps` decode steps in this (fresh) process; prints the peak device memory."""
+  model = build_model(cfg)
+  config = rk.make_config(method, token_budget=budget, prompt_len=context, max_new_tokens=NEW_TOKENS,
+                          head_dim=cfg.head_dim, impl=impl)
+  before = jax.devices()[0].memory_stats() or {}
+  caches, _ = prefill_caches(model, config, context, 1, 1, seed=1)
+  graphdef, state = nnx.split(model)
+  tokens, caches = decode_chunk(graphdef, state, jnp.zeros((1,), jnp.int32), caches, config=config, n=steps)
+  tokens.block_until_ready()
+  stats = jax.devices()[0].memory_stats() or {}
+  print(json.dumps(dict(kind="peak", method=method, token_budget=budget, context=context,
+                        peak_bytes=stats.get("peak_bytes_in_use"), weights_bytes=before.get("bytes_in_use"),
+                        cache_bytes=rk.cache_nbytes(caches))), flush=True)
+
+
+def _max_batch(per_seq_bytes: int, reserve: int) -> int:
+  stats = jax.devices()[0].memory_stats() or {}
+  limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+  if not limit:
+    return 8
+  return max(1, int((limit - used - reserve) * 0.9 // per_seq_bytes))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--methods", default="full,snapkv,quest,rocketkv")
+  ap.add_argument("--budgets", default="256,1024")
+  ap.add_argument("--contexts", default="16k,32k,64k,128k")
+  ap.add_argument("--batches", default="1,8,32,max", help="comma list; 'max' = largest batch that fits")
+  ap.add_argument("--chunk", type=int, default=8, help="decode steps per jitted chunk")
+  ap.add_argument("--steps", type=int, default=64, help="timed decode steps (>= 64 for the reported medians)")
+  ap.add_argument("--impl", default="auto")
+  ap.add_argument("--peak", default="", help="points 'method:budget:context,...' for batch-1 peak memory")
+  ap.add_argument("--peak-point", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--profile", default=None, help="write a jax.profiler trace of one decode chunk per point here")
+  ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test)")
+  ap.add_argument("--out", default=None, help="append JSON lines here")
+  args = ap.parse_args(argv)
+  cfg = TINY if args.tiny else LLAMA_31_8B
+
+  if args.peak_point:
+    m, t, c = args.peak_point.split(":")
+    peak_point(cfg, m, int(t), _parse_tokens(c), args.chunk, args.impl)
+    return
+
+  out = open(args.out, "a") if args.out else None
+  dev = jax.devices()[0]
+  header = dict(kind="header", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=dev.device_kind, jax=jax.__version__, command="python -m benchmarks.decode " + " ".join(
+                    sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape")
+
+  def emit(rec):
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if out:
+      out.write(line + "\n")
+      out.flush()
+
+  bw = copy_bandwidth(1 << 26 if args.tiny else 4 << 30)
+  header["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
+  model = build_model(cfg)
+  wbytes = weight_bytes(model)
+  header["weight_bytes"] = wbytes
+  emit(header)
+  reps = max(1, -(-args.steps // args.chunk))
+  methods = args.methods.split(",")
+  budgets = [int(b) for b in args.budgets.split(",")]
+  contexts = [_parse_tokens(c) for c in args.contexts.split(",")]
+  batches = args.batches.split(",")
+  dense_prefill_s = {}
+  for context in contexts:
+    for method in methods:
+      for budget in (budgets[:1] if method == "full" else budgets):
+        config = rk.make_config(method, token_budget=budget, prompt_len=context, max_new_tokens=NEW_TOKENS,
+                                head_dim=cfg.head_dim, impl=args.impl)
+        base = dict(kind="point", method=method, token_budget=None if method == "full" else budget,
+                    context=context, capacity=config.capacity)
+        try:
+          caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context)
+        except Exception as e:  # noqa: BLE001 - reported, not dropped
+          if not _is_oom(e):
+            raise
+          emit(dict(base, batch=1, status="OOM in prefill"))
+          continue
+        if method == "full":
+          dense_prefill_s[context] = prefill_s
+        per_seq = rk.cache_nbytes(caches1)
+        for bspec in batches:
+          batch = _max_batch(per_seq, reserve=2 << 30) if bspec == "max" else int(bspec)
+          rec = dict(base, batch=batch, batch_spec=bspec, cache_bytes=per_seq * batch, prefill_s=round(prefill_s, 4),
+                     prefill_vs_dense=(round(prefill_s / dense_prefill_s[context], 3)
+                                       if context in dense_prefill_s else None))
+          for attempt in range(4):
+            try:
+              caches = caches1 if batch == 1 else rk.concat_caches([caches1] * batch)
+              if batch == 1:  # decode donates: keep caches1 for the next batch size
+                caches = jax.tree.map(jnp.copy, caches1)
+              prof = os.path.join(args.profile, f"{method}_{budget}_{context}_{batch}") if args.profile else None
+              ms, per_step, length, top = time_decode(model, config, caches, chunk=args.chunk, reps=reps,
+                                                      profile_dir=prof)
+              del caches
+              floor = (wbytes + kv_bytes_needed(config, cfg, length, batch)) / bw
+              rec.update(status="ok", ms_per_step=round(ms * 1e3, 3), floor_ms=round(floor * 1e3, 3),
+                         ratio_to_floor=round(ms / floor, 3), tokens_per_s=round(batch / ms, 1),
+                         step_ms_min=round(min(per_step) * 1e3, 3), step_ms_max=round(max(per_step) * 1e3, 3),
+                         steps_timed=reps * args.chunk, kv_bytes_needed=kv_bytes_needed(config, cfg, length, batch))
+              if top:
+                rec["top_ops"] = top
+              break
+            except Exception as e:  # noqa: BLE001
+              if not _is_oom(e):
+                raise
+              caches = None
+              if bspec != "max" or attempt == 3:
+                rec.update(status="OOM")
+                break
+              batch = max(1, int(batch * 0.8))
+              rec.update(batch=batch, cache_bytes=per_seq * batch)
+          emit(rec)
+        del caches1
+  for point in filter(None, args.peak.split(",")):
+    cmd = [sys.executable, "-m", "benchmarks.decode", "--peak-point", point, "--impl", args.impl] + (
+        ["--tiny"] if args.tiny else [])
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("{")]
+    if lines:
+      emit(json.loads(lines[-1]))
+    else:
+      emit(dict(kind="peak", point=point, status="OOM" if "RESOURCE_EXHAUSTED" in res.stderr else "failed",
+                error=res.stderr[-500:]))
+
+
+if __name__ == "__main__":
+  main()
