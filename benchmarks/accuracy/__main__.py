@@ -1,0 +1,3 @@
+from benchmarks.accuracy.runner import main
+
+main()

@@ -1,0 +1,145 @@
+"""Markdown tables and matplotlib plots of an accuracy run (results dict of runner.run)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+def _fmt(x, pct=False, digits=3):
+  if x is None:
+    return "-"
+  return f"{100 * x:.0f}%" if pct else f"{x:.{digits}f}"
+
+
+def markdown(res) -> str:
+  meta, rows = res["meta"], res["summary"]["rows"]
+  g = meta["grid"]
+  lines = [f"# Accuracy and fidelity: {meta['model']}", "",
+           f"- date: {meta['date']}; machine: {meta['machine']['backend']} "
+           f"({', '.join(sorted(set(meta['machine']['devices'])))}), {meta['machine']['cpu_count']} cores, "
+           f"host {meta['machine']['host']}; jax {meta['machine']['jax']}",
+           f"- command: `{meta['command']}`", f"- runtime: {meta.get('seconds', 0) / 60:.1f} min",
+           f"- grid: contexts {g['contexts']}, budgets {g['budgets']}, {g['samples']} sample(s) per task "
+           f"({', '.join(g['tasks'])}), fidelity {g['fid_samples']} sequence(s) x {g['fid_tail']} teacher-forced "
+           f"tokens, max_new {g['max_new']}, chat template {g['chat']}, {g['dtype']}", ""]
+  budgets = list(g["budgets"])
+  methods = [m for m in g["methods"] if m != "full"]
+  by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  for c in g["contexts"]:
+    full = by.get((c, "full", None), {})
+    lines += [f"## Context {c} tokens", ""]
+    if "accuracy" in full:
+      pt = ", ".join(f"{t} {_fmt(v, True)}" for t, v in full.get("per_task", {}).items())
+      lines += [f"Full KV task accuracy: **{_fmt(full['accuracy'], True)}** ({pt}); full-KV NLL of the "
+                f"teacher-forced tail: {_fmt(full.get('nll'))}.", ""]
+    sections = [
+        ("Task accuracy (mean over tasks; in brackets: relative to full KV)", "accuracy",
+         lambda r: f"{_fmt(r.get('accuracy'), True)} ({_fmt(r.get('relative_accuracy'), True)})"
+         if r.get("accuracy") is not None else "-"),
+        ("Score on the samples full KV solves", "accuracy_on_full_solved",
+         lambda r: _fmt(r.get("accuracy_on_full_solved"), True)),
+        ("Top-1 agreement with full KV (teacher-forced)", "top1", lambda r: _fmt(r.get("top1"), True)),
+        ("Mean KL(full || method), nats per token", "kl", lambda r: _fmt(r.get("kl"))),
+        ("Attention mass captured (all layers) / exact top-M oracle of the same size", "mass",
+         lambda r: f"{_fmt(r.get('mass'))} / {_fmt(r.get('oracle'))}" if r.get("mass") is not None else "-"),
+    ]
+    for title, key, cell in sections:
+      if not any(by.get((c, m, b), {}).get(key) is not None for m in methods for b in budgets):
+        continue
+      lines += [f"### {title}", "", "| method | " + " | ".join(f"t={b}" for b in budgets) + " |",
+                "|---|" + "---|" * len(budgets)]
+      for m in methods:
+        lines.append(f"| {m} | " + " | ".join(cell(by.get((c, m, b), {})) for b in budgets) + " |")
+      lines.append("")
+  if res.get("skipped"):
+    lines += ["## Skipped configurations", ""] + [f"- {s['method']} t={s['budget']} at {s['context']}: {s['why']}"
+                                                  for s in res["skipped"]] + [""]
+  return "\n".join(lines)
+
+
+def plots(res, prefix) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  g = res["meta"]["grid"]
+  rows = res["summary"]["rows"]
+  by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  methods = [m for m in g["methods"] if m != "full"]
+  budgets = list(g["budgets"])
+  contexts = list(g["contexts"])
+  paths = []
+  colors = {m: f"C{i}" for i, m in enumerate(methods)}
+
+  def panel(key, ylabel, fname, title, ylim=None, logy=False):
+    if not any(by.get((c, m, b), {}).get(key) is not None for c in contexts for m in methods for b in budgets):
+      return
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 3.8), squeeze=False)
+    for ax, c in zip(axes[0], contexts):
+      for m in methods:
+        ys = [by.get((c, m, b), {}).get(key) for b in budgets]
+        if any(y is not None for y in ys):
+          ax.plot(budgets, [np.nan if y is None else y for y in ys], "o-", color=colors[m], label=m,
+                  lw=2.5 if m == "rocketkv" else 1.2)
+      ref = by.get((c, "full", None), {}).get(key)
+      if ref is not None:
+        ax.axhline(ref, color="k", ls="--", lw=1, label=f"full KV ({ref:.2f})")
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(budgets, [str(b) for b in budgets])
+      if logy:
+        ax.set_yscale("log")
+      if ylim:
+        ax.set_ylim(*ylim)
+      ax.set_title(f"{c} tokens")
+      ax.set_xlabel("token budget t")
+      ax.set_ylabel(ylabel)
+      ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    p = f"{prefix}_{fname}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+  panel("accuracy", "task accuracy", "tasks", "Task accuracy vs budget (dashed: full KV)", (-0.05, 1.05))
+  panel("top1", "top-1 agreement with full", "top1", "Teacher-forced top-1 agreement with full KV", (0, 1.02))
+  panel("kl", "KL(full || method), nats", "kl", "Teacher-forced KL to full KV (lower is better)", logy=True)
+  panel("mass", "exact attention mass captured", "mass", "Attention mass of the attended tokens", (0, 1.02))
+  # per-layer mass at each budget, one panel per context (the largest budget <= 256 if present)
+  fid = [r for r in res["fidelity"] if r.get("mass_per_layer")]
+  if fid:
+    b_show = max([b for b in budgets if b <= 256] or budgets[:1])
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 3.8), squeeze=False)
+    for ax, c in zip(axes[0], contexts):
+      for r in fid:
+        if r["context"] == c and r["budget"] == b_show:
+          ax.plot(r["mass_per_layer"], "-", color=colors[r["method"]], label=r["method"],
+                  lw=2.5 if r["method"] == "rocketkv" else 1.2)
+          ax.plot(r["oracle_per_layer"], ":", color=colors[r["method"]], lw=0.8)
+      ax.set_title(f"{c} tokens, t={b_show} (dotted: same-size exact top-M)")
+      ax.set_xlabel("layer")
+      ax.set_ylabel("attention mass captured")
+      ax.set_ylim(0, 1.02)
+      ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    p = f"{prefix}_mass_per_layer.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+  return paths
+
+
+def write_outputs(res, prefix) -> list[str]:
+  d = os.path.dirname(prefix)
+  if d:
+    os.makedirs(d, exist_ok=True)
+  with open(prefix + ".json", "w") as f:
+    json.dump(res, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+  md = markdown(res)
+  with open(prefix + ".md", "w") as f:
+    f.write(md)
+  return [prefix + ".json", prefix + ".md"] + plots(res, prefix)

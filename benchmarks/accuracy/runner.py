@@ -1,0 +1,270 @@
+"""`python -m benchmarks.accuracy`: task accuracy and fidelity over methods x budgets x contexts.
+
+One dense prefill per batch of samples is shared by every method and budget (see engine.py). Writes
+<out>.json (everything, outputs included), <out>.md (tables) and <out>_*.png (plots).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+import numpy as np
+
+DEFAULT_METHODS = ("full", "rocketkv", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa", "exact_topk")
+GRIDS = {
+    # the issue's default grid for SmolLM2 (8k = the model's max length, so 8k contexts are 8k - max_new)
+    "default": dict(contexts=(1024, 2048, 4096, 8000), budgets=(64, 128, 256, 512), samples=10, fid_samples=4,
+                    fid_tail=256),
+    # CPU-quick: one context, two budgets, one sample per task
+    "small": dict(contexts=(1024,), budgets=(128, 256), samples=1, fid_samples=1, fid_tail=64),
+}
+
+
+def _ints(s: str) -> tuple[int, ...]:
+  out = []
+  for x in s.split(","):
+    x = x.strip().lower()
+    if x:
+      out.append(int(float(x[:-1]) * 1024) if x.endswith("k") else int(x))
+  return tuple(out)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a HF Llama directory")
+  p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+  p.add_argument("--budgets", default=None, help="token budgets, e.g. 64,128,256,512")
+  p.add_argument("--contexts", default=None, help="context lengths in tokens, e.g. 1k,2k,4k,8000")
+  p.add_argument("--samples", type=int, default=None, help="samples per task and context")
+  p.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack")
+  p.add_argument("--fid-samples", type=int, default=None, help="prose sequences per context for fidelity (0: off)")
+  p.add_argument("--fid-tail", type=int, default=None, help="teacher-forced tokens after the compressed prefix")
+  p.add_argument("--no-diag", action="store_true", help="skip the per-layer attention-mass diagnostic")
+  p.add_argument("--max-new", type=int, default=24, help="greedy tokens generated per task prompt")
+  p.add_argument("--batch", type=int, default=8, help="prompts per prefill/decode batch")
+  p.add_argument("--chat", choices=("on", "off"), default="off", help="wrap task prompts in the chat template")
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--small", action="store_true", help="CPU-quick grid (defaults of flags left unset)")
+  p.add_argument("--out", default="benchmarks/results/accuracy", help="output path prefix")
+  a = p.parse_args(argv)
+  grid = GRIDS["small" if a.small else "default"]
+  a.methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
+  a.tasks = tuple(t.strip() for t in a.tasks.split(",") if t.strip())
+  a.budgets = _ints(a.budgets) if a.budgets else grid["budgets"]
+  a.contexts = _ints(a.contexts) if a.contexts else grid["contexts"]
+  for k in ("samples", "fid_samples", "fid_tail"):
+    if getattr(a, k) is None:
+      setattr(a, k, grid[k])
+  return a
+
+
+def _machine() -> dict:
+  import jax
+  return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+          "jax": jax.__version__, "backend": jax.default_backend(),
+          "devices": [d.device_kind for d in jax.devices()], "cpu_count": os.cpu_count()}
+
+
+def _configs(methods, budgets, context, max_new, model_cfg):
+  """(method, budget, config or error string); full runs once (budget None)."""
+  from benchmarks.accuracy.engine import make_config
+  out = []
+  for m in methods:
+    for b in ([None] if m == "full" else budgets):
+      try:
+        out.append((m, b, make_config(m, b or max(budgets), context, max_new, model_cfg)))
+      except ValueError as e:
+        out.append((m, b, f"skipped: {e}"))
+  return out
+
+
+def run(args, progress=None, log=print) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks.accuracy import tasks as T
+  from benchmarks.accuracy.engine import Runner
+  from rocketkv_jax.models import load
+
+  t_start = time.time()
+  model, tok = load(args.model, dtype=getattr(jnp, args.dtype), log=log) if isinstance(args.model, str) else args.model
+  runner = Runner(model)
+  cfg = model.config
+  chat = args.chat == "on"
+  eos = sorted({i for i in (cfg.eos_id, tok.eos_id, tok.chat_eos_id if chat else None) if i is not None})
+  res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+                  "machine": _machine(), "model": args.model if isinstance(args.model, str) else "given",
+                  "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+                                   "head_dim": cfg.head_dim, "max_len": cfg.max_len},
+                  "grid": {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks",
+                                                           "fid_samples", "fid_tail", "max_new", "chat", "dtype")}},
+         "tasks": [], "fidelity": [], "skipped": []}
+  n_cfg = {c: len(_configs(args.methods, args.budgets, c, args.max_new, cfg)) for c in args.contexts}
+  n_batches = lambda c: -(-(len(args.tasks) * args.samples) // args.batch)
+  total = sum(n_cfg[c] * (n_batches(c) + (1 if args.fid_samples else 0)) for c in args.contexts)
+  prog = progress(total) if progress else None
+
+  for C in args.contexts:
+    if C + max(args.max_new, 1) > cfg.max_len:
+      raise ValueError(f"context {C} + max_new {args.max_new} exceeds the model's max_len {cfg.max_len}")
+    samples = T.make_samples(tok, args.tasks, C, args.samples, chat=chat) if args.samples else []
+    confs = _configs(args.methods, args.budgets, C, args.max_new, cfg)
+    for m, b, c in confs:
+      if isinstance(c, str):
+        res["skipped"].append({"context": C, "method": m, "budget": b, "why": c})
+    for i0 in range(0, len(samples), args.batch):
+      chunk = samples[i0:i0 + args.batch]
+      ids = np.array([s.ids for s in chunk], np.int32)
+      lengths = np.full((len(chunk),), C, np.int32)
+      if prog: prog.describe(f"{C} tok: dense prefill of {len(chunk)} prompts")
+      logits, qkv = runner.prefill_dense(ids, lengths)
+      jax.block_until_ready(logits)
+      for m, b, config in confs:
+        if isinstance(config, str):
+          if prog: prog.advance()
+          continue
+        if prog: prog.describe(f"{C} tok: tasks {m} t={b}")
+        t0 = time.time()
+        caches = runner.compress(qkv, lengths, config)
+        out = runner.greedy(logits, caches, config, args.max_new, eos)
+        dt = time.time() - t0
+        for s, row in zip(chunk, out):
+          body = [int(x) for x in row if x >= 0 and x not in eos]
+          text = tok.decode(body)
+          res["tasks"].append({"context": C, "method": m, "budget": b, "task": s.task, "seed": s.seed,
+                               "answers": list(s.answers), "output": text, "score": T.score(text, s.answers),
+                               "seconds": dt / len(chunk)})
+        if prog: prog.advance()
+      del qkv, logits
+    if args.fid_samples:
+      _fidelity(args, runner, tok, C, confs, res, prog)
+  res["meta"]["seconds"] = time.time() - t_start
+  res["summary"] = summarize(res)
+  if prog: prog.close()
+  return res
+
+
+def _fidelity(args, runner, tok, C, confs, res, prog):
+  import jax
+
+  from benchmarks.accuracy import tasks as T
+  F = args.fid_tail
+  prefix = C - F
+  seqs = [T.fidelity_text(tok, C, s)[0] for s in range(args.fid_samples)]
+  ids = np.array(seqs, np.int32)
+  if prog: prog.describe(f"{C} tok: dense prefill of {len(seqs)} prose sequences")
+  logits, qkv = runner.prefill_dense(ids, np.full((len(seqs),), prefix, np.int32))
+  jax.block_until_ready(logits)
+  order = sorted(confs, key=lambda x: x[0] != "full")  # the reference first
+  ref = None
+  target = ids[:, prefix:]
+  for m, b, config in order:
+    if isinstance(config, str):
+      if prog: prog.advance()
+      continue
+    if prog: prog.describe(f"{C} tok: fidelity {m} t={b}")
+    t0 = time.time()
+    diag = (not args.no_diag) and m != "full"
+    lp, d = runner.teacher_forced(qkv, logits, ids, prefix, config, diag=diag)
+    if m == "full":
+      ref = lp
+    nll = float(-np.take_along_axis(lp, target[..., None], -1).mean())
+    row = {"context": C, "method": m, "budget": b, "sequences": len(seqs), "tail": F, "nll": nll,
+           "seconds": time.time() - t0}
+    if ref is not None:
+      p_ref = np.exp(ref)
+      row["top1"] = float((lp.argmax(-1) == ref.argmax(-1)).mean())
+      row["kl"] = float((p_ref * (ref - lp)).sum(-1).mean())
+    if d is not None:
+      mass, oracle = d["mass"], d["oracle"]  # [steps, L, B, K]
+      row["mass_per_layer"] = mass.mean(axis=(0, 2, 3)).round(5).tolist()
+      row["oracle_per_layer"] = oracle.mean(axis=(0, 2, 3)).round(5).tolist()
+      row["mass"] = float(mass.mean())
+      row["oracle"] = float(oracle.mean())
+      row["selected_tokens"] = float(d["n_sel"].mean())
+    res["fidelity"].append(row)
+    if prog: prog.advance()
+
+
+def summarize(res) -> dict:
+  """Per (context, method, budget): task accuracy (mean over tasks of the mean sample score), its ratio to
+  full KV's at the same context, and the fidelity figures."""
+  acc: dict = {}
+  for r in res["tasks"]:
+    acc.setdefault((r["context"], r["method"], r["budget"]), {}).setdefault(r["task"], []).append(r["score"])
+  out = []
+  full = {c: np.mean([np.mean(v) for v in t.values()]) for (c, m, b), t in acc.items() if m == "full"}
+  full_task = {(c, k): np.mean(v) for (c, m, b), t in acc.items() if m == "full" for k, v in t.items()}
+  fid = {(r["context"], r["method"], r["budget"]): r for r in res["fidelity"]}
+  keys = sorted(set(acc) | set(fid), key=lambda k: (k[0], k[1], k[2] or 0))
+  for k in keys:
+    c, m, b = k
+    row = {"context": c, "method": m, "budget": b}
+    if k in acc:
+      per_task = {t: float(np.mean(v)) for t, v in acc[k].items()}
+      row["per_task"] = per_task
+      row["accuracy"] = float(np.mean(list(per_task.values())))
+      if full.get(c):
+        row["relative_accuracy"] = row["accuracy"] / full[c]
+      row["accuracy_on_full_solved"] = _on_solved(res, c, m, b)
+    if k in fid:
+      for f in ("top1", "kl", "nll", "mass", "oracle"):
+        if f in fid[k]:
+          row[f] = fid[k][f]
+    out.append(row)
+  return {"rows": out, "full_accuracy": {str(c): float(v) for c, v in full.items()},
+          "full_per_task": {f"{c}/{t}": float(v) for (c, t), v in full_task.items()}}
+
+
+def _on_solved(res, c, m, b):
+  """Mean score of the method on the samples that full KV solved completely (None when there are none):
+  the share of full KV's successes that the method keeps."""
+  solved = {(r["task"], r["seed"]) for r in res["tasks"] if r["context"] == c and r["method"] == "full"
+            and r["score"] == 1.0}
+  s = [r["score"] for r in res["tasks"] if r["context"] == c and r["method"] == m and r["budget"] == b
+       and (r["task"], r["seed"]) in solved]
+  return float(np.mean(s)) if s else None
+
+
+class _RichProgress:
+  def __init__(self, total):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True))
+    self.p.start()
+    self.t = self.p.add_task("accuracy", total=total)
+
+  def describe(self, text):
+    self.p.update(self.t, description=text)
+
+  def advance(self):
+    self.p.advance(self.t)
+
+  def close(self):
+    self.p.stop()
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  from benchmarks.accuracy.report import write_outputs
+
+  log = lambda msg: print(msg, file=sys.stderr)
+  res = run(args, progress=_RichProgress, log=log)
+  paths = write_outputs(res, args.out)
+  for p in paths:
+    log(f"wrote {p}")
+  return res
+
+
+if __name__ == "__main__":
+  main()
