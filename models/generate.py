@@ -20,7 +20,8 @@ from .llama import Llama, _layers_prefill, cache_nbytes, decode_body, make_confi
 from .tokenizer import TextTokenizer
 from .weights import load
 
-__all__ = ["GenerateResult", "GenerateStats", "generate", "load", "sample_token"]
+__all__ = ["GenerateResult", "GenerateStats", "decode_to_result", "generate", "load", "sample_token",
+           "stop_ids"]
 
 
 @dataclasses.dataclass
@@ -119,6 +120,12 @@ def _compiled(name, fn, *args, **static):
   return _COMPILED[key]
 
 
+def stop_ids(model: Llama, tokenizer: TextTokenizer, chat: bool) -> list[int]:
+  """Ids that end a sequence: the model's EOS, plus the end-of-turn token for chat."""
+  ids = (model.config.eos_id, tokenizer.eos_id, tokenizer.chat_eos_id if chat else None)
+  return sorted({i for i in ids if i is not None})
+
+
 def encode_prompts(tokenizer: TextTokenizer, prompts, chat: bool) -> list[list[int]]:
   if isinstance(prompts, str):
     raise TypeError("prompts must be a list of strings (or of token id lists), not one string")
@@ -156,9 +163,7 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
     tokens[b, :len(x)] = x
   config = make_config(method, token_budget=token_budget, prompt_len=T, max_new_tokens=max_new_tokens,
                        head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
-  eos = sorted({i for i in (cfg.eos_id, tokenizer.eos_id, tokenizer.chat_eos_id if chat else None)
-                if i is not None})
-  eos_E = jnp.asarray(eos or [-2], jnp.int32)
+  eos = stop_ids(model, tokenizer, chat)
 
   graphdef, state = nnx.split(model)
   tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
@@ -169,17 +174,34 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   progress(f"prefill {B} x {T} tokens ({method}, budget {token_budget})")
   logits, caches = pre(state, tokens_j, lengths_j)
   jax.block_until_ready((logits, caches))
-  t2 = time.perf_counter()
+  prefill_s = time.perf_counter() - t1
+  return decode_to_result(model, tokenizer, logits, caches, config, lengths=lengths.tolist(), eos=eos,
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                          prefill_s=prefill_s, compile_s=t1 - t0, token_budget=token_budget,
+                          progress=progress)
+
+
+def decode_to_result(model: Llama, tokenizer: TextTokenizer, logits_BV, caches, config, *, lengths, eos,
+                     max_new_tokens, temperature=0.0, top_p=1.0, seed=0, prefill_s=0.0, compile_s=0.0,
+                     token_budget=0, progress=None) -> GenerateResult:
+  """Runs the jitted decode loop from prefill logits and caches (donated) and builds the result."""
+  progress = progress or (lambda msg: None)
+  cfg = model.config
+  B = logits_BV.shape[0]
+  graphdef, state = nnx.split(model)
   kv_bytes = cache_nbytes(caches)
-  kv_leaf = caches[0].k
-  full_kv_bytes = 2 * cfg.n_layers * B * cfg.n_kv_heads * cfg.head_dim * (T + max_new_tokens) * kv_leaf.dtype.itemsize
+  itemsize = caches[0].k.dtype.itemsize
+  T = max(lengths)
+  full_kv_bytes = 2 * cfg.n_layers * B * cfg.n_kv_heads * cfg.head_dim * (T + max_new_tokens) * itemsize
+  eos_E = jnp.asarray(list(eos) or [-2], jnp.int32)
   key = jax.random.key(seed)
   static = dict(config=config, max_new=max_new_tokens, temperature=float(temperature), top_p=float(top_p))
-  progress(f"compiling decode loop ({max_new_tokens} tokens)")
-  loop = _compiled("loop", _loop_jit, graphdef, state, logits, caches, key, eos_E, **static)
+  t2 = time.perf_counter()
+  progress(f"compiling decode loop ({max_new_tokens} tokens, {config.method})")
+  loop = _compiled("loop", _loop_jit, graphdef, state, logits_BV, caches, key, eos_E, **static)
   t3 = time.perf_counter()
-  progress(f"decode up to {max_new_tokens} tokens")
-  out, steps, caches = loop(state, logits, caches, key, eos_E)
+  progress(f"decode up to {max_new_tokens} tokens ({config.method})")
+  out, steps, caches = loop(state, logits_BV, caches, key, eos_E)
   del caches
   out = np.asarray(out)
   steps = int(steps)
@@ -193,9 +215,9 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
     texts.append(tokenizer.decode(body))
   decode_s = t4 - t3
   stats = GenerateStats(
-      method=method, token_budget=token_budget, batch=B, prompt_tokens=lengths.tolist(),
+      method=config.method, token_budget=token_budget, batch=B, prompt_tokens=list(lengths),
       new_tokens=[len(r) for r in token_ids], kv_bytes=kv_bytes, full_kv_bytes=full_kv_bytes,
       compression=full_kv_bytes / max(kv_bytes, 1), capacity=int(config.capacity),
-      prefill_s=t2 - t1, decode_s=decode_s, decode_steps=steps,
-      tokens_per_s=B * steps / decode_s if decode_s > 0 else 0.0, compile_s=(t1 - t0) + (t3 - t2))
+      prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
+      tokens_per_s=B * steps / decode_s if decode_s > 0 else 0.0, compile_s=compile_s + (t3 - t2))
   return GenerateResult(texts=texts, token_ids=token_ids, stats=stats)

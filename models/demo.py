@@ -1,0 +1,71 @@
+"""`rocketkv demo`: a question about a real public-domain chapter, answered with full KV and RocketKV.
+
+The document is Chapter I of Lewis Carroll's "Alice's Adventures in Wonderland" (Project Gutenberg
+EBook #11, public domain; see data/SOURCES.txt), about 2,900 tokens. One sentence with a number is
+planted in it so the answer cannot come from the model's memory of the book. The prompt is
+prefilled once (dense), then each method compresses that prefill its own way (`compress_layers`)
+and decodes from its own cache, so the comparison isolates the KV cache.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .generate import _compiled, decode_to_result, stop_ids
+from .llama import _prefill_dense_jit, compress_layers, make_config
+from .weights import load
+
+DOCUMENT = "alice_chapter1.txt"
+PLANT_BEFORE = "Alice opened the door"
+PLANTED = "The number engraved on the golden key was 4817. Remember it: the key's number is 4817.\n\n"
+QUESTION = "What number was engraved on the golden key?"
+ANSWER = "4817"
+
+
+def document_text() -> str:
+  return (importlib.resources.files("rocketkv_jax.models") / "data" / DOCUMENT).read_text(encoding="utf-8")
+
+
+def demo_prompt() -> str:
+  doc = document_text()
+  i = doc.index(PLANT_BEFORE)
+  return f"{doc[:i]}{PLANTED}{doc[i:]}\n\n{QUESTION}"
+
+
+def run_demo(*, model: str = "smollm2", methods=("full", "rocketkv"), token_budget: int = 256,
+             max_new_tokens: int = 24, log=print, cache_dir=None) -> dict:
+  """Runs the demo; returns {"prompt_tokens", "prefill_s", "results": {method: GenerateResult}}."""
+  t_start = time.perf_counter()
+  llm, tok = load(model, cache_dir=cache_dir, log=log)
+  ids = tok.encode(demo_prompt(), chat=True)
+  T = len(ids)
+  log(f"document: Alice's Adventures in Wonderland, ch. I (Project Gutenberg #11) + 1 planted fact; "
+      f"prompt {T} tokens")
+  tokens = jnp.asarray([ids], jnp.int32)
+  lengths = jnp.asarray([T], jnp.int32)
+  graphdef, state = nnx.split(llm)
+  t0 = time.perf_counter()
+  log("compiling prefill")
+  pre = _compiled("prefill_dense", _prefill_dense_jit, graphdef, state, tokens, lengths)
+  t1 = time.perf_counter()
+  log(f"prefill {T} tokens (dense attention; each method then compresses it)")
+  logits, layer_qkv = pre(state, tokens, lengths)
+  jax.block_until_ready((logits, layer_qkv))
+  prefill_s = time.perf_counter() - t1
+  results = {}
+  for method in methods:
+    config = make_config(method, token_budget=token_budget, prompt_len=T, max_new_tokens=max_new_tokens,
+                         head_dim=llm.config.head_dim, max_len=llm.config.max_len)
+    log(f"{method}: compress the prefill KV (budget {token_budget}) and decode")
+    caches = compress_layers(layer_qkv, lengths, config)
+    results[method] = decode_to_result(
+        llm, tok, logits, caches, config, lengths=[T], eos=stop_ids(llm, tok, chat=True),
+        max_new_tokens=max_new_tokens, prefill_s=prefill_s, compile_s=t1 - t0, token_budget=token_budget,
+        progress=log)
+  return dict(prompt_tokens=T, prefill_s=prefill_s, results=results, question=QUESTION, answer=ANSWER,
+              wall_s=time.perf_counter() - t_start)
