@@ -143,3 +143,37 @@ def write_outputs(res, prefix) -> list[str]:
   with open(prefix + ".md", "w") as f:
     f.write(md)
   return [prefix + ".json", prefix + ".md"] + plots(res, prefix)
+
+
+def merge(results: list[dict]) -> dict:
+  """One results dict from runs over different contexts (same methods, budgets and settings otherwise)."""
+  from benchmarks.accuracy.runner import summarize
+
+  first = results[0]
+  out = {"meta": json.loads(json.dumps(first["meta"])), "tasks": [], "fidelity": [], "skipped": []}
+  out["meta"]["command"] = " && ".join(r["meta"]["command"] for r in results)
+  out["meta"]["seconds"] = sum(r["meta"].get("seconds", 0) for r in results)
+  out["meta"]["date"] = ", ".join(r["meta"]["date"] for r in results)
+  out["meta"]["grid"]["contexts"] = [c for r in results for c in r["meta"]["grid"]["contexts"]]
+  for r in results:
+    for k in ("tasks", "fidelity", "skipped"):
+      out[k] += r.get(k, [])
+  out["summary"] = summarize(out)
+  return out
+
+
+def main(argv=None):
+  """python -m benchmarks.accuracy.report RESULT.json [RESULT.json ...] --out PREFIX: merge and re-render."""
+  import argparse
+
+  p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.report")
+  p.add_argument("inputs", nargs="+")
+  p.add_argument("--out", required=True)
+  a = p.parse_args(argv)
+  res = merge([json.load(open(x)) for x in a.inputs])
+  for path in write_outputs(res, a.out):
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

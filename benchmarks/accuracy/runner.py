@@ -239,16 +239,22 @@ class _RichProgress:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
     self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=Console(stderr=True))
+                      console=console)
     self.p.start()
     self.t = self.p.add_task("accuracy", total=total)
+    self.plain = not console.is_terminal  # a log file gets one line per unit instead of a live bar
+    self.total, self.done, self.t0 = total, 0, time.time()
 
   def describe(self, text):
     self.p.update(self.t, description=text)
+    if self.plain:
+      print(f"[{self.done}/{self.total} {time.time() - self.t0:.0f}s] {text}", file=sys.stderr, flush=True)
 
   def advance(self):
     self.p.advance(self.t)
+    self.done += 1
 
   def close(self):
     self.p.stop()

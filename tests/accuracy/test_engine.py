@@ -1,0 +1,71 @@
+"""The layer-by-layer engine against the model's dense forward, the diagnostic's bounds, a tiny end-to-end run."""
+import argparse
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.accuracy.engine import Runner, make_config
+from benchmarks.accuracy.report import write_outputs
+from benchmarks.accuracy.runner import parse_args, run
+from rocketkv_jax.models import forward_full
+
+
+def _seq(model, t, seed=0):
+  return np.random.default_rng(seed).integers(3, model.config.vocab_size, size=(2, t)).astype(np.int32)
+
+
+def test_full_teacher_forced_equals_dense_forward(tiny_model):
+  r = Runner(tiny_model)
+  ids = _seq(tiny_model, 96)
+  prefix = 80
+  logits, qkv = r.prefill_dense(ids, np.full(2, prefix))
+  cfg = make_config("full", 64, prefix, 16, tiny_model.config)
+  lp, d = r.teacher_forced(qkv, logits, ids, prefix, cfg, diag=True)
+  ref = np.asarray(jnp.asarray(forward_full(tiny_model, ids)))[:, prefix - 1:-1]
+  ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+  np.testing.assert_allclose(lp, ref, atol=2e-4)
+  np.testing.assert_allclose(d["mass"], 1.0, atol=1e-5)  # full attends everything
+
+
+@pytest.mark.parametrize("method", ["rocketkv", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
+                                    "exact_topk"])
+def test_mass_diagnostic_bounds(tiny_model, method):
+  r = Runner(tiny_model)
+  ids = _seq(tiny_model, 200, seed=1)
+  prefix = 192
+  logits, qkv = r.prefill_dense(ids, np.full(2, prefix))
+  cfg = make_config(method, 64, prefix, 8, tiny_model.config)
+  lp, d = r.teacher_forced(qkv, logits, ids, prefix, cfg, diag=True)
+  assert lp.shape == (2, 8, tiny_model.config.vocab_size) and np.isfinite(lp).all()
+  mass, oracle = d["mass"], d["oracle"]
+  assert mass.shape == (7, 2, 2, 2)
+  assert (mass > 0).all() and (mass <= oracle + 1e-5).all() and (oracle <= 1 + 1e-5).all()
+  assert (d["n_sel"] <= 64 + 8).all()  # never more than the budget's tokens (+ generated ones)
+  if method == "exact_topk":
+    np.testing.assert_allclose(mass, oracle, atol=1e-5)
+
+
+def test_tiny_end_to_end(tiny_model, tiny_tokenizer, tmp_path):
+  args = parse_args(["--contexts", "512", "--budgets", "64,128", "--samples", "1", "--methods",
+                     "full,rocketkv,streaming_llm", "--tasks", "passkey,multivalue", "--fid-samples", "1",
+                     "--fid-tail", "8", "--max-new", "4", "--out", str(tmp_path / "acc")])
+  args.model = (tiny_model, tiny_tokenizer)
+  res = run(args, log=lambda m: None)
+  paths = write_outputs(res, args.out)
+  assert {os.path.basename(p) for p in paths} >= {"acc.json", "acc.md", "acc_tasks.png", "acc_top1.png"}
+  data = json.load(open(tmp_path / "acc.json"))
+  assert len(data["tasks"]) == 2 * (1 + 2 * 2)  # 2 prompts x (full + 2 methods x 2 budgets)
+  rows = {(r["method"], r["budget"]): r for r in data["summary"]["rows"]}
+  assert rows[("full", None)]["top1"] == 1.0 and rows[("full", None)]["kl"] == pytest.approx(0, abs=1e-6)
+  assert 0 <= rows[("rocketkv", 64)]["top1"] <= 1 and len(rows[("rocketkv", 64)]["per_task"]) == 2
+  assert "| rocketkv |" in open(tmp_path / "acc.md").read()
+
+
+def test_small_grid_flags():
+  a = parse_args(["--small"])
+  assert a.contexts == (1024,) and a.budgets == (128, 256)
+  b = parse_args(["--contexts", "1k,2k", "--budgets", "64,512"])
+  assert b.contexts == (1024, 2048) and b.budgets == (64, 512)
