@@ -196,7 +196,8 @@ def main(argv=None):
   ap.add_argument("--impl", default="auto")
   ap.add_argument("--peak", default="", help="points 'method:budget:context,...' for batch-1 peak memory")
   ap.add_argument("--peak-point", default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--profile", default=None, help="write a jax.profiler trace of one decode chunk per point here")
+  ap.add_argument("--profile", default=None,
+                  help="write a jax.profiler trace of one decode chunk per batch-1 point here, print its top ops")
   ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
@@ -242,9 +243,8 @@ def main(argv=None):
         try:
           caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context)
         except Exception as e:  # noqa: BLE001 - reported, not dropped
-          if not _is_oom(e):
-            raise
-          emit(dict(base, batch=1, status="OOM in prefill"))
+          emit(dict(base, batch=1, status="OOM in prefill" if _is_oom(e) else "error in prefill",
+                    error=f"{type(e).__name__}: {str(e)[:400]}"))
           continue
         if method == "full":
           dense_prefill_s[context] = prefill_s
@@ -259,7 +259,8 @@ def main(argv=None):
               caches = caches1 if batch == 1 else rk.concat_caches([caches1] * batch)
               if batch == 1:  # decode donates: keep caches1 for the next batch size
                 caches = jax.tree.map(jnp.copy, caches1)
-              prof = os.path.join(args.profile, f"{method}_{budget}_{context}_{batch}") if args.profile else None
+              prof = (os.path.join(args.profile, f"{method}_{budget}_{context}_{batch}")
+                      if args.profile and batch == 1 else None)
               ms, per_step, length, top = time_decode(model, config, caches, chunk=args.chunk, reps=reps,
                                                       profile_dir=prof)
               del caches
@@ -271,10 +272,11 @@ def main(argv=None):
               if top:
                 rec["top_ops"] = top
               break
-            except Exception as e:  # noqa: BLE001
-              if not _is_oom(e):
-                raise
+            except Exception as e:  # noqa: BLE001 - every failure is reported with its point
               caches = None
+              if not _is_oom(e):
+                rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
+                break
               if bspec != "max" or attempt == 3:
                 rec.update(status="OOM")
                 break

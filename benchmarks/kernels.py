@@ -196,6 +196,9 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
   ap.add_argument("--iters", type=int, default=50)
   ap.add_argument("--only", default="", help="dense|sparse")
+  ap.add_argument("--batches", default="1,8,32")
+  ap.add_argument("--lengths", default="4096,32768,131072")
+  ap.add_argument("--budgets", default="256,1024")
   args = ap.parse_args()
   on_gpu = any(d.platform == "gpu" for d in jax.devices())
   interpret = not on_gpu
@@ -206,7 +209,9 @@ def main():
   if args.smoke:
     batches, lengths, budgets, iters = [2], [700], [64], 2
   else:
-    batches, lengths, budgets, iters = [1, 8, 32], [4096, 32768, 131072], [256, 1024], args.iters
+    ints = lambda x: [int(v) for v in x.split(",")]  # noqa: E731
+    batches, lengths, budgets = ints(args.batches), ints(args.lengths), ints(args.budgets)
+    iters = args.iters
   rows = []
   fout = open(args.out, "w")
 

@@ -107,6 +107,8 @@ def run(args, progress=None, log=print) -> dict:
                   "grid": {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks",
                                                            "fid_samples", "fid_tail", "max_new", "chat", "dtype")}},
          "tasks": [], "fidelity": [], "skipped": []}
+  res["meta"]["haystack"] = {"files": sorted(n for n in os.listdir(T.DATA_DIR) if n.endswith(".txt")),
+                             "sentences": len(T.haystack_sentences())}
   n_cfg = {c: len(_configs(args.methods, args.budgets, c, args.max_new, cfg)) for c in args.contexts}
   n_batches = lambda c: -(-(len(args.tasks) * args.samples) // args.batch)
   total = sum(n_cfg[c] * (n_batches(c) + (1 if args.fid_samples else 0)) for c in args.contexts)

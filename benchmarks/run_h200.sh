@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The H200 decode grid behind benchmarks/results/decode_h200_*.jsonl, in priority order (each part bounded,
+# so a slow compile cannot cost the rest). Usage: benchmarks/run_h200.sh OUT_DIR
+set -u
+out=${1:?out dir}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+run() { local secs=$1; shift; timeout "$secs" python3 -m benchmarks.decode --out "$out/decode.jsonl" "$@" \
+          >>"$out/log.txt" 2>&1 || echo "part exited $? : $*" >>"$out/log.txt"; }
+run 200 --contexts 32k --methods full,rocketkv --budgets 256 --batches 1,8,max --profile /tmp/prof
+run 120 --contexts 128k --methods full,rocketkv --budgets 256 --batches 1,8
+run 100 --contexts 32k --methods rocketkv,snapkv,quest --budgets 1024 --batches 1,8
+run 60 --contexts 16k,64k --methods rocketkv --budgets 256 --batches 1
+run 90 --contexts 128k --methods full --batches 1 --peak full:256:128k,rocketkv:256:128k,rocketkv:256:96k,full:256:96k
