@@ -230,7 +230,7 @@ def main(argv=None):
   reps = max(1, -(-args.steps // args.chunk))
   methods = args.methods.split(",")
   budgets = [int(b) for b in args.budgets.split(",")]
-  contexts = [_parse_tokens(c) for c in args.contexts.split(",")]
+  contexts = [_parse_tokens(c) for c in args.contexts.split(",") if c]
   batches = args.batches.split(",")
   dense_prefill_s = {}
   for context in contexts:

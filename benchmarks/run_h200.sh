@@ -10,4 +10,4 @@ run 200 --contexts 32k --methods full,rocketkv --budgets 256 --batches 1,8,max -
 run 120 --contexts 128k --methods full,rocketkv --budgets 256 --batches 1,8
 run 100 --contexts 32k --methods rocketkv,snapkv,quest --budgets 1024 --batches 1,8
 run 60 --contexts 16k,64k --methods rocketkv --budgets 256 --batches 1
-run 90 --contexts 128k --methods full --batches 1 --peak full:256:128k,rocketkv:256:128k,rocketkv:256:96k,full:256:96k
+run 90 --contexts "" --peak full:256:128k,rocketkv:256:128k,rocketkv:256:96k,full:256:96k

@@ -2,7 +2,8 @@
 
 KT pages are channel-major [B, K, H, P]. For each (b, k) the kernel reads only the R selected
 channel rows, and of each row only the min or the max page summary (by the sign of the group's
-summed query on that channel): R * P values per KV head. The grid is (B, K, page blocks); each
+summed query on that channel): R * P values per KV head. The tiny per-(b, k) terms (q on the selected
+channels, their signs, the temperatures) are computed in XLA. The grid is (B, K, page blocks); each
 program writes its per-head scaled page scores s/tau and a partial softmax (max, weighted sum)
 over its pages. A small XLA epilogue normalises per head over all pages and averages the group.
 """
@@ -67,10 +68,12 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, le
 
 def _hsa_scores_kernel(
     # inputs
-    q_ref,  # [G, H]
+    qr_ref,  # [G, R] float32: q[g, channels]
+    inv_tau_ref,  # [G] float32: 1 / tau[g]
     kt_min_ref,  # [H, P]
     kt_max_ref,  # [H, P]
     ch_ref,  # [R] int32
+    use_max_ref,  # [R] bool: sum_g qr[g, r] > 0
     length_ref,  # []
     # outputs
     s_ref,  # [G, block_p] float32: s/tau of each head, MASK_VALUE on empty pages
@@ -81,25 +84,17 @@ def _hsa_scores_kernel(
     page_size: int,
     masked_gather: bool,
 ):
-  G, H = q_ref.shape
-  Gp = max(MIN_DOT_DIM, next_pow2(G))
-  R = ch_ref.shape[0]
-  Rp = max(MIN_DOT_DIM, next_pow2(R))
+  G, R = qr_ref.shape
+  Gp = next_pow2(G)
+  Rp = next_pow2(R)
   P = kt_min_ref.shape[1]
-  row_ok = jnp.arange(Gp) < G
+  rows = jnp.arange(Gp)
+  row_ok = rows < G
   r_ok = jnp.arange(Rp) < R
-  qf = pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0).astype(jnp.float32)
   ch = pltriton.load(ch_ref.at[pl.ds(0, Rp)], mask=r_ok, other=0)
-  ch = jnp.clip(ch, 0, H - 1)
-  # qr = qf[:, ch] as an exact one-hot product: Triton cannot gather from a loaded value.
-  onehot_HR = ((jnp.arange(H)[:, None] == ch[None, :]) & r_ok[None, :]).astype(jnp.float32)
-  qr = jnp.dot(qf, onehot_HR, precision="highest", preferred_element_type=jnp.float32)  # [Gp, Rp]
-  use_max = (qr.sum(axis=0) > 0) & r_ok  # [Rp]
+  use_max = pltriton.load(use_max_ref.at[pl.ds(0, Rp)], mask=r_ok, other=False) & r_ok
   use_min = (~use_max) & r_ok
-  num = jnp.abs(qr).sum(axis=-1)
-  den = jnp.abs(qf).sum(axis=-1)
-  tau = jnp.sqrt(H * num / jnp.where(den > 0, den, 1.0))
-  tau = jnp.where(tau > 0, tau, 1.0)
+  inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, Gp)], mask=row_ok, other=1.0)
 
   p0 = pl.program_id(2) * block_p
   page = p0 + jnp.arange(block_p)
@@ -107,17 +102,23 @@ def _hsa_scores_kernel(
   p_ok = (n > 0) & (page < P)
   if masked_gather:
     # Each selected channel row is fetched from exactly one of kt_min / kt_max.
-    rows, cols = ch[:, None], page[None, :]
     # No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by where.
-    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & p_ok[None, :])
+    rows_R, cols = ch[:, None], page[None, :]
+    rep_max = pltriton.load(kt_max_ref.at[rows_R, cols], mask=use_max[:, None] & p_ok[None, :])
+    rep_min = pltriton.load(kt_min_ref.at[rows_R, cols], mask=use_min[:, None] & p_ok[None, :])
     rep = jnp.where(use_max[:, None], rep_max.astype(jnp.float32), rep_min.astype(jnp.float32))
   else:  # interpret mode cannot mask a gather: load both and select
     rep_max = kt_max_ref[ch, pl.ds(p0, block_p)].astype(jnp.float32)
     rep_min = kt_min_ref[ch, pl.ds(p0, block_p)].astype(jnp.float32)
     rep = jnp.where(use_max[:, None], rep_max, rep_min)
   rep = jnp.where(r_ok[:, None] & p_ok[None, :], rep, 0.0)  # [Rp, block_p]
-  s = jnp.dot(qr, rep, precision="highest", preferred_element_type=jnp.float32) / tau[:, None]
+  # s[g, p] = sum_r qr[g, r] * rep[r, p] in exact float32 (no TF32 dot), one head at a time.
+  s = jnp.zeros((Gp, block_p), jnp.float32)
+  for g in range(G):
+    qg = pltriton.load(qr_ref.at[jnp.int32(g), pl.ds(0, Rp)], mask=r_ok, other=0.0)  # [Rp]
+    s_g = (qg[:, None] * rep).sum(axis=0)  # [block_p]
+    s = jnp.where((rows == g)[:, None], s_g[None, :], s)
+  s = s * inv_tau[:, None]
   s = jnp.where(p_ok[None, :], s, MASK_VALUE)
   m = s.max(axis=-1)
   e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
@@ -171,13 +172,21 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
     raise ValueError(f"kt_max dtype {kt_max_BKHP.dtype} must equal kt_min dtype "
                      f"{kt_min_BKHP.dtype}")
   if block_p is None:
-    # Enough page blocks to fill the GPU, never fewer than 16 pages (dot) nor more than 128.
+    # Enough page blocks to fill the GPU, between 32 and 128 pages per program.
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
-    block_p = min(128, max(MIN_DOT_DIM, next_pow2(want)))
+    block_p = min(128, max(32, next_pow2(want)))
   if block_p < MIN_DOT_DIM or block_p & (block_p - 1):
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)
   P_pad = num_blocks * block_p
+
+  # The per-(b, k) selection terms are tiny ([G, R]); XLA computes them once instead of every
+  # page-block program redoing them.
+  channels = jnp.clip(channels_BKR.astype(jnp.int32), 0, H - 1)
+  qf_BKGH = q_BKGH.astype(jnp.float32)
+  qr_BKGR = jnp.take_along_axis(qf_BKGH, channels[:, :, None, :], axis=-1)
+  use_max_BKR = qr_BKGR.sum(axis=2) > 0  # zero counts as negative
+  inv_tau_BKG = 1.0 / _temperature(qr_BKGR, qf_BKGH)
 
   kernel = functools.partial(_hsa_scores_kernel, block_p=block_p, page_size=page_size,
                              masked_gather=not interpret)
@@ -186,9 +195,11 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
       kernel,
       grid=(B, K, num_blocks),
       in_specs=[
-          pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, G, R), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, G), lambda b, k, j: (b, k, 0)),
           pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
           pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, R), lambda b, k, j: (b, k, 0)),
           pl.BlockSpec((None, None, R), lambda b, k, j: (b, k, 0)),
           pl.BlockSpec((None,), lambda b, k, j: (b,)),
       ],
@@ -205,7 +216,7 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_hsa_scores",
-  )(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR.astype(jnp.int32), length)
+  )(qr_BKGR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, channels, use_max_BKR, length)
 
   # Epilogue: per-head normaliser over all pages, then the group mean.
   m_BKG = m_BKNG.max(axis=2)

@@ -161,6 +161,9 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   tokens = np.zeros((B, T), np.int32)
   for b, x in enumerate(ids):
     tokens[b, :len(x)] = x
+  if method == "rocketkv" and "window_size" not in config_overrides and T < 32:
+    # SnapKV's observation window cannot exceed the prompt; the plan rejects window > prompt budget.
+    config_overrides["window_size"] = T
   config = make_config(method, token_budget=token_budget, prompt_len=T, max_new_tokens=max_new_tokens,
                        head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
   eos = stop_ids(model, tokenizer, chat)

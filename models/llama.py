@@ -172,7 +172,7 @@ def from_params(config: LlamaConfig, params: dict, dtype=jnp.float32) -> Llama:
   """Builds a Llama from a nested dict of arrays laid out as the module (see weights.py)."""
   abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
-  want = state.to_pure_dict()
+  want = nnx.to_pure_dict(state)
   flat_want = dict(_flatten(want))
   flat_got = dict(_flatten(params))
   missing = sorted(set(flat_want) - set(flat_got))
