@@ -12,11 +12,11 @@ fi
 D=$(date -u +%Y-%m-%d)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  echo "command: timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu tests/kernels -q -rfE" > "$OUT/kernels_gpu_tests_$D.txt"
-  cat "$OUT/gpu.txt" >> "$OUT/kernels_gpu_tests_$D.txt"
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu tests/kernels -q -rfE -p no:cacheprovider 2>&1 \
-    | tee -a "$OUT/kernels_gpu_tests_$D.txt" | tail -25
-fi
 timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/kernels.py --out "$OUT/kernels_$D.jsonl" $BENCH_ARGS 2>&1 \
   | grep -v "^{" | tee "$OUT/kernels_bench_$D.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  echo "command: timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu ${TEST_SELECT:-tests/kernels} -q -rfE" > "$OUT/kernels_gpu_tests_$D.txt"
+  cat "$OUT/gpu.txt" >> "$OUT/kernels_gpu_tests_$D.txt"
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu ${TEST_SELECT:-tests/kernels} -q -rfE -p no:cacheprovider 2>&1 \
+    | tee -a "$OUT/kernels_gpu_tests_$D.txt" | tail -25
+fi
