@@ -111,8 +111,8 @@ def read_gguf(path: str):
       rope_scaling = (("factor", float(need("rope.scaling.factor"))), ("rope_type", "linear"))
   cfg = LlamaConfig(
       vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-      ffn_dim=int(need("feed_forward_length")), rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-      rope_scaling=rope_scaling, norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      ffn_dim=int(need("feed_forward_length")), rope_theta=_f32(_field(reader, "llama.rope.freq_base", 10000.0)),
+      rope_scaling=rope_scaling, norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
       tie_embeddings="output.weight" not in tensors, max_len=int(_field(reader, "llama.context_length", 8192)),
       bos_id=_maybe_int(_field(reader, "tokenizer.ggml.bos_token_id")),
       eos_id=_maybe_int(_field(reader, "tokenizer.ggml.eos_token_id")))
@@ -157,6 +157,11 @@ def read_gguf(path: str):
                            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
                            chat_template=_field(reader, "tokenizer.chat_template"))
   return cfg, params, text_tok
+
+
+def _f32(v) -> float:
+  """A float32 metadata value as the short decimal it was written from (9.99999975e-06 -> 1e-05)."""
+  return float(str(np.float32(v)))
 
 
 def _maybe_int(v):

@@ -1,0 +1,23 @@
+"""`rocketkv generate` end to end on a tiny GGUF written by the loader tests."""
+
+import json
+
+from rocketkv_jax.cli import main
+
+from .test_loaders import write_gguf
+
+
+def test_generate_json(tmp_path, capsys):
+  path = write_gguf(str(tmp_path / "tiny.gguf"))
+  args = ["generate", "--model", path, "--method", "rocketkv", "--token-budget", "64", "--max-new-tokens", "5",
+          "--prompt", "the cat sat on the mat and then the cat sat again", "--json", "--no-cache"]
+  assert main(args) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert set(out) == {"text", "token_ids", "stats"}
+  assert 1 <= len(out["token_ids"]) <= 5
+  assert out["stats"]["method"] == "rocketkv" and out["stats"]["kv_bytes"] > 0
+
+
+def test_generate_reports_missing_model(tmp_path, capsys):
+  assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 1
+  assert "not found" in capsys.readouterr().err
