@@ -19,9 +19,9 @@ import warnings
 
 def _console(stderr: bool):
   from rich.console import Console
-  c = Console(stderr=stderr, highlight=False)
+  c = Console(stderr=stderr, highlight=False, log_path=False)
   if not c.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
-    c = Console(stderr=stderr, highlight=False, width=120)
+    c = Console(stderr=stderr, highlight=False, log_path=False, width=120)
   return c
 
 
