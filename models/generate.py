@@ -116,6 +116,8 @@ def _compiled(name, fn, *args, **static):
   key = (name, args[0], jax.tree.structure(args[1:]), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args[1:])),
          tuple(sorted(static.items())))
   if key not in _COMPILED:
+    if len(_COMPILED) >= 64:  # many distinct prompt shapes: drop old executables
+      _COMPILED.clear()
     _COMPILED[key] = fn.lower(*args, **static).compile()
   return _COMPILED[key]
 
