@@ -150,7 +150,7 @@ def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: st
     with jax.profiler.trace(profile_dir):
       tokens, caches = compiled(state, tokens, caches)
       tokens.block_until_ready()
-    top = top_ops(profile_dir, 15, steps=chunk)
+    top = top_ops(profile_dir, 40, steps=chunk)
   length = int(np.asarray(caches[0].length).max())
   del caches
   return float(np.median(per_step)), per_step, length, top
@@ -206,6 +206,13 @@ def main(argv=None):
   if args.peak_point:
     m, t, c = args.peak_point.split(":")
     peak_point(cfg, m, int(t), _parse_tokens(c), args.chunk, args.impl)
+    return
+
+  points = [p for p in args.peak.split(",") if p]
+  if points and not args.contexts:  # peak-only: leave the device to the subprocesses
+    for point in points:
+      _peak_subprocess(point, args, lambda rec: print(json.dumps(rec), flush=True) or (
+          open(args.out, "a").write(json.dumps(rec) + "\n") if args.out else None))
     return
 
   out = open(args.out, "a") if args.out else None
@@ -284,16 +291,21 @@ def main(argv=None):
               rec.update(batch=batch, cache_bytes=per_seq * batch)
           emit(rec)
         del caches1
-  for point in filter(None, args.peak.split(",")):
-    cmd = [sys.executable, "-m", "benchmarks.decode", "--peak-point", point, "--impl", args.impl] + (
-        ["--tiny"] if args.tiny else [])
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("{")]
-    if lines:
-      emit(json.loads(lines[-1]))
-    else:
-      emit(dict(kind="peak", point=point, status="OOM" if "RESOURCE_EXHAUSTED" in res.stderr else "failed",
-                error=res.stderr[-500:]))
+  if points:
+    raise SystemExit("--peak runs alone (without --contexts) so that this process holds no device memory")
+
+
+def _peak_subprocess(point, args, emit):
+  cmd = [sys.executable, "-m", "benchmarks.decode", "--peak-point", point, "--impl", args.impl] + (
+      ["--tiny"] if args.tiny else [])
+  res = subprocess.run(cmd, capture_output=True, text=True)
+  lines = [l for l in res.stdout.splitlines() if l.startswith("{")]
+  if lines:
+    emit(json.loads(lines[-1]))
+  else:
+    err = [l for l in res.stderr.splitlines() if "Error" in l or "RESOURCE_EXHAUSTED" in l]
+    emit(dict(kind="peak", point=point, status="OOM" if "RESOURCE_EXHAUSTED" in res.stderr else "failed",
+              error=" | ".join(err[-3:])[:600]))
 
 
 if __name__ == "__main__":

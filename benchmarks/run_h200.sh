@@ -6,8 +6,7 @@ out=${1:?out dir}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 run() { local secs=$1; shift; timeout "$secs" python3 -m benchmarks.decode --out "$out/decode.jsonl" "$@" \
           >>"$out/log.txt" 2>&1 || echo "part exited $? : $*" >>"$out/log.txt"; }
-run 200 --contexts 32k --methods full,rocketkv --budgets 256 --batches 1,8,max --profile /tmp/prof
-run 120 --contexts 128k --methods full,rocketkv --budgets 256 --batches 1,8
-run 100 --contexts 32k --methods rocketkv,snapkv,quest --budgets 1024 --batches 1,8
-run 60 --contexts 16k,64k --methods rocketkv --budgets 256 --batches 1
-run 90 --contexts "" --peak full:256:128k,rocketkv:256:128k,rocketkv:256:96k,full:256:96k
+run 170 --contexts 32k --methods full,rocketkv --budgets 256 --batches 1,8,max --profile /tmp/prof
+run 150 --contexts 128k --methods rocketkv,full --budgets 256 --batches 1
+run 150 --contexts "" --peak rocketkv:256:128k,full:256:128k
+run 100 --contexts 32k --methods snapkv,quest --budgets 256 --batches 1,8

@@ -56,7 +56,10 @@ def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
 def write_slot(x_BKSX: jax.Array, new_BKX: jax.Array, slot_BK: jax.Array) -> jax.Array:
   """x[b, k, slot[b, k]] = new[b, k], in place under donation (one scatter)."""
   b, k = np.indices(slot_BK.shape, sparse=True)
-  return x_BKSX.at[b, k, slot_BK].set(new_BKX.astype(x_BKSX.dtype), mode="promise_in_bounds")
+  # The barrier keeps XLA from fusing the producer of `new` (the K/V projection matmul) into the scatter:
+  # on an H200 that fusion ran each projection as one thread per output element (77 us per layer).
+  new_BKX = jax.lax.optimization_barrier(new_BKX.astype(x_BKSX.dtype))
+  return x_BKSX.at[b, k, slot_BK].set(new_BKX, mode="promise_in_bounds")
 
 
 def kt_dtype(config, k_dtype) -> jnp.dtype:
@@ -85,7 +88,7 @@ def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size: int)
   page_B = slot_B // page_size
   fresh_B = (slot_B % page_size == 0)[:, None, None]
   b = jnp.arange(slot_B.shape[0])
-  kf = k_new_BKH.astype(jnp.float32)
+  kf = jax.lax.optimization_barrier(k_new_BKH).astype(jnp.float32)  # see write_slot
   old_min = kt_min_BKHP[b, :, :, page_B].astype(jnp.float32)  # [B, K, H]
   old_max = kt_max_BKHP[b, :, :, page_B].astype(jnp.float32)
   new_min = jnp.where(fresh_B, kf, jnp.minimum(old_min, kf))

@@ -41,6 +41,8 @@ def markdown(res) -> str:
         ("Score on the samples full KV solves", "accuracy_on_full_solved",
          lambda r: _fmt(r.get("accuracy_on_full_solved"), True)),
         ("Top-1 agreement with full KV (teacher-forced)", "top1", lambda r: _fmt(r.get("top1"), True)),
+        ("Top-1 agreement where full KV's top-1 probability is >= 0.5", "top1_confident",
+         lambda r: _fmt(r.get("top1_confident"), True)),
         ("Mean KL(full || method), nats per token", "kl", lambda r: _fmt(r.get("kl"))),
         ("Attention mass captured (all layers) / exact top-M oracle of the same size", "mass",
          lambda r: f"{_fmt(r.get('mass'))} / {_fmt(r.get('oracle'))}" if r.get("mass") is not None else "-"),

@@ -183,8 +183,14 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
            "seconds": time.time() - t0}
     if ref is not None:
       p_ref = np.exp(ref)
-      row["top1"] = float((lp.argmax(-1) == ref.argmax(-1)).mean())
+      agree = lp.argmax(-1) == ref.argmax(-1)
+      row["top1"] = float(agree.mean())
       row["kl"] = float((p_ref * (ref - lp)).sum(-1).mean())
+      # agreement where full KV is confident (top-1 prob >= 0.5): flips among near-ties of a small
+      # model's flat next-token distributions say little, flips of a confident prediction do
+      confident = p_ref.max(-1) >= 0.5
+      row["confident_share"] = float(confident.mean())
+      row["top1_confident"] = float(agree[confident].mean()) if confident.any() else None
     if d is not None:
       mass, oracle = d["mass"], d["oracle"]  # [steps, L, B, K]
       row["mass_per_layer"] = mass.mean(axis=(0, 2, 3)).round(5).tolist()
@@ -218,7 +224,7 @@ def summarize(res) -> dict:
         row["relative_accuracy"] = row["accuracy"] / full[c]
       row["accuracy_on_full_solved"] = _on_solved(res, c, m, b)
     if k in fid:
-      for f in ("top1", "kl", "nll", "mass", "oracle"):
+      for f in ("top1", "top1_confident", "kl", "nll", "mass", "oracle"):
         if f in fid[k]:
           row[f] = fid[k][f]
     out.append(row)
