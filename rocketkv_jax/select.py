@@ -8,6 +8,10 @@ from jax import lax
 
 from rocketkv_jax.cache import slot_valid
 
+# Up to this many cache slots, top-k over pages runs as one top_k over the broadcast slot scores; above it,
+# over the best pages only (same result, less work on long full caches).
+DIRECT_TOPK_MAX_SLOTS = 16384
+
 
 def topk_tokens(scores_BKS: jax.Array, length_B: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The `k` valid slots with the highest score per (sequence, KV head); ties toward the lower slot.
@@ -33,6 +37,9 @@ def topk_tokens_from_pages(page_scores_BKP: jax.Array, length_B: jax.Array, page
   """
   num_pages = page_scores_BKP.shape[-1]
   m = min(k, num_slots)
+  if num_slots <= DIRECT_TOPK_MAX_SLOTS:  # fewer kernels: broadcast to slots, one top_k
+    slot_scores = jnp.repeat(page_scores_BKP, page_size, axis=-1)[..., :num_slots]
+    return topk_tokens(slot_scores, length_B, m)
   n_pages = min(num_pages, -(-m // page_size) + 1)
   page_valid = jnp.arange(num_pages)[None, :] * page_size < length_B[:, None]
   page_scores = jnp.where(page_valid[:, None, :], page_scores_BKP.astype(jnp.float32), -jnp.inf)
