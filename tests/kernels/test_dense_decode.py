@@ -72,3 +72,14 @@ def test_matches_reference_gpu(c):
   needs_gpu()
   check(c, seed=3, interpret=False)
   check(c, seed=4, interpret=False, block_k=32, num_splits=5)
+
+
+def test_zero_length_gives_zero_and_long_length_is_clipped():
+  c = dict(B=2, K=1, G=4, H=64, S=33, dtype=jnp.float32)
+  q, k, v, _ = make_inputs(c, seed=6)
+  k = jnp.where(jnp.isnan(k), 0.5, k)
+  v = jnp.where(jnp.isnan(v), 0.5, v)
+  out = dense_decode_attention(q, k, v, jnp.array([0, 99], jnp.int32), interpret=True, block_k=16)
+  assert not np.asarray(out[0]).any()
+  ref = dense_decode_attention_reference(q[1:], k[1:], v[1:], jnp.array([33], jnp.int32))
+  assert rel_err(out[1:], ref) < 1e-5
