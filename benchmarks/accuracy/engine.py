@@ -208,6 +208,17 @@ class Runner:
       out.append((slot_pos, fullk))
     return out
 
+  @staticmethod
+  def check_room(caches, config, steps: int) -> None:
+    """Inside a jit the core cannot check that a cache has a free slot (api.py), and writing past
+    capacity silently corrupts the cache, so check on the host before decoding `steps` tokens."""
+    if config.method in ("streaming_llm", "h2o"):  # these evict, so they never run out of slots
+      return
+    need = int(np.max(np.asarray(caches[0].length))) + steps
+    if need > config.capacity:
+      raise ValueError(f"{config.method}: {steps} decode steps need {need} slots > capacity {config.capacity}; "
+                       "plan the config with max_new_tokens >= steps")
+
   def step(self, tokens_B, caches, config, extras=None, diag=False):
     """One decode step over all layers -> (logits [B, V], caches, extras, per-layer stats or None)."""
     x = _embed_j(self.graphdef, self.state, jnp.asarray(tokens_B, jnp.int32))
@@ -227,6 +238,7 @@ class Runner:
     out = np.full((b, max_new), -1, np.int64)
     done = np.zeros(b, bool)
     eos = np.asarray(list(eos_ids) or [-2])
+    self.check_room(caches, config, max_new - 1)
     for i in range(max_new):
       out[:, i] = np.where(done, -1, tok)
       done |= np.isin(tok, eos)
@@ -246,6 +258,7 @@ class Runner:
     b, t = tokens_BT.shape
     lengths = np.full((b,), prefix, np.int32)
     caches = self.compress(layer_qkv, lengths, config, prefix=prefix)
+    self.check_room(caches, config, t - 1 - prefix)
     extras = self._diag_state(layer_qkv, lengths, caches, config, prefix, t) if diag else None
     logps = [np.asarray(jax.nn.log_softmax(prefix_logits_BV.astype(jnp.float32), -1))]
     per_step = []

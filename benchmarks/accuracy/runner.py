@@ -165,6 +165,12 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
   if prog: prog.describe(f"{C} tok: dense prefill of {len(seqs)} prose sequences")
   logits, qkv = runner.prefill_dense(ids, np.full((len(seqs),), prefix, np.int32))
   jax.block_until_ready(logits)
+  # plan each method for what this run decodes: a prompt of `prefix` tokens and F - 1 new ones (the
+  # task configs are planned for C + max_new and would overflow a non-evicting cache)
+  confs = _configs(args.methods, args.budgets, prefix, F, runner.cfg)
+  for m, b, c in confs:
+    if isinstance(c, str):
+      res["skipped"].append({"context": C, "method": m, "budget": b, "why": f"fidelity {c}"})
   order = sorted(confs, key=lambda x: x[0] != "full")  # the reference first
   ref = None
   target = ids[:, prefix:]

@@ -30,8 +30,8 @@ def test_full_teacher_forced_equals_dense_forward(tiny_model):
   np.testing.assert_allclose(d["mass"], 1.0, atol=1e-5)  # full attends everything
 
 
-@pytest.mark.parametrize("method", ["rocketkv", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
-                                    "exact_topk"])
+# one method per distinct slot-mapping / selection path (snapkv and hsa reuse rocketkv's two halves)
+@pytest.mark.parametrize("method", ["rocketkv", "quest", "sparq", "streaming_llm", "h2o", "exact_topk"])
 def test_mass_diagnostic_bounds(tiny_model, method):
   r = Runner(tiny_model)
   ids = _seq(tiny_model, 200, seed=1)
@@ -69,3 +69,12 @@ def test_small_grid_flags():
   assert a.contexts == (1024,) and a.budgets == (128, 256)
   b = parse_args(["--contexts", "1k,2k", "--budgets", "64,512"])
   assert b.contexts == (1024, 2048) and b.budgets == (64, 512)
+
+
+def test_decoding_past_capacity_is_refused(tiny_model):
+  r = Runner(tiny_model)
+  ids = _seq(tiny_model, 160)
+  logits, qkv = r.prefill_dense(ids, np.full(2, 128))
+  cfg = make_config("snapkv", 64, 128, 4, tiny_model.config)  # room for 4 new tokens only
+  with pytest.raises(ValueError, match="capacity"):
+    r.teacher_forced(qkv, logits, ids, 128, cfg, diag=False)
