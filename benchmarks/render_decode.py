@@ -20,11 +20,17 @@ def render(path: str) -> str:
   header = next((r for r in recs if r["kind"] == "header"), {})
   points = [r for r in recs if r["kind"] == "point"]
   peaks = [r for r in recs if r["kind"] == "peak"]
+  dense = {r["context"]: r["prefill_s"] for r in points if r["method"] == "full" and r.get("prefill_s")}
+  for r in points:  # parts of a run may time the methods in either order
+    if r.get("prefill_s") and r["context"] in dense:
+      r["prefill_vs_dense"] = round(r["prefill_s"] / dense[r["context"]], 3)
+  headers = [r for r in recs if r["kind"] == "header"]
   lines = [f"# Decode benchmark: {header.get('model', '?')} on {header.get('device', '?')}", "",
            f"- date {header.get('date')}, jax {header.get('jax')}, copy bandwidth "
            f"{header.get('copy_bandwidth_GBps')} GB/s (read + write, measured in the same run), weights "
            f"{header.get('weight_bytes', 0) / 1e9:.2f} GB read per step",
-           f"- command: `{header.get('command')}`", "",
+           *[f"- command: `{h.get('command')}` ({h.get('date')}, copy {h.get('copy_bandwidth_GBps')} GB/s)"
+             for h in headers], "",
            "| method | context | batch | ms/step | floor ms | x floor | tokens/s | cache GB | prefill s | prefill vs dense |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for r in points:
@@ -43,7 +49,7 @@ def render(path: str) -> str:
         lines.append(f"| {_label(r)} | {r['context']} | {r['peak_bytes'] / 1e9:.1f} | "
                      f"{(r.get('weights_bytes') or 0) / 1e9:.1f} | {r['cache_bytes'] / 1e9:.2f} |")
       else:
-        lines.append(f"| {r.get('point', _label(r))} | | {r.get('status')} | | |")
+        lines.append(f"| {r['point'] if 'point' in r else _label(r)} | | {r.get('status')} | | |")
   md = "\n".join(lines) + "\n"
   stem = Path(path).with_suffix("")
   Path(f"{stem}.md").write_text(md)
