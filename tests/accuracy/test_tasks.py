@@ -42,9 +42,9 @@ def test_vartrack_chain_and_distractor(tiny_tokenizer):
 def test_lengths_follow_the_context_and_haystack_wraps(tiny_tokenizer):
   for n in (300, 700, 1000):
     assert len(T.make_passkey(tiny_tokenizer, n, 0).ids) == n
-  ids, meta = T.fidelity_text(tiny_tokenizer, 6000, 0)  # longer than the text: wraps around
-  assert len(ids) == 6000 and meta["repeats"] >= 1
-  assert T.fidelity_text(tiny_tokenizer, 6000, 0)[0] == ids
+  ids, meta = T.fidelity_text(tiny_tokenizer, 30000, 0)  # longer than the text: wraps around
+  assert len(ids) == 30000 and meta["repeats"] >= 1
+  assert T.fidelity_text(tiny_tokenizer, 30000, 0)[0] == ids
 
 
 def test_too_short_context_is_rejected(tiny_tokenizer):
