@@ -15,10 +15,9 @@ import numpy as np
 
 from rocketkv_jax import methods
 from rocketkv_jax.cache import KVCache
-from rocketkv_jax.config import MethodConfig
+from rocketkv_jax.config import MethodConfig, _NoEvictionConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-_NO_EVICTION = ("full", "quest", "sparq", "hsa", "exact_topk")
 
 
 def _is_concrete(x) -> bool:
@@ -60,7 +59,7 @@ def _validate_prefill(q, k, v, lengths, config) -> None:
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"lengths must be an int array of shape (B,)=({b},); got shape={lengths.shape}, "
                      f"dtype={lengths.dtype}")
-  if config.method in _NO_EVICTION and t > config.capacity:
+  if isinstance(config, _NoEvictionConfig) and t > config.capacity:
     raise ValueError(f"prompt length T={t} exceeds {config.method} capacity={config.capacity} "
                      "(raise max_len)")
   if config.method in ("snapkv", "rocketkv") and t > config.prompt_budget and t < config.window_size:

@@ -60,19 +60,27 @@ class MethodConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FullConfig(MethodConfig):
-  """Full KV cache, dense attention. `max_len`: prompt + generated tokens the cache can hold."""
+class _NoEvictionConfig(MethodConfig):
+  """Methods that keep every token: the cache holds `max_len` tokens (prompt + generated)."""
 
-  method: ClassVar[str] = "full"
   max_len: int
 
   def __post_init__(self):
     super().__post_init__()
     _check_int("max_len", self.max_len)
+    if hasattr(self, "topk"):
+      _check_sparse(self)
 
   @property
   def capacity(self) -> int:
     return self.max_len
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FullConfig(_NoEvictionConfig):
+  """Full KV cache, dense attention. `max_len`: prompt + generated tokens the cache can hold."""
+
+  method: ClassVar[str] = "full"
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
@@ -190,25 +198,15 @@ def _check_sparse(c) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class QuestConfig(MethodConfig):
+class QuestConfig(_NoEvictionConfig):
   """Quest: no eviction; pages of `page_size` slots scored by the upper bound over all channels of the
   page key min/max, summed over the query heads of a KV group; exact attention over the top `topk` tokens
   of the best pages."""
 
   method: ClassVar[str] = "quest"
-  max_len: int
   page_size: int
   topk: int
   kt_cache_dtype: str | None = None
-
-  def __post_init__(self):
-    super().__post_init__()
-    _check_int("max_len", self.max_len)
-    _check_sparse(self)
-
-  @property
-  def capacity(self) -> int:
-    return self.max_len
 
   @property
   def uses_kt_pages(self) -> bool:
@@ -223,23 +221,13 @@ class QuestConfig(MethodConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SparQConfig(MethodConfig):
+class SparQConfig(_NoEvictionConfig):
   """SparQ: no eviction; the group's top-`topr` channels of sum |q| score every token, exact attention over
   the top `topk` tokens, plus SparQ's mean-value correction."""
 
   method: ClassVar[str] = "sparq"
-  max_len: int
   topr: int
   topk: int
-
-  def __post_init__(self):
-    super().__post_init__()
-    _check_int("max_len", self.max_len)
-    _check_sparse(self)
-
-  @property
-  def capacity(self) -> int:
-    return self.max_len
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
@@ -250,24 +238,14 @@ class SparQConfig(MethodConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HSAConfig(MethodConfig):
+class HSAConfig(_NoEvictionConfig):
   """Hybrid sparse attention (RocketKV's stage 2) alone, over the full cache."""
 
   method: ClassVar[str] = "hsa"
-  max_len: int
   page_size: int
   topr: int
   topk: int
   kt_cache_dtype: str | None = None
-
-  def __post_init__(self):
-    super().__post_init__()
-    _check_int("max_len", self.max_len)
-    _check_sparse(self)
-
-  @property
-  def capacity(self) -> int:
-    return self.max_len
 
   @property
   def uses_kt_pages(self) -> bool:
@@ -286,21 +264,11 @@ class HSAConfig(MethodConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExactTopKConfig(MethodConfig):
+class ExactTopKConfig(_NoEvictionConfig):
   """Oracle: exact attention scores (group mean of per-head softmax), exact attention over the top `topk`."""
 
   method: ClassVar[str] = "exact_topk"
-  max_len: int
   topk: int
-
-  def __post_init__(self):
-    super().__post_init__()
-    _check_int("max_len", self.max_len)
-    _check_int("topk", self.topk)
-
-  @property
-  def capacity(self) -> int:
-    return self.max_len
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax import attention
+from rocketkv_jax.config import _NoEvictionConfig
 from rocketkv_jax.cache import (KVCache, append_kt_pages, build_kt_pages, kt_dtype, slot_valid, write_slot)
 from rocketkv_jax.select import group_channels, sparq_temperature, topk_tokens, topk_tokens_from_pages
 from rocketkv_jax.snapkv import h2o_prefill_scores, snapkv_keep
@@ -51,7 +52,7 @@ def prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, config) -> KVCache:
   method = config.method
   cap = config.capacity
   lengths_B = lengths_B.astype(jnp.int32)
-  if method in ("full", "quest", "sparq", "hsa", "exact_topk"):
+  if isinstance(config, _NoEvictionConfig):
     cache = _kept_cache(k_BTKH, v_BTKH, _prefix_keep(k_BTKH, cap), lengths_B, lengths_B, cap)
     if method == "sparq":
       valid = slot_valid(cache.length, cap)[:, None, :, None]
