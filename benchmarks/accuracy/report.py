@@ -156,7 +156,9 @@ def merge(results: list[dict]) -> dict:
   out["meta"]["command"] = " && ".join(r["meta"]["command"] for r in results)
   out["meta"]["seconds"] = sum(r["meta"].get("seconds", 0) for r in results)
   out["meta"]["date"] = ", ".join(r["meta"]["date"] for r in results)
-  out["meta"]["grid"]["contexts"] = [c for r in results for c in r["meta"]["grid"]["contexts"]]
+  out["meta"]["grid"]["contexts"] = list(dict.fromkeys(c for r in results for c in r["meta"]["grid"]["contexts"]))
+  out["meta"]["grid"]["samples"] = max(r["meta"]["grid"]["samples"] for r in results)
+  out["meta"]["grid"]["fid_samples"] = max(r["meta"]["grid"]["fid_samples"] for r in results)
   for r in results:
     for k in ("tasks", "fidelity", "skipped"):
       out[k] += r.get(k, [])
