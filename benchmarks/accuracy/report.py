@@ -13,6 +13,27 @@ def _fmt(x, pct=False, digits=3):
   return f"{100 * x:.0f}%" if pct else f"{x:.{digits}f}"
 
 
+def headline(res, budget: int = 256) -> str:
+  """One table at one budget: every method x context, accuracy relative to full KV and fidelity."""
+  g, rows = res["meta"]["grid"], res["summary"]["rows"]
+  by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  if budget not in g["budgets"]:
+    budget = g["budgets"][len(g["budgets"]) // 2]
+  out = [f"## Headline at t={budget}", "",
+         "| context | method | task acc. (rel. to full) | on full's solved | top-1 | top-1 (confident) | KL | mass / oracle |",
+         "|---|---|---|---|---|---|---|---|"]
+  for c in g["contexts"]:
+    for m in g["methods"]:
+      r = by.get((c, m, None if m == "full" else budget))
+      if r is None:
+        continue
+      acc = f"{_fmt(r.get('accuracy'), True)} ({_fmt(r.get('relative_accuracy'), True)})" if "accuracy" in r else "-"
+      mass = f"{_fmt(r.get('mass'))} / {_fmt(r.get('oracle'))}" if r.get("mass") is not None else "-"
+      out.append(f"| {c} | {m} | {acc} | {_fmt(r.get('accuracy_on_full_solved'), True)} | {_fmt(r.get('top1'), True)} "
+                 f"| {_fmt(r.get('top1_confident'), True)} | {_fmt(r.get('kl'))} | {mass} |")
+  return "\n".join(out)
+
+
 def markdown(res) -> str:
   meta, rows = res["meta"], res["summary"]["rows"]
   g = meta["grid"]
@@ -27,6 +48,7 @@ def markdown(res) -> str:
   budgets = list(g["budgets"])
   methods = [m for m in g["methods"] if m != "full"]
   by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  lines += headline(res), ""
   for c in g["contexts"]:
     full = by.get((c, "full", None), {})
     lines += [f"## Context {c} tokens", ""]
@@ -121,7 +143,7 @@ def plots(res, prefix) -> list[str]:
           ax.plot(r["mass_per_layer"], "-", color=colors[r["method"]], label=r["method"],
                   lw=2.5 if r["method"] == "rocketkv" else 1.2)
           ax.plot(r["oracle_per_layer"], ":", color=colors[r["method"]], lw=0.8)
-      ax.set_title(f"{c} tokens, t={b_show} (dotted: same-size exact top-M)")
+      ax.set_title(f"{c} tok, t={b_show}; dotted: same-size oracle", fontsize=9)
       ax.set_xlabel("layer")
       ax.set_ylabel("attention mass captured")
       ax.set_ylim(0, 1.02)
