@@ -54,12 +54,15 @@ def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
 
 
 def write_slot(x_BKSX: jax.Array, new_BKX: jax.Array, slot_BK: jax.Array) -> jax.Array:
-  """x[b, k, slot[b, k]] = new[b, k], in place under donation (one scatter)."""
+  """x[b, k, slot[b, k]] = new[b, k], in place under donation (one scatter).
+
+  A slot past the capacity (possible only when a caller's jit decodes past capacity, which the eager
+  `decode_step` refuses) is dropped, never written out of range."""
   b, k = np.indices(slot_BK.shape, sparse=True)
   # The barrier keeps XLA from fusing the producer of `new` (the K/V projection matmul) into the scatter:
   # on an H200 that fusion ran each projection as one thread per output element (77 us per layer).
   new_BKX = jax.lax.optimization_barrier(new_BKX.astype(x_BKSX.dtype))
-  return x_BKSX.at[b, k, slot_BK].set(new_BKX, mode="promise_in_bounds")
+  return x_BKSX.at[b, k, slot_BK].set(new_BKX, mode="drop")
 
 
 def kt_dtype(config, k_dtype) -> jnp.dtype:
@@ -83,9 +86,11 @@ def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype
   return (k_min.transpose(0, 1, 3, 2).astype(dtype), k_max.transpose(0, 1, 3, 2).astype(dtype))
 
 
-def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size: int):
-  """Folds the key appended at slot `slot` into page slot // page_size; a page starts fresh at its first slot."""
-  page_B = slot_B // page_size
+def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size: int, num_slots: int):
+  """Folds the key appended at slot `slot` into page slot // page_size; a page starts fresh at its first slot.
+  A slot past the capacity (dropped by write_slot) touches no page."""
+  num_pages = kt_min_BKHP.shape[-1]
+  page_B = jnp.where(slot_B < num_slots, slot_B // page_size, num_pages)
   fresh_B = (slot_B % page_size == 0)[:, None, None]
   b = jnp.arange(slot_B.shape[0])
   kf = jax.lax.optimization_barrier(k_new_BKH).astype(jnp.float32)  # see write_slot
@@ -93,8 +98,8 @@ def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size: int)
   old_max = kt_max_BKHP[b, :, :, page_B].astype(jnp.float32)
   new_min = jnp.where(fresh_B, kf, jnp.minimum(old_min, kf))
   new_max = jnp.where(fresh_B, kf, jnp.maximum(old_max, kf))
-  kt_min = kt_min_BKHP.at[b, :, :, page_B].set(new_min.astype(kt_min_BKHP.dtype), mode="promise_in_bounds")
-  kt_max = kt_max_BKHP.at[b, :, :, page_B].set(new_max.astype(kt_max_BKHP.dtype), mode="promise_in_bounds")
+  kt_min = kt_min_BKHP.at[b, :, :, page_B].set(new_min.astype(kt_min_BKHP.dtype), mode="drop")
+  kt_max = kt_max_BKHP.at[b, :, :, page_B].set(new_max.astype(kt_max_BKHP.dtype), mode="drop")
   return kt_min, kt_max
 
 

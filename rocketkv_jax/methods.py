@@ -143,7 +143,7 @@ def decode(cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH, config):
   replace = {}
   if config.uses_kt_pages:
     replace["kt_min"], replace["kt_max"] = append_kt_pages(cache.kt_min, cache.kt_max, k_new_BKH, slot,
-                                                           config.page_size)
+                                                           config.page_size, cache.capacity)
   if method == "sparq":
     replace["v_sum"] = cache.v_sum + v_new_BKH.astype(jnp.float32)
   cache = _append(cache, k_new_BKH, v_new_BKH, _slot_BK(slot, n_kv), **replace)

@@ -92,3 +92,17 @@ def test_decode_with_other_config():
   cache = rk.prefill_compress(q, k, v, LEN, config=_cfg())
   with pytest.raises(ValueError, match="does not match config.capacity"):
     rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=_cfg("full"))
+
+
+def test_decode_past_capacity_inside_jit_never_writes_out_of_range():
+  """Inside a caller's jit the host check cannot run; the write past capacity is dropped, in bounds."""
+  q, k, v = _qkv()
+  cfg = rk.HSAConfig(max_len=T, page_size=3, topr=8, topk=16, impl="xla")  # 64 slots: last page partial
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, T]), config=cfg)
+  before = jax.tree.map(np.asarray, cache)
+  step = jax.jit(lambda c: rk.decode_step(c, q[:, 0] * 3, k[:, 0] * 3, v[:, 0] * 3, config=cfg))
+  out, cache = step(cache)
+  assert np.isfinite(np.asarray(out)).all()
+  for name in ("k", "v", "kt_min", "kt_max"):
+    np.testing.assert_array_equal(np.asarray(getattr(cache, name)), getattr(before, name), err_msg=name)
+  assert np.asarray(cache.length).tolist() == [T, T]
