@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .llama import Llama, _layers_prefill, cache_nbytes, decode_body, make_config, prefill_compress
+from .llama import Llama, _prefill_jit, cache_nbytes, decode_body, make_config
 from .tokenizer import TextTokenizer
 from .weights import load
 
@@ -70,12 +70,6 @@ def sample_token(logits_BV, key, temperature: float, top_p: float):
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _prefill_fn(graphdef, state, tokens_BT, lengths_B, *, config):
-  model = nnx.merge(graphdef, state)
-  return _layers_prefill(model, tokens_BT, lengths_B,
-                         lambda q, k, v: prefill_compress(q, k, v, lengths_B, config=config))
-
-
 def _loop_fn(graphdef, state, logits_BV, caches, key, eos_E, *, config, max_new: int, temperature: float,
              top_p: float):
   """Samples the first token from the prefill logits, then decodes until max_new or all ended.
@@ -105,7 +99,6 @@ def _loop_fn(graphdef, state, logits_BV, caches, key, eos_E, *, config, max_new:
   return out, i - 1, caches
 
 
-_prefill_jit = jax.jit(_prefill_fn, static_argnames=("graphdef", "config"))
 _loop_jit = jax.jit(_loop_fn, static_argnames=("graphdef", "config", "max_new", "temperature", "top_p"),
                     donate_argnames=("caches",))
 _COMPILED: dict = {}
