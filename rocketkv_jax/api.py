@@ -24,6 +24,11 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def _as_array(x):
+  """NumPy arrays and lists are accepted; jax arrays and tracers pass through untouched."""
+  return x if isinstance(x, (jax.Array, jax.core.Tracer)) else jnp.asarray(x)
+
+
 def _check_config(config) -> None:
   if not isinstance(config, MethodConfig):
     raise ValueError(f"config={config!r} must be a MethodConfig (see rocketkv_jax.make_config)")
@@ -122,6 +127,7 @@ def prefill_compress(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   n // (N // K). Stage 1 (or the baseline's eviction) happens here: the cache holds only what the method
   keeps, at the config's static capacity; every sequence of a ragged batch gets what it would get alone.
   """
+  q, k, v, lengths = (_as_array(x) for x in (q, k, v, lengths))
   _validate_prefill(q, k, v, lengths, config)
   return _prefill_jit(q, k, v, jnp.asarray(lengths, jnp.int32), config=config)
 
@@ -131,5 +137,6 @@ def decode_step(cache: KVCache, q: jax.Array, k_new: jax.Array, v_new: jax.Array
   """Appends the new token (q: [B, N, H]; k_new, v_new: [B, K, H], post-RoPE) at slot `length` (or the
   method's eviction slot), updates the method's pages/scores, selects, attends; returns out [B, N, H] and
   the new cache. The input cache is donated: do not reuse it."""
+  q, k_new, v_new = (_as_array(x) for x in (q, k_new, v_new))
   _validate_decode(cache, q, k_new, v_new, config)
   return _decode_jit(cache, q, k_new, v_new, config=config)

@@ -106,3 +106,11 @@ def test_decode_past_capacity_inside_jit_never_writes_out_of_range():
   for name in ("k", "v", "kt_min", "kt_max"):
     np.testing.assert_array_equal(np.asarray(getattr(cache, name)), getattr(before, name), err_msg=name)
   assert np.asarray(cache.length).tolist() == [T, T]
+
+
+def test_numpy_and_list_inputs():
+  q, k, v = (np.asarray(x) for x in _qkv())
+  cfg = _cfg()
+  cache = rk.prefill_compress(q, k, v, [T, 40], config=cfg)
+  out, cache = rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+  assert out.shape == (B, N, H) and np.asarray(cache.length).tolist() == [min(T, cfg.prompt_budget) + 1, 41]
