@@ -149,24 +149,31 @@ def decode(cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH, config):
   cache = _append(cache, k_new_BKH, v_new_BKH, _slot_BK(slot, n_kv), **replace)
   if method in ("full", "snapkv", "streaming_llm"):
     return attention.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=impl), cache
+  if method == "sparq":
+    return _sparq_attend(cache, q_BKGH, config), cache
+  idx, valid = select(cache, q_BKGH, config)
+  out = attention.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=impl)
+  return out, cache
+
+
+def select(cache: KVCache, q_BKGH, config):
+  """The slots a top-k method attends at this step, the new token already appended: idx [B, K, M] int32
+  and valid [B, K, M] (hsa, rocketkv, quest, sparq, exact_topk)."""
+  method = config.method
   if method in ("hsa", "rocketkv"):
     channels = group_channels(q_BKGH, min(config.topr, q_BKGH.shape[-1]))
     page_scores = attention.hsa_page_scores(q_BKGH, cache.kt_min, cache.kt_max, channels, cache.length,
-                                            page_size=config.page_size, impl=impl)
-    idx, valid = topk_tokens_from_pages(page_scores, cache.length, config.page_size, config.topk,
-                                        cache.capacity)
-  elif method == "quest":
-    idx, valid = topk_tokens_from_pages(_quest_page_scores(q_BKGH, cache), cache.length, config.page_size,
-                                        config.topk, cache.capacity)
-  elif method == "exact_topk":
+                                            page_size=config.page_size, impl=config.impl)
+    return topk_tokens_from_pages(page_scores, cache.length, config.page_size, config.topk, cache.capacity)
+  if method == "quest":
+    return topk_tokens_from_pages(_quest_page_scores(q_BKGH, cache), cache.length, config.page_size,
+                                  config.topk, cache.capacity)
+  if method == "exact_topk":
     probs = attention.dense_attention_probs(q_BKGH, cache.k, cache.length)
-    idx, valid = topk_tokens(probs.mean(axis=2), cache.length, config.topk)
-  elif method == "sparq":
-    return _sparq_attend(cache, q_BKGH, config), cache
-  else:
-    raise ValueError(f"unknown method {method!r}")
-  out = attention.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=impl)
-  return out, cache
+    return topk_tokens(probs.mean(axis=2), cache.length, config.topk)
+  if method == "sparq":
+    return topk_tokens(_sparq_probs(cache, q_BKGH, config).mean(axis=2), cache.length, config.topk)
+  raise ValueError(f"{method!r} attends densely: it has no top-k selection")
 
 
 def _quest_page_scores(q_BKGH, cache):
@@ -177,8 +184,8 @@ def _quest_page_scores(q_BKGH, cache):
   return jnp.maximum(qf * lo, qf * hi).sum(axis=(2, 3))  # [B, K, P]
 
 
-def _sparq_attend(cache, q_BKGH, config):
-  """SparQ: approximate scores from the top-r channels, exact attention over the top-k, mean-value fix."""
+def _sparq_probs(cache, q_BKGH, config):
+  """SparQ's approximate per-head attention [B, K, G, S]: the group's top-r channels, temperature tau."""
   r = min(config.topr, q_BKGH.shape[-1])
   channels = group_channels(q_BKGH, r)
   qr = jnp.take_along_axis(q_BKGH.astype(jnp.float32), channels[:, :, None, :], axis=-1)  # [B, K, G, R]
@@ -187,7 +194,12 @@ def _sparq_attend(cache, q_BKGH, config):
   tau = sparq_temperature(q_BKGH, channels)
   valid_S = slot_valid(cache.length, cache.capacity)[:, None, None, :]
   p = jax.nn.softmax(jnp.where(valid_S, s / tau[..., None], -jnp.inf), axis=-1, where=valid_S)
-  p = jnp.where(valid_S, p, 0.0)
+  return jnp.where(valid_S, p, 0.0)
+
+
+def _sparq_attend(cache, q_BKGH, config):
+  """SparQ: approximate scores from the top-r channels, exact attention over the top-k, mean-value fix."""
+  p = _sparq_probs(cache, q_BKGH, config)
   idx, valid = topk_tokens(p.mean(axis=2), cache.length, config.topk)
   out = attention.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=config.impl)
   alpha = jnp.where(valid[:, :, None, :], jnp.take_along_axis(p, idx[:, :, None, :], axis=-1), 0.0).sum(-1)

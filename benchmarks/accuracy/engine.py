@@ -34,8 +34,6 @@ from flax import nnx
 import rocketkv_jax
 from rocketkv_jax import attention as core_attention
 from rocketkv_jax import methods as core_methods
-from rocketkv_jax.cache import slot_valid
-from rocketkv_jax.select import group_channels, sparq_temperature, topk_tokens, topk_tokens_from_pages
 from rocketkv_jax.snapkv import snapkv_keep
 
 from rocketkv_jax.models import llama as _llama
@@ -67,33 +65,13 @@ def _compress_j(q, k, v, lengths_B, config):
 
 
 def _selected_slots(cache, q_BKGH, config):
-  """Slots the method attends after this step's append: idx [B, K, M], valid [B, K, M] (core pieces)."""
-  method = config.method
+  """Slots the method attends after this step's append: idx [B, K, M], valid [B, K, M] (the core's own
+  `methods.select` for top-k methods; every valid slot for the dense ones)."""
+  if config.method in _SELECTING:
+    return core_methods.select(cache, q_BKGH, config)
   b, n_kv, s, _ = cache.k.shape
-  if method not in _SELECTING:  # dense attention over whatever the cache holds
-    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, n_kv, s))
-    return idx, idx < cache.length[:, None, None]
-  if method in ("hsa", "rocketkv"):
-    ch = group_channels(q_BKGH, min(config.topr, q_BKGH.shape[-1]))
-    ps = core_attention.hsa_page_scores_xla(q_BKGH, cache.kt_min, cache.kt_max, ch, cache.length,
-                                            page_size=config.page_size)
-    return topk_tokens_from_pages(ps, cache.length, config.page_size, config.topk, cache.capacity)
-  if method == "quest":
-    return topk_tokens_from_pages(core_methods._quest_page_scores(q_BKGH, cache), cache.length,
-                                  config.page_size, config.topk, cache.capacity)
-  if method == "exact_topk":
-    probs = core_attention.dense_attention_probs(q_BKGH, cache.k, cache.length)
-    return topk_tokens(probs.mean(axis=2), cache.length, config.topk)
-  # sparq: approximate scores on the group's top-r channels (the mean-value correction is not selection)
-  r = min(config.topr, q_BKGH.shape[-1])
-  ch = group_channels(q_BKGH, r)
-  qr = jnp.take_along_axis(q_BKGH.astype(jnp.float32), ch[:, :, None, :], axis=-1)
-  kr = jnp.take_along_axis(cache.k, ch[:, :, None, :], axis=-1).astype(jnp.float32)
-  sc = jnp.einsum("BKGR,BKSR->BKGS", qr, kr, precision="highest")
-  tau = sparq_temperature(q_BKGH, ch)
-  valid = slot_valid(cache.length, s)[:, None, None, :]
-  p = jax.nn.softmax(jnp.where(valid, sc / tau[..., None], -jnp.inf), axis=-1, where=valid)
-  return topk_tokens(jnp.where(valid, p, 0.0).mean(axis=2), cache.length, config.topk)
+  idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, n_kv, s))
+  return idx, idx < cache.length[:, None, None]
 
 
 def _new_slot(cache, config):
