@@ -89,19 +89,14 @@ class FullConfig(_NoEvictionConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StreamingLLMConfig(MethodConfig):
-  """The first `sink_tokens` tokens plus the most recent `token_budget - sink_tokens` (new token included)."""
+class _FixedCacheConfig(MethodConfig):
+  """Methods whose cache never holds more than `token_budget` tokens: they evict during decode."""
 
-  method: ClassVar[str] = "streaming_llm"
   token_budget: int
-  sink_tokens: int = 4
 
   def __post_init__(self):
     super().__post_init__()
     _check_budget(self.token_budget)
-    _check_int("sink_tokens", self.sink_tokens, 0)
-    if self.sink_tokens >= self.token_budget:
-      raise ValueError(f"sink_tokens={self.sink_tokens} must be < token_budget={self.token_budget}")
 
   @property
   def capacity(self) -> int:
@@ -114,17 +109,29 @@ class StreamingLLMConfig(MethodConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class H2OConfig(MethodConfig):
+class StreamingLLMConfig(_FixedCacheConfig):
+  """The first `sink_tokens` tokens plus the most recent `token_budget - sink_tokens` (new token included)."""
+
+  method: ClassVar[str] = "streaming_llm"
+  sink_tokens: int = 4
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_int("sink_tokens", self.sink_tokens, 0)
+    if self.sink_tokens >= self.token_budget:
+      raise ValueError(f"sink_tokens={self.sink_tokens} must be < token_budget={self.token_budget}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class H2OConfig(_FixedCacheConfig):
   """Heavy hitters by accumulated attention plus the `recent` most recent tokens; cache of `token_budget`
   slots, evicting one token per decode step once full. `recent` defaults to token_budget // 2."""
 
   method: ClassVar[str] = "h2o"
-  token_budget: int
   recent: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
-    _check_budget(self.token_budget)
     if self.recent is not None:
       _check_int("recent", self.recent, 1)
       if self.recent >= self.token_budget:
@@ -133,15 +140,6 @@ class H2OConfig(MethodConfig):
   @property
   def recent_tokens(self) -> int:
     return self.token_budget // 2 if self.recent is None else self.recent
-
-  @property
-  def capacity(self) -> int:
-    return self.token_budget
-
-  @classmethod
-  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
-    _seq_len(prompt_len, max_new_tokens, max_len)
-    return cls(token_budget=token_budget, **kw)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
