@@ -1,7 +1,9 @@
 """Small helpers shared by the Pallas kernels (no dependency on the rocketkv_jax core)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 # Scores of masked entries before the softmax. A large finite negative keeps exp() at exactly 0
 # without producing inf - inf = NaN in the online-softmax correction.
@@ -30,3 +32,27 @@ def check_dtype(name: str, dtype, allowed) -> None:
 def dot_precision(dtype):
   """float32 operands: full precision (no TF32); bf16: the native tensor-core path."""
   return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def partial_specs(G: int, H: int):
+  """Block specs of a split-K decode kernel's per-split partials (o [G, H], running max m [G], sum l [G])
+  on a (B, K, splits) grid."""
+  return [pl.BlockSpec((None, None, None, G, H), lambda b, k, s: (b, k, s, 0, 0)),
+          pl.BlockSpec((None, None, None, G), lambda b, k, s: (b, k, s, 0)),
+          pl.BlockSpec((None, None, None, G), lambda b, k, s: (b, k, s, 0))]
+
+
+def partial_shapes(B: int, K: int, num_splits: int, G: int, H: int):
+  return [jax.ShapeDtypeStruct((B, K, num_splits, G, H), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, num_splits, G), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, num_splits, G), jnp.float32)]
+
+
+def combine_partials(o_BKNGH, m_BKNG, l_BKNG, dtype):
+  """Merges per-split (o, m, l) partials; a head with no valid slot at all gets 0."""
+  m = m_BKNG.max(axis=2, keepdims=True)
+  alpha = jnp.exp(m_BKNG - m)
+  l = (l_BKNG * alpha).sum(axis=2)
+  o = (o_BKNGH * alpha[..., None]).sum(axis=2)
+  out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  return out.astype(dtype)

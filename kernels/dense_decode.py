@@ -18,7 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          dot_precision, next_pow2)
+                                          combine_partials, dot_precision, next_pow2, partial_shapes,
+                                          partial_specs)
 
 # Programs to aim for: a few waves over the H200's 132 SMs.
 _TARGET_PROGRAMS = 4 * 132
@@ -95,16 +96,6 @@ def _dense_decode_kernel(
   pltriton.store(l_ref.at[pl.ds(0, Gp)], l, mask=row_ok)
 
 
-def combine_partials(o_BKNGH, m_BKNG, l_BKNG, dtype):
-  """Merges per-split (o, m, l) partials; a head with no valid slot at all gets 0."""
-  m = m_BKNG.max(axis=2, keepdims=True)
-  alpha = jnp.exp(m_BKNG - m)
-  l = (l_BKNG * alpha).sum(axis=2)
-  o = (o_BKNGH * alpha[..., None]).sum(axis=2)
-  out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-  return out.astype(dtype)
-
-
 @functools.partial(jax.jit, static_argnames=["interpret", "block_k", "num_splits", "num_warps",
                                              "num_stages"])
 def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, interpret: bool = False,
@@ -159,16 +150,8 @@ def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, interpret: bool 
           pl.BlockSpec((None, None, S, H), lambda b, k, s: (b, k, 0, 0)),
           pl.BlockSpec((None,), lambda b, k, s: (b,)),
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, G, H), lambda b, k, s: (b, k, s, 0, 0)),
-          pl.BlockSpec((None, None, None, G), lambda b, k, s: (b, k, s, 0)),
-          pl.BlockSpec((None, None, None, G), lambda b, k, s: (b, k, s, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((B, K, num_splits, G, H), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_splits, G), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_splits, G), jnp.float32),
-      ],
+      out_specs=partial_specs(G, H),
+      out_shape=partial_shapes(B, K, num_splits, G, H),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_dense_decode",

@@ -19,8 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          dot_precision, next_pow2)
-from rocketkv_jax.kernels.dense_decode import combine_partials
+                                          combine_partials, dot_precision, next_pow2, partial_shapes,
+                                          partial_specs)
 
 _TARGET_PROGRAMS = 2 * 132
 
@@ -170,16 +170,8 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
           pl.BlockSpec((None, None, M), lambda b, k, s: (b, k, 0)),
           pl.BlockSpec((None, None, M), lambda b, k, s: (b, k, 0)),
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, G, H), lambda b, k, s: (b, k, s, 0, 0)),
-          pl.BlockSpec((None, None, None, G), lambda b, k, s: (b, k, s, 0)),
-          pl.BlockSpec((None, None, None, G), lambda b, k, s: (b, k, s, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((B, K, num_splits, G, H), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_splits, G), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_splits, G), jnp.float32),
-      ],
+      out_specs=partial_specs(G, H),
+      out_shape=partial_shapes(B, K, num_splits, G, H),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_sparse_decode",
