@@ -67,16 +67,10 @@ def _validate_prefill(q, k, v, lengths, config) -> None:
   if isinstance(config, _NoEvictionConfig) and t > config.capacity:
     raise ValueError(f"prompt length T={t} exceeds {config.method} capacity={config.capacity} "
                      "(raise max_len)")
-  if config.method in ("snapkv", "rocketkv") and t > config.prompt_budget and t < config.window_size:
-    raise ValueError(f"T={t} is shorter than window_size={config.window_size}")
   if _is_concrete(lengths):
     host = np.asarray(lengths)
     if (host < 1).any() or (host > t).any():
       raise ValueError(f"lengths={host.tolist()} must all lie in [1, T={t}]")
-    if config.method in ("snapkv", "rocketkv"):
-      short = host[(host > config.prompt_budget) & (host < config.window_size)]
-      if short.size:
-        raise ValueError(f"lengths={short.tolist()} are shorter than window_size={config.window_size}")
 
 
 def _validate_decode(cache, q, k_new, v_new, config) -> None:
