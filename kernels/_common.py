@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 # Scores of masked entries before the softmax. A large finite negative keeps exp() at exactly 0
 # without producing inf - inf = NaN in the online-softmax correction.
@@ -56,3 +57,31 @@ def combine_partials(o_BKNGH, m_BKNG, l_BKNG, dtype):
   o = (o_BKNGH * alpha[..., None]).sum(axis=2)
   out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
   return out.astype(dtype)
+
+
+def init_partials(Gp: int, H: int):
+  """(o, m, l) of an online softmax over no slot yet, for Gp query rows."""
+  return (jnp.zeros((Gp, H), jnp.float32), jnp.full((Gp,), MASK_VALUE, jnp.float32),
+          jnp.zeros((Gp,), jnp.float32))
+
+
+def online_softmax_update(carry, q, k, v, ok, sm_scale: float, prec):
+  """Folds one block of keys/values (rows where `ok` is False are ignored) into the running (o, m, l)."""
+  o, m, l = carry
+  s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * sm_scale
+  s = jnp.where(ok[None, :], s, MASK_VALUE)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+  l = alpha * l + p.sum(axis=-1)
+  o = alpha[:, None] * o + jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+  return o, m_new, l
+
+
+def store_partials(o_ref, m_ref, l_ref, partials, row_ok):
+  """Writes the real (unpadded) query rows of (o, m, l)."""
+  o, m, l = partials
+  gp = row_ok.shape[0]
+  pltriton.store(o_ref.at[pl.ds(0, gp), :], o, mask=row_ok[:, None])
+  pltriton.store(m_ref.at[pl.ds(0, gp)], m, mask=row_ok)
+  pltriton.store(l_ref.at[pl.ds(0, gp)], l, mask=row_ok)

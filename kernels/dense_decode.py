@@ -17,9 +17,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          combine_partials, dot_precision, next_pow2, partial_shapes,
-                                          partial_specs)
+from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MIN_DOT_DIM, cdiv, check_dtype, combine_partials,
+                                          dot_precision, init_partials, next_pow2, online_softmax_update,
+                                          partial_shapes, partial_specs, store_partials)
 
 # Programs to aim for: a few waves over the H200's 132 SMs.
 _TARGET_PROGRAMS = 4 * 132
@@ -72,28 +72,15 @@ def _dense_decode_kernel(
   prec = dot_precision(q.dtype)
 
   def body(i, carry):
-    o, m, l = carry
     base = start + i * block_k
     valid = base + jnp.arange(block_k) < end
     k = pltriton.load(k_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
     v = pltriton.load(v_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
-    s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * sm_scale
-    s = jnp.where(valid[None, :], s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    l = alpha * l + p.sum(axis=-1)
-    o = alpha[:, None] * o + jnp.dot(p.astype(v.dtype), v, precision=prec,
-                                     preferred_element_type=jnp.float32)
-    return o, m_new, l
+    return online_softmax_update(carry, q, k, v, valid, sm_scale, prec)
 
   num_blocks = jnp.maximum(end - start + block_k - 1, 0) // block_k
-  init = (jnp.zeros((Gp, H), jnp.float32), jnp.full((Gp,), MASK_VALUE, jnp.float32),
-          jnp.zeros((Gp,), jnp.float32))
-  o, m, l = lax.fori_loop(0, num_blocks, body, init)
-  pltriton.store(o_ref.at[pl.ds(0, Gp), :], o, mask=row_ok[:, None])
-  pltriton.store(m_ref.at[pl.ds(0, Gp)], m, mask=row_ok)
-  pltriton.store(l_ref.at[pl.ds(0, Gp)], l, mask=row_ok)
+  partials = lax.fori_loop(0, num_blocks, body, init_partials(Gp, H))
+  store_partials(o_ref, m_ref, l_ref, partials, row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=["interpret", "block_k", "num_splits", "num_warps",

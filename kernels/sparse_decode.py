@@ -18,9 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          combine_partials, dot_precision, next_pow2, partial_shapes,
-                                          partial_specs)
+from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MIN_DOT_DIM, cdiv, check_dtype, combine_partials,
+                                          dot_precision, init_partials, next_pow2, online_softmax_update,
+                                          partial_shapes, partial_specs, store_partials)
 
 _TARGET_PROGRAMS = 2 * 132
 
@@ -75,7 +75,6 @@ def _sparse_decode_kernel(
   prec = dot_precision(q.dtype)
 
   def body(i, carry):
-    o, m, l = carry
     base = start + i * block_m
     in_range = base + jnp.arange(block_m) < end
     idx = pltriton.load(idx_ref.at[pl.ds(base, block_m)], mask=in_range, other=0)
@@ -90,23 +89,11 @@ def _sparse_decode_kernel(
       v = v_ref[idx, :]
     k = jnp.where(ok[:, None], k, jnp.zeros_like(k))
     v = jnp.where(ok[:, None], v, jnp.zeros_like(v))
-    s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * sm_scale
-    s = jnp.where(ok[None, :], s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-    l = alpha * l + p.sum(axis=-1)
-    o = alpha[:, None] * o + jnp.dot(p.astype(v.dtype), v, precision=prec,
-                                     preferred_element_type=jnp.float32)
-    return o, m_new, l
+    return online_softmax_update(carry, q, k, v, ok, sm_scale, prec)
 
   num_blocks = jnp.maximum(end - start + block_m - 1, 0) // block_m
-  init = (jnp.zeros((Gp, H), jnp.float32), jnp.full((Gp,), MASK_VALUE, jnp.float32),
-          jnp.zeros((Gp,), jnp.float32))
-  o, m, l = lax.fori_loop(0, num_blocks, body, init)
-  pltriton.store(o_ref.at[pl.ds(0, Gp), :], o, mask=row_ok[:, None])
-  pltriton.store(m_ref.at[pl.ds(0, Gp)], m, mask=row_ok)
-  pltriton.store(l_ref.at[pl.ds(0, Gp)], l, mask=row_ok)
+  partials = lax.fori_loop(0, num_blocks, body, init_partials(Gp, H))
+  store_partials(o_ref, m_ref, l_ref, partials, row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=["interpret", "block_m", "num_splits", "num_warps",
