@@ -1,5 +1,5 @@
-"""The decode hot path behind the `impl` switch: dense decode attention, sparse (top-k) decode attention and
-HSA page scoring. `impl="xla"` is plain XLA (below); `impl="pallas"` calls the Pallas Triton kernels of
+"""The decode hot path behind the `impl` switch: dense decode attention, sparse (top-k) decode attention,
+HSA page scoring and the top-k tokens from page scores. `impl="xla"` is plain XLA (below); `impl="pallas"` calls the Pallas Triton kernels of
 `rocketkv_jax.kernels` with the same arguments; `"interpret"` runs those kernels in Pallas interpret mode (CPU tests);
 `"auto"` picks Pallas on GPU and XLA elsewhere.
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax.cache import slot_valid
+from rocketkv_jax.select import topk_tokens_from_pages
 
 
 def resolve_impl(impl: str) -> str:
@@ -102,3 +103,16 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
     return hsa_scores.hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B,
                                       page_size=page_size, interpret=impl == "interpret")
   return hsa_page_scores_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, page_size=page_size)
+
+
+def page_topk(page_scores_BKP, length_B, *, page_size, k, num_slots, impl):
+  """Top-k slots from page scores: idx [B, K, M] and valid [B, K, M] as `topk_tokens_from_pages`. The
+  Pallas kernel returns the same set of slots in ascending order (no sort); above its page limit, XLA."""
+  from rocketkv_jax.kernels import page_topk as kernel
+  if resolve_impl(impl) in ("pallas", "interpret") and page_scores_BKP.shape[-1] <= kernel.MAX_PAGES:
+    idx = kernel.page_topk(page_scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                           interpret=impl == "interpret")
+    m = idx.shape[-1]
+    valid = jnp.arange(m)[None, None, :] < jnp.minimum(length_B, m)[:, None, None]
+    return idx, jnp.broadcast_to(valid, idx.shape)
+  return topk_tokens_from_pages(page_scores_BKP, length_B, page_size, k, num_slots)

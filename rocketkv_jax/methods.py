@@ -13,7 +13,7 @@ import numpy as np
 from rocketkv_jax import attention
 from rocketkv_jax.config import _NoEvictionConfig
 from rocketkv_jax.cache import (KVCache, append_kt_pages, build_kt_pages, kt_dtype, slot_valid, write_slot)
-from rocketkv_jax.select import group_channels, sparq_temperature, topk_tokens, topk_tokens_from_pages
+from rocketkv_jax.select import group_channels, sparq_temperature, topk_tokens
 from rocketkv_jax.snapkv import h2o_prefill_scores, snapkv_keep
 
 # ---------------------------------------------------------------- building caches
@@ -164,10 +164,11 @@ def select(cache: KVCache, q_BKGH, config):
     channels = group_channels(q_BKGH, min(config.topr, q_BKGH.shape[-1]))
     page_scores = attention.hsa_page_scores(q_BKGH, cache.kt_min, cache.kt_max, channels, cache.length,
                                             page_size=config.page_size, impl=config.impl)
-    return topk_tokens_from_pages(page_scores, cache.length, config.page_size, config.topk, cache.capacity)
-  if method == "quest":
-    return topk_tokens_from_pages(_quest_page_scores(q_BKGH, cache), cache.length, config.page_size,
-                                  config.topk, cache.capacity)
+  elif method == "quest":
+    page_scores = _quest_page_scores(q_BKGH, cache)
+  if method in ("hsa", "rocketkv", "quest"):
+    return attention.page_topk(page_scores, cache.length, page_size=config.page_size, k=config.topk,
+                               num_slots=cache.capacity, impl=config.impl)
   if method == "exact_topk":
     probs = attention.dense_attention_probs(q_BKGH, cache.k, cache.length)
     return topk_tokens(probs.mean(axis=2), cache.length, config.topk)

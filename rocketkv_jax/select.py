@@ -58,9 +58,19 @@ def topk_tokens_from_pages(page_scores_BKP: jax.Array, length_B: jax.Array, page
 
 
 def group_channels(q_BKGH: jax.Array, r: int) -> jax.Array:
-  """The group's top-r channels of sum_g |q_g| (ties toward the lower channel): [B, K, R] int32."""
-  _, ch = lax.top_k(jnp.abs(q_BKGH.astype(jnp.float32)).sum(axis=2), r)
-  return ch.astype(jnp.int32)
+  """The group's top-r channels of sum_g |q_g| (ties toward the lower channel): [B, K, R] int32, best first.
+
+  Equal to lax.top_k, without its sort (a sort costs about 16 us per layer on an H200 whatever its
+  size): each channel's rank counts the channels that beat it, and position j takes the channel of
+  rank j. Two small fusions over [B, K, H, H].
+  """
+  a = jnp.abs(q_BKGH.astype(jnp.float32)).sum(axis=2)  # [B, K, H]
+  c = jnp.arange(a.shape[-1], dtype=jnp.int32)
+  a_i, a_j = a[..., :, None], a[..., None, :]
+  beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
+  rank = beats.sum(axis=-1, dtype=jnp.int32)  # [B, K, H], a permutation of 0..H-1
+  at = rank[..., :, None] == jnp.arange(r, dtype=jnp.int32)  # [B, K, H, R]
+  return jnp.where(at, c[:, None], 0).sum(axis=-2, dtype=jnp.int32)
 
 
 def sparq_temperature(q_BKGH: jax.Array, channels_BKR: jax.Array) -> jax.Array:

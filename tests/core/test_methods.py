@@ -262,8 +262,9 @@ def test_pallas_impl_matches_xla(method):
 
 
 def test_topk_from_pages_two_paths_agree(monkeypatch):
-  """The direct (broadcast) and two-level (best pages first) selections pick the same tokens, ties included."""
-  from rocketkv_jax import select
+  """The direct (broadcast) and two-level (best pages first) selections and the Pallas kernel (interpret)
+  pick the same tokens, ties included."""
+  from rocketkv_jax import attention, select
   rng = np.random.default_rng(0)
   b, n_kv, page_size, num_slots = 3, 2, 4, 203
   num_pages = -(-num_slots // page_size)
@@ -280,4 +281,7 @@ def test_topk_from_pages_two_paths_agree(monkeypatch):
     paged = chosen(*select.topk_tokens_from_pages(scores, length, page_size, k, num_slots))
     monkeypatch.undo()
     assert direct == paged, k
+    kernel = chosen(*attention.page_topk(scores, length, page_size=page_size, k=k, num_slots=num_slots,
+                                         impl="interpret"))
+    assert kernel == direct, k
     assert [len(x) for x in direct] == [min(k, n) for n in (203, 203, 57, 57, 1, 1)]

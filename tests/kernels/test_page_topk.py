@@ -1,0 +1,93 @@
+"""Top-k-from-pages kernel against its jnp reference (lax.top_k over the per-slot scores, then sorted)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import lower_for_h200, needs_gpu, ragged_lengths
+from rocketkv_jax.kernels.page_topk import MAX_PAGES, page_topk, page_topk_reference
+
+
+def make_inputs(seed, B, K, num_slots, page_size, ties: bool):
+  rng = np.random.default_rng(seed)
+  P = -(-num_slots // page_size)
+  if ties:  # few distinct values: most of the choice is the tie-break toward the lower slot
+    scores = rng.integers(-2, 3, (B, K, P)).astype(np.float32)
+  else:
+    scores = rng.standard_normal((B, K, P)).astype(np.float32) * 10.0 ** rng.integers(-30, 30, (B, K, P))
+  length = ragged_lengths(rng, B, num_slots)
+  empty = np.arange(P)[None, :] * page_size >= np.asarray(length)[:, None]
+  scores = np.where(empty[:, None, :], np.nan, scores)  # junk on pages with no valid slot
+  scores[0, 0, 0] = -np.inf  # a valid page may score -inf (and -0.0 / +0.0 below)
+  scores[-1, -1, -1] = -0.0
+  return jnp.asarray(scores), length
+
+
+def check(seed, B, K, num_slots, page_size, k, ties, interpret, dtype=jnp.float32):
+  scores, length = make_inputs(seed, B, K, num_slots, page_size, ties)
+  scores = scores.astype(dtype)
+  out = page_topk(scores, length, page_size=page_size, k=k, num_slots=num_slots, interpret=interpret)
+  ref = page_topk_reference(scores, length, page_size=page_size, k=k, num_slots=num_slots)
+  out, ref = np.asarray(out), np.asarray(ref)
+  assert out.dtype == np.int32 and out.shape == ref.shape == (B, K, min(k, num_slots))
+  np.testing.assert_array_equal(out, ref)
+  # The first min(k, length) entries are distinct valid slots, ascending; the rest are 0.
+  n = np.minimum(np.asarray(length), out.shape[-1])
+  for b in range(B):
+    for h in range(K):
+      chosen = out[b, h, :n[b]]
+      assert (np.diff(chosen) > 0).all() and (chosen < length[b]).all()
+      assert (out[b, h, n[b]:] == 0).all()
+
+
+CASES = [  # (B, K, num_slots, page_size, k)
+    (2, 2, 37, 3, 8), (3, 1, 100, 1, 16), (2, 2, 67, 4, 200), (1, 3, 130, 3, 128), (4, 2, 1617, 3, 128),
+    (2, 1, 50, 16, 17), (5, 1, 9, 2, 1),
+]
+
+
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+@pytest.mark.parametrize("B,K,num_slots,page_size,k", CASES)
+def test_matches_reference_interpret(B, K, num_slots, page_size, k, ties):
+  check(seed=num_slots, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=ties,
+        interpret=True)
+
+
+def test_bfloat16_scores():
+  check(seed=3, B=2, K=2, num_slots=301, page_size=3, k=64, ties=False, interpret=True, dtype=jnp.bfloat16)
+
+
+def test_rejects_bad_arguments():
+  s = jnp.zeros((1, 2, 10))
+  length = jnp.ones((1,), jnp.int32)
+  with pytest.raises(ValueError, match="P=10 pages must be ceil"):
+    page_topk(s, length, page_size=3, k=4, num_slots=40)
+  with pytest.raises(ValueError, match="k=0"):
+    page_topk(s, length, page_size=3, k=0, num_slots=30)
+  with pytest.raises(ValueError, match="MAX_PAGES"):
+    page_topk(jnp.zeros((1, 1, MAX_PAGES + 1)), length, page_size=1, k=4, num_slots=MAX_PAGES + 1)
+  with pytest.raises(ValueError, match="length_B.shape"):
+    page_topk(s, jnp.ones((2,), jnp.int32), page_size=3, k=4, num_slots=30)
+  with pytest.raises(ValueError, match="scores_BKP.dtype"):
+    page_topk(s.astype(jnp.int32), length, page_size=3, k=4, num_slots=30)
+
+
+@pytest.mark.parametrize("num_slots,page_size,k", [(1617, 3, 128), (6471, 3, 512), (37, 16, 8),
+                                                   (3 * MAX_PAGES, 3, 1024)])
+def test_lowers_for_h200_through_triton(num_slots, page_size, k):
+  P = -(-num_slots // page_size)
+  text = lower_for_h200(lambda s, l: page_topk(s, l, page_size=page_size, k=k, num_slots=num_slots),
+                        jax.ShapeDtypeStruct((2, 8, P), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
+  assert "rocketkv_page_topk" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,K,num_slots,page_size,k", CASES + [(8, 8, 6471, 3, 512), (256, 1, 70, 3, 16)])
+def test_matches_reference_gpu(B, K, num_slots, page_size, k):
+  needs_gpu()
+  check(seed=num_slots + 1, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=True,
+        interpret=False)
+  check(seed=num_slots + 2, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=False,
+        interpret=False)
