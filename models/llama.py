@@ -135,19 +135,21 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 class Block(nnx.Module):
-  """One decoder layer; weights stored [in, out] (HF Linear weights transposed)."""
+  """One decoder layer; weights stored [in, out] (HF Linear weights transposed).
+
+  The q/k/v projections are one fused kernel `wqkv` [D, (N + 2K) * H] (q heads, then k heads, then
+  v heads) and gate/up one `w_gate_up` [D, 2F] (gate, then up): in batch-1 decode on an H200 the
+  separate small k and v matvecs ran as slow reduce fusions, one wider GEMM runs near bandwidth.
+  """
 
   def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     init = nnx.initializers.normal(0.02)
     self.attn_norm = nnx.Param(jnp.ones((D,), dtype))
-    self.wq = nnx.Param(init(rngs.params(), (D, N * H), dtype))
-    self.wk = nnx.Param(init(rngs.params(), (D, K * H), dtype))
-    self.wv = nnx.Param(init(rngs.params(), (D, K * H), dtype))
+    self.wqkv = nnx.Param(init(rngs.params(), (D, (N + 2 * K) * H), dtype))
     self.wo = nnx.Param(init(rngs.params(), (N * H, D), dtype))
     self.mlp_norm = nnx.Param(jnp.ones((D,), dtype))
-    self.w_gate = nnx.Param(init(rngs.params(), (D, F), dtype))
-    self.w_up = nnx.Param(init(rngs.params(), (D, F), dtype))
+    self.w_gate_up = nnx.Param(init(rngs.params(), (D, 2 * F), dtype))
     self.w_down = nnx.Param(init(rngs.params(), (F, D), dtype))
 
 
@@ -168,21 +170,81 @@ class Llama(nnx.Module):
     return self.embed[...].dtype
 
 
+# Fused kernel -> its parts in column order, as the loaders (weights.py) name them.
+FUSED_PARTS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def _part_shapes(config: LlamaConfig) -> dict:
+  D, N, K, H, F = config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim
+  return {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "w_gate": (D, F), "w_up": (D, F)}
+
+
+def fuse_params(config: LlamaConfig, params: dict, cast=None) -> dict:
+  """Flat {"layers/<i>/<name>": array} with the loaders' separate wq/wk/wv and w_gate/w_up
+  concatenated along the output axis into the module's wqkv and w_gate_up (other entries and an
+  already fused dict pass through). Concatenates with numpy when the parts are numpy arrays; `cast`,
+  if given, is applied to each fused kernel as it is made (so one host copy is alive at a time)."""
+  flat = dict(_flatten(params))
+  shapes = _part_shapes(config)
+  for i in range(config.n_layers):
+    lp = f"layers/{i}/"
+    for fused, parts in FUSED_PARTS.items():
+      names = [lp + p for p in parts]
+      if not any(n in flat for n in names):
+        continue
+      missing = [n for n in names if n not in flat]
+      if missing:
+        raise ValueError(f"parameter names do not match the model: missing {missing}")
+      if lp + fused in flat:
+        raise ValueError(f"parameter names do not match the model: unexpected {[lp + fused]} "
+                         f"next to {names} (give one layout, separate or fused)")
+      for n, p in zip(names, parts):
+        if tuple(flat[n].shape) != shapes[p]:
+          raise ValueError(f"parameter {n}: shape {tuple(flat[n].shape)}, expected {shapes[p]}")
+      arrays = [flat.pop(n) for n in names]
+      if all(isinstance(a, np.ndarray) for a in arrays):
+        out = np.concatenate(arrays, axis=1)
+      else:
+        out = jnp.concatenate([jnp.asarray(a) for a in arrays], axis=1)
+      flat[lp + fused] = out if cast is None else cast(out)
+      del arrays, out
+  return flat
+
+
 def from_params(config: LlamaConfig, params: dict, dtype=jnp.float32) -> Llama:
-  """Builds a Llama from a nested dict of arrays laid out as the module (see weights.py)."""
+  """Builds a Llama from a dict of arrays (nested, or flat with "/"-joined names).
+
+  Accepts the loaders' layout (separate wq/wk/wv, w_gate/w_up; see weights.py), which is fused here
+  into the module's wqkv and w_gate_up, or an already fused dict laid out as the module.
+  """
   abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   want = nnx.to_pure_dict(state)
   flat_want = dict(_flatten(want))
   flat_got = dict(_flatten(params))
-  missing = sorted(set(flat_want) - set(flat_got))
-  extra = sorted(set(flat_got) - set(flat_want))
+  # Check names against the layout given: when any separate part name appears, expect the separate
+  # names for every layer, so errors name wq/wk/wv/w_gate/w_up rather than the fused kernels.
+  separate = {p for parts in FUSED_PARTS.values() for p in parts}
+  if any(k.rsplit("/", 1)[-1] in separate for k in flat_got):
+    shapes = _part_shapes(config)
+    expect = {}
+    for name, leaf in flat_want.items():
+      pre, last = name.rsplit("/", 1) if "/" in name else ("", name)
+      if last in FUSED_PARTS:
+        expect.update({f"{pre}/{p}": shapes[p] for p in FUSED_PARTS[last]})
+      else:
+        expect[name] = tuple(leaf.shape)
+  else:
+    expect = {name: tuple(leaf.shape) for name, leaf in flat_want.items()}
+  missing = sorted(set(expect) - set(flat_got))
+  extra = sorted(set(flat_got) - set(expect))
   if missing or extra:
     raise ValueError(f"parameter names do not match the model: missing {missing[:8]}, unexpected {extra[:8]}")
-  for name, leaf in flat_want.items():
-    if tuple(flat_got[name].shape) != tuple(leaf.shape):
-      raise ValueError(f"parameter {name}: shape {tuple(flat_got[name].shape)}, expected {tuple(leaf.shape)}")
-  pure = _unflatten({k: jnp.asarray(v, dtype) for k, v in flat_got.items()})
+  for name, shape in expect.items():
+    if tuple(flat_got[name].shape) != shape:
+      raise ValueError(f"parameter {name}: shape {tuple(flat_got[name].shape)}, expected {shape}")
+  fused = fuse_params(config, flat_got, cast=lambda a: jnp.asarray(a, dtype))
+  pure = _unflatten({k: jnp.asarray(v, dtype) for k, v in fused.items()})
   nnx.replace_by_pure_dict(state, pure)
   return nnx.merge(graphdef, state)
 
@@ -224,9 +286,11 @@ def _qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
   B, T, _ = x_BTD.shape
   inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
   h = rms_norm(x_BTD, blk.attn_norm[...], cfg.norm_eps)
-  q = (h @ blk.wq[...]).reshape(B, T, cfg.n_heads, cfg.head_dim)
-  k = (h @ blk.wk[...]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-  v = (h @ blk.wv[...]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+  nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  q, k, v = jnp.split(h @ blk.wqkv[...], [nq, nq + nk], axis=-1)
+  q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
+  k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+  v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
   return apply_rope(q, pos_BT, inv), apply_rope(k, pos_BT, inv), v
 
 
@@ -234,7 +298,8 @@ def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
   B, T, _ = x_BTD.shape
   x = x_BTD + attn_BTNH.reshape(B, T, -1).astype(x_BTD.dtype) @ blk.wo[...]
   h = rms_norm(x, blk.mlp_norm[...], cfg.norm_eps)
-  return x + (jax.nn.silu(h @ blk.w_gate[...]) * (h @ blk.w_up[...])) @ blk.w_down[...]
+  gate, up = jnp.split(h @ blk.w_gate_up[...], 2, axis=-1)
+  return x + (jax.nn.silu(gate) * up) @ blk.w_down[...]
 
 
 # ----------------------------------------------------------------------------- attention

@@ -1,8 +1,9 @@
 """Checkpoint loading without torch: the embedded SmolLM2 GGUF, any Llama GGUF, or a HF Llama
 directory (safetensors, sharded or not). Converted weights are cached with orbax.
 
-Parameters are a flat dict {"embed", "norm", "lm_head"?, "layers/<i>/<name>"} of numpy arrays in
-the module's layout: projection kernels are [in, out] (HF Linear weights transposed).
+Parameters are a flat dict {"embed", "norm", "lm_head"?, "layers/<i>/<name>"} of numpy arrays:
+projection kernels are [in, out] (HF Linear weights transposed), with separate wq/wk/wv and
+w_gate/w_up, which llama.from_params fuses into the module's wqkv and w_gate_up.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ def tiny_config(**kw):
 
 
 def tiny_params(cfg, seed=0, scale=0.2):
-  """Random weights in the module layout (kernels [in, out]); a large scale makes greedy decisive."""
+  """Random weights in the loader layout (separate wq/wk/wv, w_gate/w_up; kernels [in, out]), which
+  from_params fuses; a large scale makes greedy decisive."""
   rng = np.random.default_rng(seed)
   D, N, K, H, F, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
   r = lambda *s: (rng.standard_normal(s) * scale).astype(np.float32)  # noqa: E731

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 from tokenizers import pre_tokenizers
 
 from rocketkv_jax.models import CheckpointError, forward_full, gguf_permute, gguf_unpermute, load
-from rocketkv_jax.models.llama import apply_rope, rope_inv_freq
+from rocketkv_jax.models.llama import apply_rope, from_params, fuse_params, rope_inv_freq
 from rocketkv_jax.models.tokenizer import tokenizer_from_gguf_metadata
 
 from .conftest import tiny_config, tiny_params
@@ -167,10 +167,11 @@ def test_hf_dir_and_gguf_load_the_same_model(tmp_path, sharded):
   gg_model, gg_tok = load(write_gguf(str(tmp_path / "tiny.gguf")), use_cache=False)
   assert hf_model.config == gg_model.config == CFG
   a, b = flat_params(hf_model), flat_params(gg_model)
-  assert a.keys() == b.keys()
+  fused = fuse_params(CFG, PARAMS)
+  assert a.keys() == b.keys() == fused.keys()
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    np.testing.assert_array_equal(a[k], PARAMS[k], err_msg=k)
+    np.testing.assert_array_equal(a[k], fused[k], err_msg=k)
   np.testing.assert_array_equal(np.asarray(forward_full(hf_model, TOKS)), np.asarray(forward_full(gg_model, TOKS)))
   for text in ["the cat sat on the mat", "hello <|im_end|> world\n\n  12"]:
     assert hf_tok.encode(text) == gg_tok.encode(text)
@@ -189,6 +190,46 @@ def test_orbax_cache_roundtrip(tmp_path):
   assert m1.config == m2.config
   np.testing.assert_array_equal(np.asarray(forward_full(m1, TOKS)), np.asarray(forward_full(m2, TOKS)))
   assert t1.encode("the cat", chat=True) == t2.encode("the cat", chat=True)
+
+
+def test_from_params_fuses_the_loader_layout():
+  D, N, K, H, F = CFG.dim, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, CFG.ffn_dim
+  model = from_params(CFG, PARAMS)
+  got = flat_params(model)
+  for i in range(CFG.n_layers):
+    lp = f"layers/{i}/"
+    assert got[lp + "wqkv"].shape == (D, (N + 2 * K) * H) and got[lp + "w_gate_up"].shape == (D, 2 * F)
+    np.testing.assert_array_equal(got[lp + "wqkv"][:, :N * H], PARAMS[lp + "wq"])
+    np.testing.assert_array_equal(got[lp + "wqkv"][:, N * H:(N + K) * H], PARAMS[lp + "wk"])
+    np.testing.assert_array_equal(got[lp + "wqkv"][:, (N + K) * H:], PARAMS[lp + "wv"])
+    np.testing.assert_array_equal(got[lp + "w_gate_up"][:, :F], PARAMS[lp + "w_gate"])
+    np.testing.assert_array_equal(got[lp + "w_gate_up"][:, F:], PARAMS[lp + "w_up"])
+  # an already fused dict (flat or nested) builds the same model
+  again = from_params(CFG, got)
+  for k, v in flat_params(again).items():
+    np.testing.assert_array_equal(v, got[k], err_msg=k)
+  np.testing.assert_array_equal(np.asarray(forward_full(model, TOKS)), np.asarray(forward_full(again, TOKS)))
+  nested = from_params(CFG, nnx.to_pure_dict(nnx.state(model)))
+  np.testing.assert_array_equal(np.asarray(forward_full(model, TOKS)), np.asarray(forward_full(nested, TOKS)))
+
+
+def test_from_params_errors_name_the_layout_given():
+  p = dict(PARAMS)
+  del p["layers/1/wk"]
+  with pytest.raises(ValueError, match=r"missing \['layers/1/wk'\]"):
+    from_params(CFG, p)
+  p = dict(PARAMS, **{"layers/0/w_up": PARAMS["layers/0/w_up"][:, :-1]})
+  with pytest.raises(ValueError, match=r"layers/0/w_up: shape"):
+    from_params(CFG, p)
+  p = dict(PARAMS, **{"layers/0/wqkv": np.zeros((CFG.dim, 3))})
+  with pytest.raises(ValueError, match=r"unexpected \['layers/0/wqkv'\]"):
+    from_params(CFG, p)
+  fused = fuse_params(CFG, PARAMS)
+  with pytest.raises(ValueError, match=r"layers/1/w_gate_up: shape"):
+    from_params(CFG, dict(fused, **{"layers/1/w_gate_up": fused["layers/1/w_gate_up"][:, 1:]}))
+  del fused["layers/0/wqkv"]
+  with pytest.raises(ValueError, match=r"missing \['layers/0/wqkv'\]"):
+    from_params(CFG, fused)
 
 
 def test_truncated_gguf_raises_clear_error(tmp_path):
