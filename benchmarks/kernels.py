@@ -3,9 +3,13 @@
 One layer of decode attention: 32 query heads, 8 KV heads (G=4), head dim 128, bf16.
   dense:  Pallas flash-decoding vs XLA einsum/softmax vs jax's Pallas decode_attention.gqa,
           batch {1, 8, 32} x cache {4k, 32k, 128k} (points that do not fit are reported, not run).
-  sparse: per step, top-r channels (XLA) + HSA page scores + top-k pages (XLA) + sparse attention,
-          Pallas kernels vs the same step with the jnp references (the XLA path), for the RocketKV
-          plans (ALGORITHM.md section 1, max_new_tokens=256) at token budgets t in {256, 1024}.
+  sparse: the library's own RocketKV stage-2 path (rocketkv_jax.methods) for the plans of
+          ALGORITHM.md section 1 (max_new_tokens=256) at token budgets t in {256, 1024}, with
+          impl="pallas" (HSA scores, page top-k and sparse attention kernels) vs impl="xla":
+          - sparse_step: top-r channels + page scores + top-k tokens + attention for one layer;
+          - layer_step: the whole decode step of one layer (append K/V, KT page update, then the
+            above), 16 steps in one jitted fori_loop with the cache as carry (updated in place),
+            reported per step.
 
 Every point is checked against a reference first, then timed two ways: device time per call
 summed over the GPU kernels of a jax.profiler trace (dispatch excluded), and wall time per call
@@ -36,11 +40,11 @@ import numpy as np
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
+import rocketkv_jax as rk  # noqa: E402
+from rocketkv_jax import attention, methods  # noqa: E402
+from rocketkv_jax.cache import KVCache, build_kt_pages  # noqa: E402
 from rocketkv_jax.kernels.dense_decode import (dense_decode_attention,  # noqa: E402
                                                dense_decode_attention_reference)
-from rocketkv_jax.kernels.hsa_scores import hsa_page_scores, hsa_page_scores_reference  # noqa: E402
-from rocketkv_jax.kernels.sparse_decode import (sparse_decode_attention,  # noqa: E402
-                                                sparse_decode_attention_reference)
 
 K_HEADS, G, H = 8, 4, 128  # Llama-3.1-8B attention
 DT = jnp.bfloat16
@@ -49,22 +53,10 @@ L2_DEFEAT_BYTES = 256 << 20
 MEM_LIMIT_BYTES = 120 << 30  # leave headroom on the 139 GiB H200
 
 
-def rocketkv_plan(S: int, t: int, d: int = H, max_new: int = MAX_NEW):
-  """ALGORITHM.md section 1 (S = prompt + max_new_tokens)."""
-  c = max(1.0, S / t)
-  r = min(0.2 + 0.06 * math.log2(c), 0.8)
-  capacity = int(S / c ** r)
-  capacity = max(capacity, min(2 * max_new, S))
-  top_k = t // 2
-  c2 = max(1.0, capacity / t)
-  P = math.ceil(math.sqrt(c2))
-  if P > c2:
-    P = 1
-  top_r = max(1, min(d, int(d * P / c2)))
-  return dict(capacity=capacity, page_size=P, top_r=top_r, top_k=top_k)
-
-
-assert rocketkv_plan(16384, 256) == dict(capacity=1595, page_size=3, top_r=61, top_k=128)
+def rocketkv_config(S: int, t: int, impl: str):
+  """The library's RocketKV config for a prompt of S tokens (ALGORITHM.md section 1)."""
+  return rk.make_config("rocketkv", token_budget=t, prompt_len=S, max_new_tokens=MAX_NEW, head_dim=H,
+                        impl=impl)
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -89,26 +81,34 @@ def make_dense_gqa():
   return run
 
 
-def sparse_step(q, k, v, kt_min, kt_max, length, *, plan, impl, interpret=False):
-  """One layer's HSA step: channels, page scores, top pages, attention over their slots."""
-  page_size, top_r, top_k = plan["page_size"], plan["top_r"], plan["top_k"]
-  S = k.shape[2]
-  P = kt_min.shape[-1]
-  B = q.shape[0]
-  channels = jax.lax.top_k(jnp.abs(q.astype(jnp.float32)).sum(2), top_r)[1].astype(jnp.int32)
-  if impl == "pallas":
-    scores = hsa_page_scores(q, kt_min, kt_max, channels, length, page_size=page_size,
-                             interpret=interpret)
-  else:
-    scores = hsa_page_scores_reference(q, kt_min, kt_max, channels, length, page_size=page_size)
-  n_sel = min(P, -(-top_k // page_size))
-  pages = jax.lax.top_k(scores, n_sel)[1]
-  idx = (pages[..., None] * page_size + jnp.arange(page_size)).reshape(B, K_HEADS, -1)
-  valid = idx < length[:, None, None]
-  idx = jnp.minimum(idx, S - 1).astype(jnp.int32)
-  if impl == "pallas":
-    return sparse_decode_attention(q, k, v, idx, valid, interpret=interpret)
-  return sparse_decode_attention_reference(q, k, v, idx, valid)
+def sparse_step(q, cache, *, config):
+  """One layer's stage 2 on a filled cache: top-r channels, page scores, top-k tokens, attention."""
+  idx, valid = methods.select(cache, q, config)
+  return attention.sparse_decode_attention(q, cache.k, cache.v, idx, valid, impl=config.impl)
+
+
+LAYER_STEPS = 16
+
+
+def layer_steps(q, k_new, v_new, cache, *, config):
+  """LAYER_STEPS whole decode steps of one layer (append, KT update, select, attend); each step's
+  output is the next step's query so nothing is dead code. The cache is the loop carry."""
+  def body(_, carry):
+    q, cache = carry
+    out, cache = methods.decode(cache, q, k_new, v_new, config)
+    return out, cache
+  return jax.lax.fori_loop(0, LAYER_STEPS, body, (q, cache))
+
+
+def random_cache(key, B: int, config) -> KVCache:
+  """A RocketKV cache as stage 1 leaves it, LAYER_STEPS + 1 slots short of capacity (bf16 K/V/KT)."""
+  cap, ps = config.capacity, config.page_size
+  ks = jax.random.split(key, 2)
+  k = jax.random.normal(ks[0], (B, K_HEADS, cap, H), DT)
+  v = jax.random.normal(ks[1], (B, K_HEADS, cap, H), DT)
+  length = jnp.full((B,), cap - LAYER_STEPS - 1, jnp.int32)
+  kt_min, kt_max = build_kt_pages(k, length, ps, DT)
+  return KVCache(k=k, v=v, length=length, pos=length + 100_000, kt_min=kt_min, kt_max=kt_max)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -279,45 +279,54 @@ def main():
         else:
           del sets
 
-  # ---------------- sparse (RocketKV step for one layer)
+  # ---------------- sparse (RocketKV stage 2 of one layer, the library's own path)
   if args.only in ("", "sparse"):
+    pallas_impl = "interpret" if interpret else "pallas"
     for t in budgets:
       for L in lengths:
-        plan = rocketkv_plan(L, t) if not args.smoke else dict(capacity=300, page_size=3,
-                                                                  top_r=40, top_k=32)
-        cap, ps, R = plan["capacity"], plan["page_size"], plan["top_r"]
+        cfg_p = rocketkv_config(L if not args.smoke else 4 * L, t, pallas_impl)
+        cfg_x = rocketkv_config(L if not args.smoke else 4 * L, t, "xla")
+        cap, ps, R, topk = cfg_p.capacity, cfg_p.page_size, cfg_p.topr, cfg_p.topk
         P = -(-cap // ps)
+        plan = dict(capacity=cap, page_size=ps, top_r=R, top_k=topk)
         for B in batches:
-          M = min(P, -(-plan["top_k"] // ps)) * ps
-          nbytes = B * K_HEADS * (R * P * 2 + 2 * M * H * 2)  # KT rows (min or max) + K/V rows
+          # Needed bytes per layer: the R chosen KT rows (min or max, bf16) and top_k K/V rows.
+          nbytes = B * K_HEADS * (R * P * 2 + 2 * topk * H * 2)
           cache_bytes = B * K_HEADS * (2 * cap * H * 2 + 2 * H * P * 2)
           n_rot = max(1, min(16, -(-L2_DEFEAT_BYTES // cache_bytes)))
           sets = []
           for r in range(n_rot):
-            ks = jax.random.split(jax.random.fold_in(key, 7 + 1000 * L + 10 * B + r + t), 5)
+            ks = jax.random.split(jax.random.fold_in(key, 7 + 1000 * L + 10 * B + r + t), 4)
             q = jax.random.normal(ks[0], (B, K_HEADS, G, H), DT)
-            k = jax.random.normal(ks[1], (B, K_HEADS, cap, H), DT)
-            v = jax.random.normal(ks[2], (B, K_HEADS, cap, H), DT)
-            a = jax.random.normal(ks[3], (B, K_HEADS, H, P), DT)
-            b = jax.random.normal(ks[4], (B, K_HEADS, H, P), DT)
-            sets.append((q, k, v, jnp.minimum(a, b), jnp.maximum(a, b),
-                         jnp.full((B,), cap, jnp.int32)))
-          step_p = jax.jit(lambda *a: sparse_step(*a, plan=plan, impl="pallas", interpret=interpret))
-          step_x = jax.jit(lambda *a: sparse_step(*a, plan=plan, impl="xla"))
-          # Check the two kernels on identical selections (the top-k may break near-ties apart).
-          q, k, v, kmin, kmax, length = sets[0]
-          ch = jax.lax.top_k(jnp.abs(q.astype(jnp.float32)).sum(2), R)[1].astype(jnp.int32)
-          sc_p = hsa_page_scores(q, kmin, kmax, ch, length, page_size=ps, interpret=interpret)
-          sc_r = hsa_page_scores_reference(q, kmin, kmax, ch, length, page_size=ps)
-          live = np.isfinite(np.asarray(sc_r))
-          err_s = rel_err(np.asarray(sc_p)[live], np.asarray(sc_r)[live])
-          idx = jax.random.randint(key, (B, K_HEADS, M), 0, cap, jnp.int32)
-          valid = jnp.ones((B, K_HEADS, M), bool)
-          err_a = rel_err(sparse_decode_attention(q, k, v, idx, valid, interpret=interpret),
-                          sparse_decode_attention_reference(q, k, v, idx, valid))
-          extra = dict(B=B, L=L, t=t, **plan, M=M, err_scores=err_s, err_attention=err_a)
+            sets.append((q, jax.random.normal(ks[1], (B, K_HEADS, H), DT),
+                         jax.random.normal(ks[2], (B, K_HEADS, H), DT), random_cache(ks[3], B, cfg_p)))
+          step_p = jax.jit(lambda q, kn, vn, c: sparse_step(q, c, config=cfg_p))
+          step_x = jax.jit(lambda q, kn, vn, c: sparse_step(q, c, config=cfg_x))
+          q, kn, vn, c = sets[0]
+          out_p, out_x = step_p(q, kn, vn, c), step_x(q, kn, vn, c)
+          # Same kernels on identical selections (near-ties may select differently across paths).
+          idx, valid = methods.select(c, q, cfg_x)
+          err_a = rel_err(attention.sparse_decode_attention(q, c.k, c.v, idx, valid, impl=pallas_impl),
+                          attention.sparse_decode_attention(q, c.k, c.v, idx, valid, impl="xla"))
+          extra = dict(B=B, L=L, t=t, **plan, M=topk, err_step=rel_err(out_p, out_x),
+                       err_attention=err_a)
           run_point("sparse_step", "pallas", step_p, sets, nbytes, extra)
           run_point("sparse_step", "xla", step_x, sets, nbytes, extra)
+          # Whole layer step: + the appended K/V row and the KT page column read and written.
+          lbytes = (nbytes + B * K_HEADS * (2 * H * 2 + 4 * H * 2)) * LAYER_STEPS
+          loop_p = jax.jit(lambda q, kn, vn, c: layer_steps(q, kn, vn, c, config=cfg_p))
+          loop_x = jax.jit(lambda q, kn, vn, c: layer_steps(q, kn, vn, c, config=cfg_x))
+          # One step (a loop feeds each output back as the query, so near-ties compound).
+          err_l = rel_err(methods.decode(c, q, kn, vn, cfg_p)[0], methods.decode(c, q, kn, vn, cfg_x)[0])
+          for impl, fn in (("pallas", loop_p), ("xla", loop_x)):
+            dev, wall, top = time_fn(fn, sets, max(2, iters // LAYER_STEPS), profile)
+            t_us = (dev if dev is not None else wall) / LAYER_STEPS
+            emit(dict(kind="layer_step", impl=impl, B=B, L=L, t=t, **plan, steps_per_call=LAYER_STEPS,
+                      bytes=lbytes // LAYER_STEPS, device_us=None if dev is None else dev / LAYER_STEPS,
+                      wall_us=wall / LAYER_STEPS, GBps=lbytes / LAYER_STEPS / (t_us * 1e-6) / 1e9,
+                      frac_copy_bw=lbytes / LAYER_STEPS / (t_us * 1e-6) / bw,
+                      floor_us=lbytes / LAYER_STEPS / bw * 1e6, err_vs_xla=err_l,
+                      top_kernels=[(n, round(v / LAYER_STEPS, 2)) for n, v in top]))
           del sets
 
   fout.close()
