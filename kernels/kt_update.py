@@ -50,6 +50,7 @@ def _kt_update_kernel(
 ):
   H, P = kt_min_ref.shape
   slot = slot_ref[...]
+  in_range = (slot >= 0) & (slot < P * page_size)  # a slot past the last page touches nothing
   page = jnp.clip(slot // page_size, 0, P - 1)
   fresh = (slot % page_size) == 0
   rows = jnp.arange(H)
@@ -57,8 +58,8 @@ def _kt_update_kernel(
   k = k_ref[...].astype(jnp.float32)
   old_min = kt_min_ref[rows, cols].astype(jnp.float32)
   old_max = kt_max_ref[rows, cols].astype(jnp.float32)
-  new_min = jnp.where(fresh, k, jnp.minimum(old_min, k))
-  new_max = jnp.where(fresh, k, jnp.maximum(old_max, k))
+  new_min = jnp.where(fresh & in_range, k, jnp.minimum(old_min, jnp.where(in_range, k, jnp.inf)))
+  new_max = jnp.where(fresh & in_range, k, jnp.maximum(old_max, jnp.where(in_range, k, -jnp.inf)))
   kt_min_out_ref[rows, cols] = new_min.astype(kt_min_out_ref.dtype)
   kt_max_out_ref[rows, cols] = new_max.astype(kt_max_out_ref.dtype)
 
@@ -67,7 +68,8 @@ def _kt_update_kernel(
                    donate_argnums=(0, 1))
 def kt_update(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, *, page_size: int,
               interpret: bool = False, num_warps: int = 1):
-  """Folds the new key k_new[b, k] (written at cache slot slot[b]) into its KT page, in place.
+  """Folds the new key k_new[b, k] (written at cache slot slot[b]) into its KT page, in place. A slot
+  at or past P * page_size changes nothing.
 
   The KT buffers are donated: callers must use the returned arrays.
   """

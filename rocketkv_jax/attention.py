@@ -1,5 +1,5 @@
 """The decode hot path behind the `impl` switch: dense decode attention, sparse (top-k) decode attention,
-HSA page scoring and the top-k tokens from page scores. `impl="xla"` is plain XLA (below); `impl="pallas"` calls the Pallas Triton kernels of
+HSA page scoring, the top-k tokens from page scores and the KT page update. `impl="xla"` is plain XLA (below); `impl="pallas"` calls the Pallas Triton kernels of
 `rocketkv_jax.kernels` with the same arguments; `"interpret"` runs those kernels in Pallas interpret mode (CPU tests);
 `"auto"` picks Pallas on GPU and XLA elsewhere.
 
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rocketkv_jax import cache as cache_lib
 from rocketkv_jax.cache import slot_valid
 from rocketkv_jax.select import topk_tokens_from_pages
 
@@ -116,3 +117,15 @@ def page_topk(page_scores_BKP, length_B, *, page_size, k, num_slots, impl):
     valid = jnp.arange(m)[None, None, :] < jnp.minimum(length_B, m)[:, None, None]
     return idx, jnp.broadcast_to(valid, idx.shape)
   return topk_tokens_from_pages(page_scores_BKP, length_B, page_size, k, num_slots)
+
+
+def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, *, page_size, num_slots, impl):
+  """`cache.append_kt_pages` (fold the appended key into its page; a slot past num_slots changes nothing);
+  with Pallas, one in-place kernel instead of XLA's gathers and scatters."""
+  if resolve_impl(impl) in ("pallas", "interpret"):
+    from rocketkv_jax.kernels import kt_update
+    past = kt_min_BKHP.shape[-1] * page_size  # the kernel leaves slots from here on alone
+    slot = jnp.where(slot_B < num_slots, slot_B, past).astype(jnp.int32)
+    return kt_update.kt_update(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot, page_size=page_size,
+                               interpret=impl == "interpret")
+  return cache_lib.append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size, num_slots)

@@ -12,7 +12,7 @@ import numpy as np
 
 from rocketkv_jax import attention
 from rocketkv_jax.config import _NoEvictionConfig
-from rocketkv_jax.cache import (KVCache, append_kt_pages, build_kt_pages, kt_dtype, slot_valid, write_slot)
+from rocketkv_jax.cache import (KVCache, build_kt_pages, kt_dtype, slot_valid, write_slot)
 from rocketkv_jax.select import group_channels, sparq_temperature, topk_tokens
 from rocketkv_jax.snapkv import h2o_prefill_scores, snapkv_keep
 
@@ -142,8 +142,9 @@ def decode(cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH, config):
     slot = cache.length
   replace = {}
   if config.uses_kt_pages:
-    replace["kt_min"], replace["kt_max"] = append_kt_pages(cache.kt_min, cache.kt_max, k_new_BKH, slot,
-                                                           config.page_size, cache.capacity)
+    replace["kt_min"], replace["kt_max"] = attention.append_kt_pages(
+        cache.kt_min, cache.kt_max, k_new_BKH, slot, page_size=config.page_size, num_slots=cache.capacity,
+        impl=impl)
   if method == "sparq":
     replace["v_sum"] = cache.v_sum + v_new_BKH.astype(jnp.float32)
   cache = _append(cache, k_new_BKH, v_new_BKH, _slot_BK(slot, n_kv), **replace)

@@ -19,9 +19,9 @@ def check(B, K, H, P, page_size, kt_dtype, k_dtype, interpret, seed=0):
   kt_min = jnp.minimum(a, b).astype(kt_dtype)
   kt_max = jnp.maximum(a, b).astype(kt_dtype)
   k = jax.random.normal(ks[2], (B, K, H), jnp.float32).astype(k_dtype)
-  # A fresh page start, a mid-page slot and the last slot, cycling over the batch.
-  choices = np.array([0, page_size * (P // 2) + page_size // 2, P * page_size - 1])
-  slot = jnp.asarray(choices[np.arange(B) % 3], jnp.int32)
+  # A fresh page start, a mid-page slot, the last slot and one past it (no change), cycling over the batch.
+  choices = np.array([0, page_size * (P // 2) + page_size // 2, P * page_size - 1, P * page_size + 1])
+  slot = jnp.asarray(choices[np.arange(B) % len(choices)], jnp.int32)
   ref_min, ref_max = kt_update_reference(kt_min, kt_max, k, slot, page_size=page_size)
   out_min, out_max = kt_update(jnp.copy(kt_min), jnp.copy(kt_max), k, slot, page_size=page_size,
                                interpret=interpret)
@@ -32,7 +32,7 @@ def check(B, K, H, P, page_size, kt_dtype, k_dtype, interpret, seed=0):
 
 @pytest.mark.parametrize("kt_dtype", KT_DTYPES)
 def test_matches_reference_interpret(kt_dtype):
-  check(B=3, K=2, H=64, P=7, page_size=3, kt_dtype=kt_dtype, k_dtype=jnp.bfloat16,
+  check(B=4, K=2, H=64, P=7, page_size=3, kt_dtype=kt_dtype, k_dtype=jnp.bfloat16,
         interpret=True)
 
 
