@@ -147,6 +147,8 @@ def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: st
   if profile_dir:
     from benchmarks.profile_util import top_ops
     os.makedirs(profile_dir, exist_ok=True)
+    with open(os.path.join(profile_dir, "decode_chunk.hlo.txt"), "w") as f:  # names the ops of the trace
+      f.write(compiled.as_text())
     with jax.profiler.trace(profile_dir):
       tokens, caches = compiled(state, tokens, caches)
       tokens.block_until_ready()

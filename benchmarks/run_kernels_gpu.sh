@@ -1,22 +1,39 @@
 #!/usr/bin/env bash
-# One device call: GPU kernel tests, then the kernel benchmark; logs and JSON lines go to $OUT.
+# One device call (issue 4): the GPU-marked tests (compiled Triton kernels; 4 pytest processes in parallel
+# to overlap compiles), then the kernel benchmark, then a profiled whole-model decode point. Outputs to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 \
-   || ! python3 -c "import rocketkv_jax.kernels.dense_decode" 2>/dev/null; then
-  echo "editable install failed; using a path shim" | tee -a "$OUT/pip.log"
-  mkdir -p /tmp/shim && cp -r rocketkv_jax /tmp/shim/ && ln -sfn "$PWD/kernels" /tmp/shim/rocketkv_jax/kernels
-  export PYTHONPATH=/tmp/shim
-fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || echo "pip -e failed"
 D=$(date -u +%Y-%m-%d)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/kernels.py --out "$OUT/kernels_$D.jsonl" $BENCH_ARGS 2>&1 \
-  | grep -v "^{" | tee "$OUT/kernels_bench_$D.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"; } | tee "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  echo "command: timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu ${TEST_SELECT:-tests/kernels} -q -rfE" > "$OUT/kernels_gpu_tests_$D.txt"
-  cat "$OUT/gpu.txt" >> "$OUT/kernels_gpu_tests_$D.txt"
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu ${TEST_SELECT:-tests/kernels} -q -rfE -p no:cacheprovider 2>&1 \
-    | tee -a "$OUT/kernels_gpu_tests_$D.txt" | tail -25
+  T="$OUT/kernels_gpu_tests_$D.txt"
+  { echo "date: $(date -u -Iseconds)"; cat "$OUT/gpu.txt"
+    echo "command: XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu <group> -q -rfE, 4 groups in parallel"; } > "$T"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  i=0
+  for g in "tests/kernels/test_dense_decode.py" "tests/kernels/test_sparse_decode.py" \
+           "tests/kernels/test_hsa_scores.py tests/kernels/test_kt_update.py" \
+           "tests/kernels/test_page_topk.py tests/core/test_methods.py"; do
+    ( timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu $g -q -rfE -p no:cacheprovider > "$OUT/t$i.log" 2>&1;
+      echo "exit $? : $g" >> "$OUT/t$i.log" ) &
+    i=$((i + 1))
+  done
+  wait
+  for j in 0 1 2 3; do echo "== group $j"; cat "$OUT/t$j.log"; done >> "$T"
+  rm -f "$OUT"/t?.log
+  grep -E "passed|failed|error|exit" "$T"
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
 fi
+timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --out "$OUT/kernels_$D.jsonl" $BENCH_ARGS 2>&1 \
+  | grep -v "^{" | tee "$OUT/kernels_bench_$D.txt" | tail -45
+if [ -n "${DECODE_ARGS:-}" ]; then
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${DECODE_TIMEOUT:-150}" python3 -m benchmarks.decode \
+    --out "$OUT/decode_$D.jsonl" $DECODE_ARGS > "$OUT/decode_log_$D.txt" 2>&1; tail -30 "$OUT/decode_log_$D.txt"
+fi
+for d in /tmp/prof/rocketkv_*_1 /tmp/prof/full_*_1; do  # the step's HLO, to name the profile's fusions
+  [ -f "$d/decode_chunk.hlo.txt" ] && gzip -c "$d/decode_chunk.hlo.txt" > "$OUT/hlo_$(basename "$d").txt.gz"
+done
+true

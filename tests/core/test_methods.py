@@ -261,6 +261,24 @@ def test_pallas_impl_matches_xla(method):
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["full", "rocketkv", "quest", "hsa"])
+def test_pallas_impl_matches_xla_gpu(method):
+  """The compiled Pallas kernels (dense, HSA scores, page top-k, sparse attention, KT update) give what the
+  XLA path gives, method level, ragged batch, float32 (XLA's dots at full precision, no TF32)."""
+  if not any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("needs a GPU")
+  T, lengths, n_steps = 1000, [1000, 301, 77], 3
+  xla = _config(method, 128, T, n_steps)
+  pallas = dataclasses.replace(xla, impl="pallas")
+  q, k, v = _inputs(13, 3, T)
+  steps = _steps(13, 3, n_steps)
+  with jax.default_matmul_precision("highest"):
+    want, _ = _run(xla, q, k, v, lengths, steps)
+    got, _ = _run(pallas, q, k, v, lengths, steps)
+  np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
 def test_topk_from_pages_two_paths_agree(monkeypatch):
   """The direct (broadcast) and two-level (best pages first) selections and the Pallas kernel (interpret)
   pick the same tokens, ties included."""
