@@ -1,11 +1,42 @@
 #!/usr/bin/env bash
-# The H200 decode grid behind benchmarks/results/decode_h200_*.jsonl, in priority order (each part bounded,
-# so a slow compile cannot cost the rest). Usage: benchmarks/run_h200.sh OUT_DIR
+# The H200 decode runs behind benchmarks/results/decode_h200_*.jsonl, in parts so each device call fits its
+# 10 minutes (each part bounded, so a slow compile cannot cost the rest).
+# Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: diag peak lat128 lat32 lat16_64 methods32 max32 t1024)
 set -u
-out=${1:?out dir}; mkdir -p "$out"
+out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 run() { local secs=$1; shift; timeout "$secs" python3 -m benchmarks.decode --out "$out/decode.jsonl" "$@" \
           >>"$out/log.txt" 2>&1 || echo "part exited $? : $*" >>"$out/log.txt"; }
-run 150 --contexts 32k --methods full,rocketkv --budgets 256 --batches 1,8,max --profile /tmp/prof
-run 130 --contexts 128k --methods rocketkv,full --budgets 256 --batches 1
-run 140 --contexts "" --peak rocketkv:256:128k,full:256:128k
+for part in "$@"; do
+  echo "== $part $(date -u +%T)" >>"$out/log.txt"
+  case $part in
+    diag)  # the Pallas stage-2 path against XLA, piece by piece; the verdict goes to ~/pallas_ok
+      ok=1
+      for a in "--H 32 --N 8 --K 2" "--H 128 --N 32 --K 8 --dtype bfloat16 --T 3000 --budget 256"; do
+        timeout 120 python3 benchmarks/diag_gpu.py $a >>"$out/diag.txt" 2>&1 || ok=0
+      done
+      echo $ok > ~/pallas_ok; grep DIAG "$out/diag.txt" ;;
+    peak)      run 170 --contexts "" --peak rocketkv:256:128k,full:256:128k ;;
+    lat128)    run 200 --contexts 128k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
+    lat32)     run 170 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8,max --profile /tmp/prof ;;
+    lat16_64)  run 250 --contexts 16k,64k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
+    methods32) run 200 --contexts 32k --methods snapkv,quest --budgets 256 --batches 1,8 ;;
+    max32)     run 150 --contexts 32k --methods full,rocketkv --budgets 256 --batches 32,max ;;
+    t1024)     run 150 --contexts 32k,128k --methods rocketkv --budgets 1024 --batches 1,8 ;;
+    *) echo "unknown part $part" >>"$out/log.txt" ;;
+  esac
+done
+python3 - "$out/decode.jsonl" <<'PY' 2>/dev/null
+import json, sys
+for l in open(sys.argv[1]):
+  r = json.loads(l)
+  if r["kind"] == "point":
+    print(r["method"], r.get("token_budget"), r["context"], r["batch"], r.get("status"), r.get("ms_per_step"),
+          r.get("ratio_to_floor"), r.get("tokens_per_s"))
+  elif r["kind"] == "peak":
+    print("peak", r["method"], r["context"], round((r.get("peak_bytes") or 0) / 1e9, 2), "GB")
+PY
+for d in /tmp/prof/rocketkv_*_1 /tmp/prof/full_*_1; do
+  [ -f "$d/decode_chunk.hlo.txt" ] && gzip -c "$d/decode_chunk.hlo.txt" > "$out/hlo_$(basename "$d").txt.gz"
+done
+true

@@ -64,14 +64,14 @@ def _kt_update_kernel(
   kt_max_out_ref[rows, cols] = new_max.astype(kt_max_out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps"],
-                   donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps"])
 def kt_update(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, *, page_size: int,
               interpret: bool = False, num_warps: int = 1):
   """Folds the new key k_new[b, k] (written at cache slot slot[b]) into its KT page, in place. A slot
   at or past P * page_size changes nothing.
 
-  The KT buffers are donated: callers must use the returned arrays.
+  The outputs alias the KT inputs (input_output_aliases): inside a jitted step whose cache is donated (or
+  a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
   if kt_min_BKHP.ndim != 4 or kt_max_BKHP.shape != kt_min_BKHP.shape:
     raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} and kt_max_BKHP.shape="

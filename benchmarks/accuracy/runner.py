@@ -51,6 +51,8 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=8, help="prompts per prefill/decode batch")
   p.add_argument("--chat", choices=("on", "off"), default="off", help="wrap task prompts in the chat template")
   p.add_argument("--dtype", default="float32")
+  p.add_argument("--impl", default="auto", choices=("auto", "xla", "pallas"),
+                 help="the core's hot path: auto = Pallas kernels on GPU, XLA elsewhere")
   p.add_argument("--small", action="store_true", help="CPU-quick grid (defaults of flags left unset)")
   p.add_argument("--out", default="benchmarks/results/accuracy", help="output path prefix")
   a = p.parse_args(argv)
@@ -72,20 +74,22 @@ def _machine() -> dict:
           "devices": [d.device_kind for d in jax.devices()], "cpu_count": os.cpu_count()}
 
 
-def _configs(methods, budgets, context, max_new, model_cfg):
+def _configs(methods, budgets, context, max_new, model_cfg, impl="auto"):
   """(method, budget, config or error string); full runs once (budget None)."""
   from benchmarks.accuracy.engine import make_config
   out = []
   for m in methods:
     for b in ([None] if m == "full" else budgets):
       try:
-        out.append((m, b, make_config(m, b or max(budgets), context, max_new, model_cfg)))
+        out.append((m, b, make_config(m, b or max(budgets), context, max_new, model_cfg, impl=impl)))
       except ValueError as e:
         out.append((m, b, f"skipped: {e}"))
   return out
 
 
-def run(args, progress=None, log=print) -> dict:
+def run(args, progress=None, log=print, checkpoint=None) -> dict:
+  """The grid. `checkpoint(res)`, if given, is called after every prompt batch and fidelity pass, so a run
+  stopped early (a time limit) keeps what it measured."""
   import jax
   import jax.numpy as jnp
 
@@ -105,7 +109,8 @@ def run(args, progress=None, log=print) -> dict:
                   "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
                                    "head_dim": cfg.head_dim, "max_len": cfg.max_len},
                   "grid": {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks",
-                                                           "fid_samples", "fid_tail", "max_new", "chat", "dtype")}},
+                                                           "fid_samples", "fid_tail", "max_new", "chat", "dtype", "impl")
+                           if hasattr(args, k)}},
          "tasks": [], "fidelity": [], "skipped": []}
   res["meta"]["haystack"] = {"files": sorted(n for n in os.listdir(T.DATA_DIR) if n.endswith(".txt")),
                              "sentences": len(T.haystack_sentences())}
@@ -118,7 +123,7 @@ def run(args, progress=None, log=print) -> dict:
     if C + max(args.max_new, 1) > cfg.max_len:
       raise ValueError(f"context {C} + max_new {args.max_new} exceeds the model's max_len {cfg.max_len}")
     samples = T.make_samples(tok, args.tasks, C, args.samples, chat=chat) if args.samples else []
-    confs = _configs(args.methods, args.budgets, C, args.max_new, cfg)
+    confs = _configs(args.methods, args.budgets, C, args.max_new, cfg, getattr(args, "impl", "auto"))
     for m, b, c in confs:
       if isinstance(c, str):
         res["skipped"].append({"context": C, "method": m, "budget": b, "why": c})
@@ -146,8 +151,10 @@ def run(args, progress=None, log=print) -> dict:
                                "seconds": dt / len(chunk)})
         if prog: prog.advance()
       del qkv, logits
+      if checkpoint: checkpoint(res)
     if args.fid_samples:
       _fidelity(args, runner, tok, C, confs, res, prog)
+      if checkpoint: checkpoint(res)
   res["meta"]["seconds"] = time.time() - t_start
   res["summary"] = summarize(res)
   if prog: prog.close()
@@ -167,7 +174,7 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
   jax.block_until_ready(logits)
   # plan each method for what this run decodes: a prompt of `prefix` tokens and F - 1 new ones (the
   # task configs are planned for C + max_new and would overflow a non-evicting cache)
-  confs = _configs(args.methods, args.budgets, prefix, F, runner.cfg)
+  confs = _configs(args.methods, args.budgets, prefix, F, runner.cfg, getattr(args, "impl", "auto"))
   for m, b, c in confs:
     if isinstance(c, str):
       res["skipped"].append({"context": C, "method": m, "budget": b, "why": f"fidelity {c}"})
@@ -279,7 +286,15 @@ def main(argv=None):
   from benchmarks.accuracy.report import write_outputs
 
   log = lambda msg: print(msg, file=sys.stderr)
-  res = run(args, progress=_RichProgress, log=log)
+
+  def checkpoint(res):  # partial JSON (no summary yet); report.py re-renders it
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".partial.json", "w") as f:
+      json.dump(res, f, default=str)
+
+  res = run(args, progress=_RichProgress, log=log, checkpoint=checkpoint)
+  if os.path.exists(args.out + ".partial.json"):
+    os.remove(args.out + ".partial.json")
   paths = write_outputs(res, args.out)
   for p in paths:
     log(f"wrote {p}")
