@@ -25,7 +25,11 @@ def main():
   ap.add_argument("--K", type=int, default=2)
   ap.add_argument("--budget", type=int, default=128)
   ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--impl", default="pallas", help="the path under test (interpret: a CPU dry run)")
+  ap.add_argument("--api", action="store_true", help="the method-level test's scenario through the jitted api")
   a = ap.parse_args()
+  if a.api:
+    return api_scenario(a)
   dt = getattr(jnp, a.dtype)
   lengths = jnp.asarray([a.T, 301, 77], jnp.int32)
   B, G = 3, a.N // a.K
@@ -81,6 +85,42 @@ def main():
     ok = bool(d.max() < (1e-3 if a.dtype == "float32" else 3e-2))
     print("DIAG_OK" if ok else "DIAG_MISMATCH", f"H={a.H} N={a.N} K={a.K} dtype={a.dtype}")
     raise SystemExit(0 if ok else 1)
+
+
+def api_scenario(a):
+  """tests/core/test_methods.py::test_pallas_impl_matches_xla_gpu, piece by piece: is the prefill the same for
+  both configs, does the jitted decode step differ on one shared cache, and is each path repeatable?"""
+  import dataclasses
+  lengths = jnp.asarray([a.T, min(301, a.T), 77], jnp.int32)
+  B, G = 3, a.N // a.K
+  ks = jax.random.split(jax.random.PRNGKey(13), 3)
+  q = jax.random.normal(ks[0], (B, a.T, a.N, a.H))
+  k = jax.random.normal(ks[1], (B, a.T, a.K, a.H))
+  v = jax.random.normal(ks[2], (B, a.T, a.K, a.H))
+  ks = jax.random.split(jax.random.PRNGKey(13 + 1000), 3)
+  qs = jax.random.normal(ks[0], (B, a.N, a.H))
+  kn = jax.random.normal(ks[1], (B, a.K, a.H))
+  vn = jax.random.normal(ks[2], (B, a.K, a.H))
+  ok = True
+  for method in ("rocketkv", "hsa", "quest"):
+    x = rk.make_config(method, token_budget=a.budget, prompt_len=a.T, max_new_tokens=3, head_dim=a.H, impl="xla")
+    p = dataclasses.replace(x, impl=a.impl)
+    with jax.default_matmul_precision("highest"):
+      cx = rk.prefill_compress(q, k, v, lengths, config=x)
+      cp = rk.prefill_compress(q, k, v, lengths, config=p)
+      same = {f: bool(jnp.array_equal(getattr(cx, f), getattr(cp, f), equal_nan=True))
+              for f in ("k", "v", "length", "kt_min", "kt_max") if getattr(cx, f) is not None}
+      copy = lambda c: jax.tree.map(jnp.copy, c)  # noqa: E731 - decode_step donates
+      ox, _ = rk.decode_step(copy(cx), qs, kn, vn, config=x)
+      ox2, _ = rk.decode_step(copy(cx), qs, kn, vn, config=x)
+      op, _ = rk.decode_step(copy(cx), qs, kn, vn, config=p)
+      op2, _ = rk.decode_step(copy(cx), qs, kn, vn, config=p)
+      ox_eager, _ = methods.decode(copy(cx), qs.reshape(B, a.K, G, a.H), kn, vn, x)
+    f = lambda u, w: float(np.abs(np.asarray(u, np.float32) - np.asarray(w, np.float32).reshape(np.shape(u))).max())  # noqa: E731
+    print(f"{method}: prefill caches equal {same}; step on one cache: xla vs pallas {f(ox, op):.2e}, "
+          f"xla twice {f(ox, ox2):.2e}, pallas twice {f(op, op2):.2e}, jitted xla vs eager xla {f(ox, ox_eager):.2e}")
+    ok &= f(ox, op) < 1e-3
+  print("API_OK" if ok else "API_MISMATCH")
 
 
 if __name__ == "__main__":
