@@ -64,7 +64,9 @@ def group_channels(q_BKGH: jax.Array, r: int) -> jax.Array:
   size): each channel's rank counts the channels that beat it, and position j takes the channel of
   rank j. Two small fusions over [B, K, H, H].
   """
-  a = jnp.abs(q_BKGH.astype(jnp.float32)).sum(axis=2)  # [B, K, H]
+  # The barrier makes both sides of the comparison read one materialised `a`: XLA on GPU otherwise
+  # recomputes the reduction inside each consumer with different rounding, and the ranks break.
+  a = jax.lax.optimization_barrier(jnp.abs(q_BKGH.astype(jnp.float32)).sum(axis=2))  # [B, K, H]
   c = jnp.arange(a.shape[-1], dtype=jnp.int32)
   a_i, a_j = a[..., :, None], a[..., None, :]
   beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
