@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def _label(r):
-  return r["method"] if r.get("token_budget") is None else f'{r["method"]} t={r["token_budget"]}'
+  return r["method"] if r.get("token_budget") is None or r["method"] == "full" else f'{r["method"]} t={r["token_budget"]}'
 
 
 def render(path: str) -> str:
