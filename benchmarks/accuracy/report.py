@@ -45,6 +45,8 @@ def markdown(res) -> str:
            f"- grid: contexts {g['contexts']}, budgets {g['budgets']}, {g['samples']} sample(s) per task "
            f"({', '.join(g['tasks'])}), fidelity {g['fid_samples']} sequence(s) x {g['fid_tail']} teacher-forced "
            f"tokens, max_new {g['max_new']}, chat template {g['chat']}, {g['dtype']}", ""]
+  if meta.get("note"):
+    lines[-1:-1] = [f"- note: {meta['note']}"]
   budgets = list(g["budgets"])
   methods = [m for m in g["methods"] if m != "full"]
   by = {(r["context"], r["method"], r["budget"]): r for r in rows}
