@@ -35,8 +35,11 @@ def _cmd_generate(args) -> int:
   log = lambda msg: err.log(msg)  # noqa: E731
   if args.prompt_file:
     try:
-      with open(args.prompt_file, encoding="utf-8") as f:
-        prompt = f.read()
+      if args.prompt_file == "-":
+        prompt = sys.stdin.read()
+      else:
+        with open(args.prompt_file, encoding="utf-8") as f:
+          prompt = f.read()
     except OSError as e:
       err.print(f"[red]cannot read --prompt-file {args.prompt_file!r}: {e}[/red]")
       return 2
@@ -93,21 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
   def common(sp):
     sp.add_argument("--model", default="smollm2",
                     help="'smollm2' (embedded SmolLM2-135M-Instruct GGUF), a .gguf path or a HF Llama dir")
-    sp.add_argument("--token-budget", type=int, default=256)
-    sp.add_argument("--max-new-tokens", type=int, default=64)
+    sp.add_argument("--token-budget", type=int, default=256,
+                    help="RocketKV token budget t: sets the kept prompt tokens and the per-step top-k (default 256)")
+    sp.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     sp.add_argument("--cache", default=None, help="converted-weight cache dir (default ~/.cache/rocketkv_jax)")
 
   g = sub.add_parser("generate", help="generate text for one prompt")
   common(g)
-  g.add_argument("--method", default="rocketkv", choices=list(METHODS))
+  g.add_argument("--method", default="rocketkv", choices=list(METHODS), help="KV-cache method (default rocketkv)")
   src = g.add_mutually_exclusive_group(required=True)
-  src.add_argument("--prompt")
-  src.add_argument("--prompt-file")
+  src.add_argument("--prompt", help="the prompt text")
+  src.add_argument("--prompt-file", help="read the prompt from this file (- for stdin)")
   g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
   g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-  g.add_argument("--temperature", type=float, default=0.0)
-  g.add_argument("--top-p", type=float, default=1.0)
-  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+  g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
   g.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
   g.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")
   g.set_defaults(func=_cmd_generate)

@@ -21,3 +21,16 @@ def test_generate_json(tmp_path, capsys):
 def test_generate_reports_missing_model(tmp_path, capsys):
   assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 1
   assert "not found" in capsys.readouterr().err
+
+
+def test_generate_reads_the_prompt_from_stdin(tmp_path, capsys, monkeypatch):
+  import io
+  path = write_gguf(str(tmp_path / "tiny.gguf"))
+  prompt = "the cat sat on the mat and then the cat sat again"
+  monkeypatch.setattr("sys.stdin", io.StringIO(prompt))
+  common = ["generate", "--model", path, "--method", "full", "--max-new-tokens", "3", "--json", "--no-cache"]
+  assert main(common + ["--prompt-file", "-"]) == 0
+  from_stdin = json.loads(capsys.readouterr().out)
+  assert main(common + ["--prompt", prompt]) == 0
+  assert json.loads(capsys.readouterr().out)["token_ids"] == from_stdin["token_ids"]
+  assert from_stdin["stats"]["prompt_tokens"][0] > 5
