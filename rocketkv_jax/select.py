@@ -64,8 +64,9 @@ def group_channels(q_BKGH: jax.Array, r: int) -> jax.Array:
   size): each channel's rank counts the channels that beat it, and position j takes the channel of
   rank j. Two small fusions over [B, K, H, H].
   """
-  # The barrier makes both sides of the comparison read one materialised `a`: XLA on GPU otherwise
-  # recomputes the reduction inside each consumer with different rounding, and the ranks break.
+  # The barrier makes both sides of the comparison read one materialised `a`. Without it the ranks came out
+  # wrong inside a jitted step on the GPU (not eagerly, not on CPU); likely XLA recomputing the reduction in
+  # each consumer fusion with different rounding. benchmarks/diag_gpu.py --api checks it.
   a = jax.lax.optimization_barrier(jnp.abs(q_BKGH.astype(jnp.float32)).sum(axis=2))  # [B, K, H]
   c = jnp.arange(a.shape[-1], dtype=jnp.int32)
   a_i, a_j = a[..., :, None], a[..., None, :]
