@@ -1,8 +1,11 @@
 """Small helpers shared by the Pallas kernels (no dependency on the rocketkv_jax core)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -14,6 +17,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_DOT_DIM = 16
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+KT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2))
 
 
 def next_pow2(n: int) -> int:
@@ -33,6 +37,83 @@ def check_dtype(name: str, dtype, allowed) -> None:
 def dot_precision(dtype):
   """float32 operands: full precision (no TF32); bf16: the native tensor-core path."""
   return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def page_slots(length, page, page_size: int):
+  """Valid slots of page `page` for a sequence of `length` valid slots (page_size at most, 0 past it)."""
+  return jnp.clip(length - page * page_size, 0, page_size)
+
+
+def check_qkv(q_BKGH, k_BKSH, v_BKSH) -> tuple[int, int, int, int, int]:
+  """Validates a decode-attention call's q [B, K, G, H] and cache k/v [B, K, S, H]; returns (B, K, G, H, S)."""
+  if q_BKGH.ndim != 4 or k_BKSH.ndim != 4:
+    raise ValueError(f"q_BKGH.shape={q_BKGH.shape} and k_BKSH.shape={k_BKSH.shape} must be 4-D")
+  B, K, G, H = q_BKGH.shape
+  S = k_BKSH.shape[2]
+  if k_BKSH.shape != (B, K, S, H) or v_BKSH.shape != k_BKSH.shape:
+    raise ValueError(f"k_BKSH.shape={k_BKSH.shape} and v_BKSH.shape={v_BKSH.shape} must both be "
+                     f"(B, K, S, H) = ({B}, {K}, S, {H}) to match q_BKGH.shape={q_BKGH.shape}")
+  if H & (H - 1):
+    raise ValueError(f"head dim H={H} must be a power of two (64 or 128 supported)")
+  if S < 1:
+    raise ValueError(f"cache slots S={S} must be >= 1")
+  check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
+  if k_BKSH.dtype != q_BKGH.dtype or v_BKSH.dtype != q_BKGH.dtype:
+    raise ValueError(f"k/v dtypes {k_BKSH.dtype}/{v_BKSH.dtype} must equal q dtype {q_BKGH.dtype}")
+  return B, K, G, H, S
+
+
+def check_kt_pages(kt_min_BKHP, kt_max_BKHP) -> tuple[int, int, int, int]:
+  """Validates the channel-major KT min/max pages [B, K, H, P]; returns (B, K, H, P)."""
+  if kt_min_BKHP.ndim != 4 or kt_max_BKHP.shape != kt_min_BKHP.shape:
+    raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} and kt_max_BKHP.shape="
+                     f"{kt_max_BKHP.shape} must be equal (B, K, H, P)")
+  B, K, H, P = kt_min_BKHP.shape
+  if H & (H - 1):
+    raise ValueError(f"head dim H={H} must be a power of two (64 or 128 supported)")
+  check_dtype("kt_min_BKHP", kt_min_BKHP.dtype, KT_DTYPES)
+  if kt_max_BKHP.dtype != kt_min_BKHP.dtype:
+    raise ValueError(f"kt_max dtype {kt_max_BKHP.dtype} must equal kt_min dtype {kt_min_BKHP.dtype}")
+  return B, K, H, P
+
+
+def split_grid(n: int, block: int, num_splits: int | None, target_programs: int, rows: int) -> tuple[int, int]:
+  """(split length, splits) cutting `n` items into splits of whole `block`s: `num_splits` if given, else
+  enough for about `target_programs` programs over `rows` (b, k) rows; never an empty split."""
+  blocks = cdiv(n, block)
+  if num_splits is None:
+    num_splits = cdiv(target_programs, rows)
+  num_splits = max(1, min(num_splits, blocks))
+  split_len = cdiv(blocks, num_splits) * block
+  return split_len, cdiv(n, split_len)
+
+
+def masked_attention_reference(q_BKGH, k_BKMH, v_BKMH, valid_BKM):
+  """Exact softmax attention (scale 1/sqrt(H), f32, full precision) of each query head of a KV group over
+  the rows where `valid`; rows that are not valid never enter (NaN there is safe); no valid row gives 0."""
+  H = q_BKGH.shape[-1]
+  mask = valid_BKM[:, :, None, :]
+  k = jnp.where(valid_BKM[..., None], k_BKMH.astype(jnp.float32), 0.0)
+  v = jnp.where(valid_BKM[..., None], v_BKMH.astype(jnp.float32), 0.0)
+  s = jnp.einsum("BKGH,BKMH->BKGM", q_BKGH.astype(jnp.float32), k,
+                 precision=lax.Precision.HIGHEST) / math.sqrt(H)
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(mask, jnp.exp(s - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  o = jnp.einsum("BKGM,BKMH->BKGH", p, v, precision=lax.Precision.HIGHEST)
+  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+  return o.astype(q_BKGH.dtype)
+
+
+def load_query_group(q_ref):
+  """The group's G query rows [G, H], padded to Gp >= 16 rows for Triton's dot (pads are 0), and the
+  [Gp] mask of real rows."""
+  G, _ = q_ref.shape
+  Gp = max(MIN_DOT_DIM, next_pow2(G))
+  row_ok = jnp.arange(Gp) < G
+  return pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0), row_ok
 
 
 def partial_specs(G: int, H: int):

@@ -18,9 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          next_pow2)
+                                          check_kt_pages, next_pow2, page_slots)
 
-KT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e5m2)
 _TARGET_PROGRAMS = 2 * 132
 
 
@@ -31,11 +30,6 @@ def _temperature(qr_GR, qf_GH):
   den = jnp.abs(qf_GH).sum(-1)
   tau = jnp.sqrt(H * num / jnp.where(den > 0, den, 1.0))
   return jnp.where(tau > 0, tau, 1.0)
-
-
-def _page_slots(length, num_pages: int, page_size: int):
-  """n[p]: valid slots of page p for a sequence of `length` valid slots."""
-  return jnp.clip(length - jnp.arange(num_pages) * page_size, 0, page_size)
 
 
 def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
@@ -50,7 +44,7 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, le
     sigma = qr.sum(0) > 0  # [R]; zero counts as negative
     rep = jnp.where(sigma[:, None], kmax_HP[ch_R].astype(jnp.float32),
                     kmin_HP[ch_R].astype(jnp.float32))  # [R, P]
-    n = _page_slots(length, P, page_size)
+    n = page_slots(length, jnp.arange(P), page_size)
     ok = n > 0
     rep = jnp.where(ok[None, :], rep, 0.0)  # empty pages may hold junk
     s = jnp.einsum("GR,RP->GP", qr, rep, precision=lax.Precision.HIGHEST)
@@ -98,7 +92,7 @@ def _hsa_scores_kernel(
 
   p0 = pl.program_id(2) * block_p
   page = p0 + jnp.arange(block_p)
-  n = jnp.clip(length_ref[...] - page * page_size, 0, page_size)
+  n = page_slots(length_ref[...], page, page_size)
   p_ok = (n > 0) & (page < P)
   if masked_gather:
     # Each selected channel row is fetched from exactly one of kt_min / kt_max.
@@ -147,14 +141,12 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
     scores_BKP float32: a probability per page (each of the page's n[p] valid slots gets it;
     sum_p n[p] * scores[p] == 1), -inf on pages with no valid slot.
   """
-  if q_BKGH.ndim != 4 or kt_min_BKHP.ndim != 4:
-    raise ValueError(f"q_BKGH.shape={q_BKGH.shape} and kt_min_BKHP.shape={kt_min_BKHP.shape} "
-                     "must be 4-D")
+  if q_BKGH.ndim != 4:
+    raise ValueError(f"q_BKGH.shape={q_BKGH.shape} must be 4-D")
   B, K, G, H = q_BKGH.shape
+  if check_kt_pages(kt_min_BKHP, kt_max_BKHP)[:3] != (B, K, H):
+    raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} must be (B, K, H, P) = ({B}, {K}, {H}, P)")
   P = kt_min_BKHP.shape[-1]
-  if kt_min_BKHP.shape != (B, K, H, P) or kt_max_BKHP.shape != kt_min_BKHP.shape:
-    raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} and kt_max_BKHP.shape="
-                     f"{kt_max_BKHP.shape} must both be (B, K, H, P) = ({B}, {K}, {H}, P)")
   if channels_BKR.ndim != 3 or channels_BKR.shape[:2] != (B, K):
     raise ValueError(f"channels_BKR.shape={channels_BKR.shape} must be (B, K, R) = ({B}, {K}, R)")
   R = channels_BKR.shape[2]
@@ -164,13 +156,7 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
     raise ValueError(f"length_B.shape={length_B.shape} must be ({B},)")
   if page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1")
-  if H & (H - 1):
-    raise ValueError(f"head dim H={H} must be a power of two (64 or 128 supported)")
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
-  check_dtype("kt_min_BKHP", kt_min_BKHP.dtype, KT_DTYPES)
-  if kt_max_BKHP.dtype != kt_min_BKHP.dtype:
-    raise ValueError(f"kt_max dtype {kt_max_BKHP.dtype} must equal kt_min dtype "
-                     f"{kt_min_BKHP.dtype}")
   if block_p is None:
     # Enough page blocks to fill the GPU, between 32 and 128 pages per program.
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
@@ -223,5 +209,5 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
   l_BKG = (l_BKNG * jnp.exp(m_BKNG - m_BKG[:, :, None])).sum(axis=2)
   inv_l = jnp.where(l_BKG > 0, 1.0 / jnp.where(l_BKG > 0, l_BKG, 1.0), 0.0)
   prob_BKGP = jnp.exp(s_BKGP[..., :P] - m_BKG[..., None]) * inv_l[..., None]
-  n_BP = jnp.clip(length[:, None] - jnp.arange(P)[None, :] * page_size, 0, page_size)
+  n_BP = page_slots(length[:, None], jnp.arange(P)[None, :], page_size)
   return jnp.where(n_BP[:, None, :] > 0, prob_BKGP.mean(axis=2), -jnp.inf)

@@ -14,9 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import FLOAT_DTYPES, check_dtype
-
-KT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e5m2)
+from rocketkv_jax.kernels._common import FLOAT_DTYPES, check_dtype, check_kt_pages
 
 
 def kt_update_reference(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, *, page_size: int,
@@ -73,23 +71,14 @@ def kt_update(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, *, page_size: int,
   The outputs alias the KT inputs (input_output_aliases): inside a jitted step whose cache is donated (or
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
-  if kt_min_BKHP.ndim != 4 or kt_max_BKHP.shape != kt_min_BKHP.shape:
-    raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} and kt_max_BKHP.shape="
-                     f"{kt_max_BKHP.shape} must be equal (B, K, H, P)")
-  B, K, H, P = kt_min_BKHP.shape
+  B, K, H, P = check_kt_pages(kt_min_BKHP, kt_max_BKHP)
   if k_new_BKH.shape != (B, K, H):
     raise ValueError(f"k_new_BKH.shape={k_new_BKH.shape} must be ({B}, {K}, {H})")
   if slot_B.shape != (B,):
     raise ValueError(f"slot_B.shape={slot_B.shape} must be ({B},)")
   if page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1")
-  if H & (H - 1):
-    raise ValueError(f"head dim H={H} must be a power of two")
-  check_dtype("kt_min_BKHP", kt_min_BKHP.dtype, KT_DTYPES)
   check_dtype("k_new_BKH", k_new_BKH.dtype, FLOAT_DTYPES)
-  if kt_max_BKHP.dtype != kt_min_BKHP.dtype:
-    raise ValueError(f"kt_max dtype {kt_max_BKHP.dtype} must equal kt_min dtype "
-                     f"{kt_min_BKHP.dtype}")
   kt_spec = pl.BlockSpec((None, None, H, P), lambda b, k: (b, k, 0, 0))
   return pl.pallas_call(
       functools.partial(_kt_update_kernel, page_size=page_size),

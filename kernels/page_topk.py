@@ -26,16 +26,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import next_pow2
+from rocketkv_jax.kernels._common import next_pow2, page_slots
 
 # A row's page scores live in registers: up to this many pages per row (4096 pages of 3 slots is a
 # 12k-token cache, above RocketKV's capacity at t = 2048).
 MAX_PAGES = 4096
 _INT_MIN = -(2 ** 31)
-
-
-def _slot_count(length, page, page_size: int):
-  return jnp.clip(length - page * page_size, 0, page_size)
 
 
 def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int,
@@ -65,7 +61,7 @@ def _page_topk_kernel(scores_ref, length_ref, idx_ref, *, page_size: int, k: int
   M = min(k, Mp)
   page = jnp.arange(Pp, dtype=jnp.int32)
   length = length_ref[...]
-  cnt = jnp.where(page < num_pages, _slot_count(length, page, page_size), 0)
+  cnt = jnp.where(page < num_pages, page_slots(length, page, page_size), 0)
   s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0) if masked_scatter \
       else scores_ref[pl.ds(0, Pp)]
   key = _order_key(s.astype(jnp.float32))
