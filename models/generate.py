@@ -7,7 +7,6 @@ no host round-trip per token); it stops early once every sequence has ended.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Callable, Sequence
 

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp

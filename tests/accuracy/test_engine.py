@@ -1,5 +1,4 @@
 """The layer-by-layer engine against the model's dense forward, the diagnostic's bounds, a tiny end-to-end run."""
-import argparse
 import json
 import os
 

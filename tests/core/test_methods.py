@@ -221,7 +221,6 @@ def test_cache_is_static_and_donated():
   shapes = jax.tree.map(lambda x: (x.shape, x.dtype), cache)
   steps = _steps(10, 2, n_steps)
   for qs, kn, vn in zip(*steps):
-    old = cache
     _, cache = rk.decode_step(cache, qs, kn, vn, config=config)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), cache) == shapes
   assert np.asarray(cache.length).tolist() == [min(200, config.prompt_budget) + 3, 100 + 3]

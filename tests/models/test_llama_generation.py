@@ -3,7 +3,6 @@ full generates; a ragged batch equals each prompt alone; prefill+decode equal th
 blocked (flash-style) prefill attention equals dense attention; seeded sampling is reproducible."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,8 +10,6 @@ from rocketkv_jax import METHODS
 from rocketkv_jax.models import decode, forward_full, generate, prefill
 from rocketkv_jax.models.llama import _blocked_causal_attention, causal_attention, make_config
 from rocketkv_jax.models.tokenizer import TextTokenizer
-
-from .conftest import tiny_config
 
 
 class IdTokenizer(TextTokenizer):
