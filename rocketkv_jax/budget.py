@@ -30,6 +30,15 @@ class BudgetPlan:
   top_k: int  # tokens attended exactly per step: t // 2
 
 
+def stage2_pages(c2: float, head_dim: int) -> tuple[int, int]:
+  """HSA's page size P and top-r channels for a stage-2 compression ratio c2 (ALGORITHM.md §1): P = ceil(sqrt(c2))
+  (1 if that exceeds c2), top_r = int(d * P / c2), never 0 channels."""
+  page_size = math.ceil(math.sqrt(c2))
+  if page_size > c2:
+    page_size = 1
+  return page_size, max(1, int(head_dim * page_size / c2))
+
+
 def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_dim: int, *,
                 max_len: int | None = None, window_size: int = 32) -> BudgetPlan:
   """Plans RocketKV for one request, exactly by the formula of ALGORITHM.md §1.
@@ -60,10 +69,7 @@ def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_di
         f"than window_size={window_size}: raise token_budget={t} or lower max_new_tokens")
   top_k = t // 2
   c2 = max(1.0, capacity / t)
-  page_size = math.ceil(math.sqrt(c2))
-  if page_size > c2:
-    page_size = 1
-  top_r = max(1, int(d * page_size / c2))  # int(...) of §1; never 0 channels
+  page_size, top_r = stage2_pages(c2, d)
   return BudgetPlan(token_budget=t, seq_len=seq_len, max_new_tokens=max_new_tokens, head_dim=d,
                     window_size=window_size, compression_ratio=c, split_r=r, capacity=capacity,
                     prompt_budget=prompt_budget, stage2_ratio=c2, page_size=page_size,

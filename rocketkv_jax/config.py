@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from rocketkv_jax.budget import MIN_TOKEN_BUDGET, plan_budget
+from rocketkv_jax.budget import MIN_TOKEN_BUDGET, plan_budget, stage2_pages
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
@@ -43,6 +43,7 @@ class MethodConfig:
   (the Pallas kernels in interpret mode, for CPU tests) or "auto" (Pallas on GPU, XLA elsewhere)."""
 
   method: ClassVar[str]
+  uses_kt_pages: ClassVar[bool] = False  # the cache keeps per-page key min/max (methods that score pages)
   impl: str = "auto"
 
   def __post_init__(self):
@@ -53,10 +54,6 @@ class MethodConfig:
   def capacity(self) -> int:
     """Cache slots per KV head (static)."""
     raise NotImplementedError
-
-  @property
-  def uses_kt_pages(self) -> bool:
-    return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,13 +199,10 @@ class QuestConfig(_NoEvictionConfig):
   of the best pages."""
 
   method: ClassVar[str] = "quest"
+  uses_kt_pages: ClassVar[bool] = True
   page_size: int
   topk: int
   kt_cache_dtype: str | None = None
-
-  @property
-  def uses_kt_pages(self) -> bool:
-    return True
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
@@ -240,24 +234,17 @@ class HSAConfig(_NoEvictionConfig):
   """Hybrid sparse attention (RocketKV's stage 2) alone, over the full cache."""
 
   method: ClassVar[str] = "hsa"
+  uses_kt_pages: ClassVar[bool] = True
   page_size: int
   topr: int
   topk: int
   kt_cache_dtype: str | None = None
 
-  @property
-  def uses_kt_pages(self) -> bool:
-    return True
-
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
     _check_budget(token_budget)
     s = _seq_len(prompt_len, max_new_tokens, max_len)
-    c = max(1.0, s / token_budget)  # no stage-1 share: c2 = c
-    page_size = math.ceil(math.sqrt(c))
-    if page_size > c:
-      page_size = 1
-    topr = max(1, int(head_dim * page_size / c))
+    page_size, topr = stage2_pages(max(1.0, s / token_budget), head_dim)  # no stage-1 share: c2 = c
     return cls(max_len=s, page_size=page_size, topr=topr, topk=token_budget // 2, **kw)
 
 
@@ -282,6 +269,7 @@ class RocketKVConfig(MethodConfig):
   `kt_cache_dtype`: None (the keys' dtype), "bfloat16", "float8_e5m2" or "float32"."""
 
   method: ClassVar[str] = "rocketkv"
+  uses_kt_pages: ClassVar[bool] = True
   prompt_budget: int
   max_new_tokens: int
   topk: int
@@ -300,10 +288,6 @@ class RocketKVConfig(MethodConfig):
   @property
   def capacity(self) -> int:
     return self.prompt_budget + self.max_new_tokens
-
-  @property
-  def uses_kt_pages(self) -> bool:
-    return True
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None,
