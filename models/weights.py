@@ -73,6 +73,34 @@ def _field(reader, key, default=None):
   return f.contents()
 
 
+def _layer_params(cfg: LlamaConfig, get, fmt: str) -> dict:
+  """Every layer's weights in the loader layout ("layers/{i}/{name}", matrices [in, out]) from
+  `get(tensor_name, shape_in_file)`; fmt "gguf" (blk.{i}.*, Q/K rows un-permuted) or "hf" (model.layers.{i}.*)."""
+  D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+  tensors = {  # ours: (GGUF name, HF name, shape in the file: [out, in])
+      "attn_norm": ("attn_norm.weight", "input_layernorm.weight", (D,)),
+      "wq": ("attn_q.weight", "self_attn.q_proj.weight", (N * H, D)),
+      "wk": ("attn_k.weight", "self_attn.k_proj.weight", (K * H, D)),
+      "wv": ("attn_v.weight", "self_attn.v_proj.weight", (K * H, D)),
+      "wo": ("attn_output.weight", "self_attn.o_proj.weight", (D, N * H)),
+      "mlp_norm": ("ffn_norm.weight", "post_attention_layernorm.weight", (D,)),
+      "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight", (F, D)),
+      "w_up": ("ffn_up.weight", "mlp.up_proj.weight", (F, D)),
+      "w_down": ("ffn_down.weight", "mlp.down_proj.weight", (D, F)),
+  }
+  params = {}
+  for i in range(cfg.n_layers):
+    for ours, (gguf_name, hf_name, shape) in tensors.items():
+      if fmt == "gguf":
+        w = get(f"blk.{i}.{gguf_name}", shape)
+        if ours in ("wq", "wk"):
+          w = gguf_unpermute(w, N if ours == "wq" else K)
+      else:
+        w = get(f"model.layers.{i}.{hf_name}", shape)
+      params[f"layers/{i}/{ours}"] = w if w.ndim == 1 else w.T
+  return params
+
+
 def read_gguf(path: str):
   """(LlamaConfig, params, TextTokenizer) from a Llama GGUF file (any type gguf can dequantize)."""
   import gguf
@@ -126,22 +154,10 @@ def read_gguf(path: str):
       raise CheckpointError(f"{path}: tensor {name} has shape {w.shape}, expected {shape}")
     return w
 
-  N, K, H, F, D = n_heads, n_kv, head_dim, cfg.ffn_dim, dim
-  params = {"embed": get("token_embd.weight", (vocab, D)), "norm": get("output_norm.weight", (D,))}
+  params = {"embed": get("token_embd.weight", (vocab, dim)), "norm": get("output_norm.weight", (dim,))}
   if not cfg.tie_embeddings:
-    params["lm_head"] = get("output.weight", (vocab, D)).T
-  for i in range(n_layers):
-    p = f"blk.{i}."
-    lp = f"layers/{i}/"
-    params[lp + "attn_norm"] = get(p + "attn_norm.weight", (D,))
-    params[lp + "wq"] = gguf_unpermute(get(p + "attn_q.weight", (N * H, D)), N).T
-    params[lp + "wk"] = gguf_unpermute(get(p + "attn_k.weight", (K * H, D)), K).T
-    params[lp + "wv"] = get(p + "attn_v.weight", (K * H, D)).T
-    params[lp + "wo"] = get(p + "attn_output.weight", (D, N * H)).T
-    params[lp + "mlp_norm"] = get(p + "ffn_norm.weight", (D,))
-    params[lp + "w_gate"] = get(p + "ffn_gate.weight", (F, D)).T
-    params[lp + "w_up"] = get(p + "ffn_up.weight", (F, D)).T
-    params[lp + "w_down"] = get(p + "ffn_down.weight", (D, F)).T
+    params["lm_head"] = get("output.weight", (vocab, dim)).T
+  params.update(_layer_params(cfg, get, "gguf"))
 
   if tokens is None:
     raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.tokens is missing (no tokenizer)")
@@ -234,21 +250,11 @@ def read_hf_dir(directory: str):
       raise CheckpointError(f"tensor {name} has shape {w.shape}, expected {shape}")
     return w
 
-  K, H, F, V = cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+  V = cfg.vocab_size
   params = {"embed": get("model.embed_tokens.weight", (V, D)), "norm": get("model.norm.weight", (D,))}
   if not cfg.tie_embeddings:
     params["lm_head"] = get("lm_head.weight", (V, D)).T
-  for i in range(cfg.n_layers):
-    p, lp = f"model.layers.{i}.", f"layers/{i}/"
-    params[lp + "attn_norm"] = get(p + "input_layernorm.weight", (D,))
-    params[lp + "wq"] = get(p + "self_attn.q_proj.weight", (N * H, D)).T
-    params[lp + "wk"] = get(p + "self_attn.k_proj.weight", (K * H, D)).T
-    params[lp + "wv"] = get(p + "self_attn.v_proj.weight", (K * H, D)).T
-    params[lp + "wo"] = get(p + "self_attn.o_proj.weight", (D, N * H)).T
-    params[lp + "mlp_norm"] = get(p + "post_attention_layernorm.weight", (D,))
-    params[lp + "w_gate"] = get(p + "mlp.gate_proj.weight", (F, D)).T
-    params[lp + "w_up"] = get(p + "mlp.up_proj.weight", (F, D)).T
-    params[lp + "w_down"] = get(p + "mlp.down_proj.weight", (D, F)).T
+  params.update(_layer_params(cfg, get, "hf"))
   return cfg, params, tokenizer_from_hf_dir(directory, hf)
 
 
