@@ -26,13 +26,17 @@ def _steps(seed, b, n_steps, n=N, n_kv=K, h=H, dtype=jnp.float32):
           jax.random.normal(ks[2], (n_steps, b, n_kv, h), dtype))
 
 
-def _run(config, q, k, v, lengths, steps):
-  cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config)
+def _decode(config, cache, steps):
+  """Decodes `steps` from `cache`: ([B, steps, N, H] float64 outputs, final cache)."""
   outs = []
   for qs, kn, vn in zip(*steps):
     out, cache = rk.decode_step(cache, qs, kn, vn, config=config)
     outs.append(np.asarray(out, np.float64))
-  return np.stack(outs, 1), cache  # [B, steps, N, H]
+  return np.stack(outs, 1), cache
+
+
+def _run(config, q, k, v, lengths, steps):
+  return _decode(config, rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config), steps)
 
 
 def _config(method, t, prompt_len, new_tokens, **kw):
@@ -147,11 +151,7 @@ def test_poisoned_junk_never_leaks(method):
   cache = rk.prefill_compress(qp, kp, vp, jnp.asarray(lengths), config=config)
   if method not in ("streaming_llm", "h2o"):  # those are full after prefill: no junk slot to poison
     cache = _poison_cache(cache)
-  outs = []
-  for qs, kn, vn in zip(*steps):
-    out, cache = rk.decode_step(cache, qs, kn, vn, config=config)
-    outs.append(np.asarray(out))
-  outs = np.stack(outs, 1)
+  outs, _ = _decode(config, cache, steps)
   assert np.isfinite(outs).all()
   np.testing.assert_allclose(outs, clean, rtol=1e-5, atol=1e-5)
 
@@ -237,12 +237,8 @@ def test_sub_batches_assemble_into_one_batch(method):
   want, _ = _run(config, q, k, v, lengths, steps)
   parts = [rk.prefill_compress(q[:1], k[:1], v[:1], jnp.array(lengths[:1]), config=config),
            rk.prefill_compress(q[1:], k[1:], v[1:], jnp.array(lengths[1:]), config=config)]
-  cache = rk.concat_caches(parts)
-  outs = []
-  for qs, kn, vn in zip(*steps):
-    out, cache = rk.decode_step(cache, qs, kn, vn, config=config)
-    outs.append(np.asarray(out))
-  np.testing.assert_allclose(np.stack(outs, 1), want, rtol=1e-5, atol=1e-5)
+  got, _ = _decode(config, rk.concat_caches(parts), steps)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="does not match"):
     rk.concat_caches([parts[0], rk.prefill_compress(q, k, v, jnp.array(lengths), config=_config("full", 64, T, 2))])
 
