@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue 4): the GPU-marked tests (compiled Triton kernels; 4 pytest processes in parallel
-# to overlap compiles), then the kernel benchmark, then a profiled whole-model decode point. Outputs to $OUT.
+# to overlap compiles), then the kernel benchmark, then optionally parts of run_h200.sh. Outputs to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,11 +29,6 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --out "$OUT/kernels_$D.jsonl" $BENCH_ARGS 2>&1 \
   | grep -v "^{" | tee "$OUT/kernels_bench_$D.txt" | tail -45
-if [ -n "${DECODE_ARGS:-}" ]; then
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${DECODE_TIMEOUT:-150}" python3 -m benchmarks.decode \
-    --out "$OUT/decode_$D.jsonl" $DECODE_ARGS > "$OUT/decode_log_$D.txt" 2>&1; tail -30 "$OUT/decode_log_$D.txt"
+if [ -n "${DECODE_PARTS:-}" ]; then  # whole-model decode points too, e.g. DECODE_PARTS=lat32 (run_h200.sh)
+  bash benchmarks/run_h200.sh "$OUT" $DECODE_PARTS
 fi
-for d in /tmp/prof/rocketkv_*_1 /tmp/prof/full_*_1; do  # the step's HLO, to name the profile's fusions
-  [ -f "$d/decode_chunk.hlo.txt" ] && gzip -c "$d/decode_chunk.hlo.txt" > "$OUT/hlo_$(basename "$d").txt.gz"
-done
-true
