@@ -113,9 +113,7 @@ def page_topk(page_scores_BKP, length_B, *, page_size, k, num_slots, impl):
   if resolve_impl(impl) in ("pallas", "interpret") and page_scores_BKP.shape[-1] <= kernel.MAX_PAGES:
     idx = kernel.page_topk(page_scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
                            interpret=impl == "interpret")
-    m = idx.shape[-1]
-    valid = jnp.arange(m)[None, None, :] < jnp.minimum(length_B, m)[:, None, None]
-    return idx, jnp.broadcast_to(valid, idx.shape)
+    return idx, jnp.broadcast_to(slot_valid(length_B, idx.shape[-1])[:, None, :], idx.shape)
   return topk_tokens_from_pages(page_scores_BKP, length_B, page_size, k, num_slots)
 
 
