@@ -301,6 +301,32 @@ def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
   return x + (jax.nn.silu(gate) * up) @ blk.w_down[...]
 
 
+# Long prompts run the per-token parts of a layer (norms, projections, RoPE, residuals, MLP) over chunks of this
+# many tokens, one after another: at 128k tokens the fused gate/up output alone is 7.5 GB for an 8B model, a
+# chunk's is 0.5 GB, so prefill's peak holds one layer's q/k/v and attention output, not its MLP activations.
+PREFILL_CHUNK_TOKENS = 8192
+
+
+def _over_token_chunks(fn, *xs_BT):
+  """fn(*xs) for arrays [B, T, ...] whose rows are independent tokens, computed over chunks of at most
+  PREFILL_CHUNK_TOKENS tokens in sequence (lax.map) and joined back to [B, T, ...]; equal to fn(*xs)."""
+  B, T = xs_BT[0].shape[:2]
+  n, c = B * T, PREFILL_CHUNK_TOKENS
+  if n <= c:
+    return fn(*xs_BT)
+  num = -(-n // c)
+  pad = num * c - n
+
+  def split(x):
+    flat = x.reshape(n, *x.shape[2:])
+    if pad:
+      flat = jnp.pad(flat, ((0, pad),) + ((0, 0),) * (x.ndim - 2))
+    return flat.reshape(num, 1, c, *x.shape[2:])
+
+  out = jax.lax.map(lambda args: fn(*args), tuple(split(x) for x in xs_BT))
+  return jax.tree.map(lambda y: y.reshape(num * c, *y.shape[3:])[:n].reshape(B, T, *y.shape[3:]), out)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -381,13 +407,13 @@ def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   outs = []
   for blk in model.layers:
-    q, k, v = _qkv(blk, cfg, x, pos)
+    q, k, v = _over_token_chunks(functools.partial(_qkv, blk, cfg), x, pos)
     o = causal_attention(q, k, v, impl=impl)
     # The barrier makes the next layer wait for this layer's compression, so XLA cannot postpone it
     # and keep every layer's full q/k/v alive (on an H200 at 128k that raised the peak by ~20 GB).
     o, compressed = jax.lax.optimization_barrier((o, on_layer(q, k, v)))
     outs.append(compressed)
-    x = _finish(blk, cfg, x, o)
+    x = _over_token_chunks(functools.partial(_finish, blk, cfg), x, o)
   last = x[jnp.arange(B), lengths_B - 1]
   return _head(model, last), tuple(outs)
 
@@ -461,8 +487,8 @@ def _forward_full_jit(graphdef, state, tokens_BT, impl):
   x = _embed(model, tokens_BT)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   for blk in model.layers:
-    q, k, v = _qkv(blk, cfg, x, pos)
-    x = _finish(blk, cfg, x, causal_attention(q, k, v, impl=impl))
+    q, k, v = _over_token_chunks(functools.partial(_qkv, blk, cfg), x, pos)
+    x = _over_token_chunks(functools.partial(_finish, blk, cfg), x, causal_attention(q, k, v, impl=impl))
   h = rms_norm(x, model.norm[...], cfg.norm_eps)
   w = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
   return jnp.dot(h, w, preferred_element_type=jnp.float32)

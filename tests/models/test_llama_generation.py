@@ -120,3 +120,23 @@ def test_stats_report_compression(tiny_model):
   assert full.stats.compression == pytest.approx(1.0, rel=0.02)
   assert rk.stats.kv_bytes < full.stats.kv_bytes and rk.stats.compression > 1.5
   assert rk.stats.capacity < 308
+
+
+@pytest.mark.parametrize("chunk", [7, 50])
+def test_prefill_over_token_chunks_equals_whole(tiny_model, monkeypatch, chunk):
+  """Long prompts run norms/projections/MLP over token chunks (a padded last chunk when B*T is not a
+  multiple): the same logits and caches as one pass over all tokens."""
+  from rocketkv_jax.models import llama
+  toks = np.array(prompts([100, 100], seed=5), np.int32)
+  lengths = np.array([100, 77])
+  config = make_config("rocketkv", token_budget=16, prompt_len=100, max_new_tokens=4, head_dim=16)
+  whole_logits, whole_caches = prefill(tiny_model, toks, lengths, config)
+  whole_full = np.asarray(forward_full(tiny_model, toks))
+  monkeypatch.setattr(llama, "PREFILL_CHUNK_TOKENS", chunk)
+  jax.clear_caches()
+  logits, caches = prefill(tiny_model, toks, lengths, config)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(whole_logits), atol=1e-5, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(whole_caches)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(forward_full(tiny_model, toks)), whole_full, atol=1e-5, rtol=1e-5)
+  jax.clear_caches()
