@@ -45,18 +45,21 @@ def main():
     kn = jax.random.normal(ks[4], (B, a.K, a.H), dt)
     vn = jax.random.normal(ks[5], (B, a.K, a.H), dt)
     slot = c.length
-    ref_min, ref_max = cache_lib.append_kt_pages(c.kt_min, c.kt_max, kn, slot, cfg.page_size, c.capacity)
-    ker_min, ker_max = attention.append_kt_pages(c.kt_min, c.kt_max, kn, slot, page_size=cfg.page_size,
-                                                 num_slots=c.capacity, impl="pallas")
-    print("kt_update max |diff|:", float(jnp.abs(ref_min - ker_min).max()), float(jnp.abs(ref_max - ker_max).max()))
+    slot_BK = jnp.broadcast_to(slot[:, None], (B, a.K))
+    ref = attention.append_token(c.k, c.v, kn, vn, slot_BK, c.kt_min, c.kt_max, page_size=cfg.page_size, impl="xla")
+    ker = attention.append_token(c.k, c.v, kn, vn, slot_BK, c.kt_min, c.kt_max, page_size=cfg.page_size,
+                                 impl="pallas")
+    print("cache_append (k, v, kt_min, kt_max) max |diff|:",
+          [float(jnp.abs(r.astype(jnp.float32) - o.astype(jnp.float32)).max()) for r, o in zip(ref, ker)])
+    ref_min, ref_max = ref[2:]
     length = c.length + 1
     R = min(cfg.topr, a.H)
     ch = group_channels(q1, R)
     ch_ref = jax.lax.top_k(jnp.abs(q1.astype(jnp.float32)).sum(2), R)[1]
     print("group_channels == lax.top_k:", bool((ch == ch_ref).all()))
     s_x = attention.hsa_page_scores_xla(q1, ref_min, ref_max, ch, length, page_size=cfg.page_size)
-    s_r = hsa_scores.hsa_page_scores_reference(q1, ref_min, ref_max, ch, length, page_size=cfg.page_size)
-    s_k = hsa_scores.hsa_page_scores(q1, ref_min, ref_max, ch, length, page_size=cfg.page_size)
+    s_r = hsa_scores.hsa_page_scores_reference(q1, ref_min, ref_max, length, topr=R, page_size=cfg.page_size)
+    s_k = hsa_scores.hsa_page_scores(q1, ref_min, ref_max, length, topr=R, page_size=cfg.page_size)
     live = np.isfinite(np.asarray(s_r))
     for name, s in (("xla", s_x), ("kernel", s_k)):
       diff = np.abs(np.where(live, np.asarray(s), 0) - np.where(live, np.asarray(s_r), 0))

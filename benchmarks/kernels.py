@@ -9,7 +9,9 @@ One layer of decode attention: 32 query heads, 8 KV heads (G=4), head dim 128, b
           - sparse_step: top-r channels + page scores + top-k tokens + attention for one layer;
           - layer_step: the whole decode step of one layer (append K/V, KT page update, then the
             above), 16 steps in one jitted fori_loop with the cache as carry (updated in place),
-            reported per step.
+            reported per step;
+          - append: the token append alone (K/V rows and KT page: the `cache_append` kernel vs
+            XLA's two scatters and KT gather/scatter), 16 appends in a fori_loop, per append.
 
 Every point is checked against a reference first, then timed two ways: device time per call
 summed over the GPU kernels of a jax.profiler trace (dispatch excluded), and wall time per call
@@ -98,6 +100,17 @@ def layer_steps(q, k_new, v_new, cache, *, config):
     out, cache = methods.decode(cache, q, k_new, v_new, config)
     return out, cache
   return jax.lax.fori_loop(0, LAYER_STEPS, body, (q, cache))
+
+
+def append_steps(k_new, v_new, cache, *, config):
+  """LAYER_STEPS token appends (K/V rows and KT page) at the next slots, the cache arrays as the loop
+  carry (updated in place after one copy of the non-donated inputs)."""
+  def body(i, carry):
+    slot = jnp.broadcast_to((cache.length + i)[:, None], k_new.shape[:2])
+    k, v, kt_min, kt_max = carry
+    return attention.append_token(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=config.page_size,
+                                  impl=config.impl)
+  return jax.lax.fori_loop(0, LAYER_STEPS, body, (cache.k, cache.v, cache.kt_min, cache.kt_max))
 
 
 def random_cache(key, B: int, config) -> KVCache:
@@ -326,6 +339,21 @@ def main():
                       wall_us=wall / LAYER_STEPS, GBps=lbytes / LAYER_STEPS / (t_us * 1e-6) / 1e9,
                       frac_copy_bw=lbytes / LAYER_STEPS / (t_us * 1e-6) / bw,
                       floor_us=lbytes / LAYER_STEPS / bw * 1e6, err_vs_xla=err_l,
+                      top_kernels=[(n, round(v / LAYER_STEPS, 2)) for n, v in top]))
+          # The append alone: K/V rows written, the KT page column read and written.
+          abytes = B * K_HEADS * (2 * H * 2 + 4 * H * 2) * LAYER_STEPS
+          app_p = jax.jit(lambda q, kn, vn, c: append_steps(kn, vn, c, config=cfg_p))
+          app_x = jax.jit(lambda q, kn, vn, c: append_steps(kn, vn, c, config=cfg_x))
+          err_app = max(rel_err(a_.astype(jnp.float32), b_.astype(jnp.float32))
+                        for a_, b_ in zip(app_p(q, kn, vn, c), app_x(q, kn, vn, c)))
+          for impl, fn in (("pallas", app_p), ("xla", app_x)):
+            dev, wall, top = time_fn(fn, sets, max(2, iters // LAYER_STEPS), profile)
+            t_us = (dev if dev is not None else wall) / LAYER_STEPS
+            emit(dict(kind="append", impl=impl, B=B, L=L, t=t, **plan, steps_per_call=LAYER_STEPS,
+                      bytes=abytes // LAYER_STEPS, device_us=None if dev is None else dev / LAYER_STEPS,
+                      wall_us=wall / LAYER_STEPS, GBps=abytes / LAYER_STEPS / (t_us * 1e-6) / 1e9,
+                      frac_copy_bw=abytes / LAYER_STEPS / (t_us * 1e-6) / bw,
+                      floor_us=abytes / LAYER_STEPS / bw * 1e6, err_vs_xla=err_app,
                       top_kernels=[(n, round(v / LAYER_STEPS, 2)) for n, v in top]))
           del sets
 

@@ -15,7 +15,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   i=0
   for g in "tests/kernels/test_dense_decode.py" "tests/kernels/test_sparse_decode.py" \
-           "tests/kernels/test_hsa_scores.py tests/kernels/test_kt_update.py" \
+           "tests/kernels/test_hsa_scores.py tests/kernels/test_cache_append.py" \
            "tests/kernels/test_page_topk.py tests/core/test_methods.py"; do
     ( timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu $g -q -rfE -p no:cacheprovider > "$OUT/t$i.log" 2>&1;
       echo "exit $? : $g" >> "$OUT/t$i.log" ) &
@@ -27,8 +27,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   grep -E "passed|failed|error|exit" "$T"
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 fi
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --out "$OUT/kernels_$D.jsonl" $BENCH_ARGS 2>&1 \
-  | grep -v "^{" | tee "$OUT/kernels_bench_$D.txt" | tail -45
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --out "$OUT/kernels_$D.jsonl" $BENCH_ARGS 2>&1 \
+    | grep -v "^{" | tee "$OUT/kernels_bench_$D.txt" | tail -45
+fi
 if [ -n "${DECODE_PARTS:-}" ]; then  # whole-model decode points too, e.g. DECODE_PARTS=lat32 (run_h200.sh)
   bash benchmarks/run_h200.sh "$OUT" $DECODE_PARTS
 fi

@@ -1,11 +1,13 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
-KT pages are channel-major [B, K, H, P]. For each (b, k) the kernel reads only the R selected
-channel rows, and of each row only the min or the max page summary (by the sign of the group's
-summed query on that channel): R * P values per KV head. The tiny per-(b, k) terms (q on the selected
-channels, their signs, the temperatures) are computed in XLA. The grid is (B, K, page blocks); each
-program writes its per-head scaled page scores s/tau and a partial softmax (max, weighted sum)
-over its pages. A small XLA epilogue normalises per head over all pages and averages the group.
+KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks). Each program takes the group's
+query [G, H] and does the whole per-(b, k) selection itself, so no XLA op runs between the query and the
+kernel: the top-r channels of sum_g |q_g| (sort-free, `_common.best_units_take`: ties toward the lower
+channel), the signs of the group's summed query on them, the per-head temperatures tau_g. It then reads
+only the selected channel rows, and of each row only the min or the max page summary (by that sign):
+R * block_p values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
+weighted sum) over its pages; a small XLA epilogue normalises per head over all pages and averages the
+group.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          check_kt_pages, next_pow2, page_slots)
+from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, best_units_take, cdiv,
+                                          check_dtype, check_kt_pages, next_pow2, order_key, page_slots)
 
 _TARGET_PROGRAMS = 2 * 132
+# Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
+_TILE_ELEMS = 8192
 
 
 def _temperature(qr_GR, qf_GH):
@@ -32,14 +36,16 @@ def _temperature(qr_GR, qf_GH):
   return jnp.where(tau > 0, tau, 1.0)
 
 
-def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
-                              page_size: int, **unused_tuning):
-  """Group-mean softmax page probabilities (float32); -inf for pages with no valid slot."""
+def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
+                              **unused_tuning):
+  """Group-mean softmax page probabilities (float32); -inf for pages with no valid slot. The group's
+  channels are lax.top_k of sum_g |q_g| (stable: ties toward the lower channel)."""
   del unused_tuning
   P = kt_min_BKHP.shape[-1]
 
-  def one(q_GH, kmin_HP, kmax_HP, ch_R, length):
+  def one(q_GH, kmin_HP, kmax_HP, length):
     qf = q_GH.astype(jnp.float32)
+    _, ch_R = lax.top_k(jnp.abs(qf).sum(0), topr)
     qr = qf[:, ch_R]  # [G, R]
     sigma = qr.sum(0) > 0  # [R]; zero counts as negative
     rep = jnp.where(sigma[:, None], kmax_HP[ch_R].astype(jnp.float32),
@@ -56,63 +62,64 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, le
     prob = e / (e * n[None, :]).sum(-1, keepdims=True)
     return jnp.where(ok, prob.mean(0), -jnp.inf)
 
-  return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, 0, None)))(
-      q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B)
+  return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
 def _hsa_scores_kernel(
     # inputs
-    qr_ref,  # [G, R] float32: q[g, channels]
-    inv_tau_ref,  # [G] float32: 1 / tau[g]
+    q_ref,  # [G, H]
     kt_min_ref,  # [H, P]
     kt_max_ref,  # [H, P]
-    ch_ref,  # [R] int32
-    use_max_ref,  # [R] bool: sum_g qr[g, r] > 0
     length_ref,  # []
     # outputs
     s_ref,  # [G, block_p] float32: s/tau of each head, MASK_VALUE on empty pages
     m_ref,  # [G] float32: max of s/tau over this block's non-empty pages
     l_ref,  # [G] float32: sum over those pages of n[p] * exp(s/tau - m)
     *,
+    topr: int,
     block_p: int,
     page_size: int,
+    num_pages: int,
     masked_gather: bool,
 ):
-  G, R = qr_ref.shape
+  G, H = q_ref.shape
   Gp = next_pow2(G)
-  Rp = next_pow2(R)
-  P = kt_min_ref.shape[1]
+  P = num_pages
   rows = jnp.arange(Gp)
   row_ok = rows < G
-  r_ok = jnp.arange(Rp) < R
-  ch = pltriton.load(ch_ref.at[pl.ds(0, Rp)], mask=r_ok, other=0)
-  use_max = pltriton.load(use_max_ref.at[pl.ds(0, Rp)], mask=r_ok, other=False) & r_ok
-  use_min = (~use_max) & r_ok
-  inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, Gp)], mask=row_ok, other=1.0)
+  q = pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0).astype(jnp.float32)  # [Gp, H]
+  # The group's top-r channels of sum_g |q_g|, ties toward the lower channel.
+  chosen = best_units_take(order_key(jnp.abs(q).sum(axis=0)), jnp.ones((H,), jnp.int32), topr) > 0  # [H]
+  use_max = chosen & (q.sum(axis=0) > 0)  # zero counts as negative
+  use_min = chosen & ~use_max
 
   p0 = pl.program_id(2) * block_p
   page = p0 + jnp.arange(block_p)
   n = page_slots(length_ref[...], page, page_size)
   p_ok = (n > 0) & (page < P)
   if masked_gather:
-    # Each selected channel row is fetched from exactly one of kt_min / kt_max.
+    # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all.
     # No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by where.
-    rows_R, cols = ch[:, None], page[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows_R, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows_R, cols], mask=use_min[:, None] & p_ok[None, :])
+    rows_H, cols = jnp.arange(H)[:, None], page[None, :]
+    rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
+    rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
     rep = jnp.where(use_max[:, None], rep_max.astype(jnp.float32), rep_min.astype(jnp.float32))
   else:  # interpret mode cannot mask a gather: load both and select
-    rep_max = kt_max_ref[ch, pl.ds(p0, block_p)].astype(jnp.float32)
-    rep_min = kt_min_ref[ch, pl.ds(p0, block_p)].astype(jnp.float32)
+    rep_max = kt_max_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
+    rep_min = kt_min_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
     rep = jnp.where(use_max[:, None], rep_max, rep_min)
-  rep = jnp.where(r_ok[:, None] & p_ok[None, :], rep, 0.0)  # [Rp, block_p]
-  # s[g, p] = sum_r qr[g, r] * rep[r, p] in exact float32 (no TF32 dot), one head at a time.
+  rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, 0.0)  # [H, block_p]
+  # Per head, in exact float32 (no TF32 dot): s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p],
+  # and tau_g = sqrt(H * |q_g[chosen]|_1 / |q_g|_1).
   s = jnp.zeros((Gp, block_p), jnp.float32)
   for g in range(G):
-    qg = pltriton.load(qr_ref.at[jnp.int32(g), pl.ds(0, Rp)], mask=r_ok, other=0.0)  # [Rp]
-    s_g = (qg[:, None] * rep).sum(axis=0)  # [block_p]
-    s = jnp.where((rows == g)[:, None], s_g[None, :], s)
-  s = s * inv_tau[:, None]
+    qg = pltriton.load(q_ref.at[jnp.int32(g), pl.ds(0, H)]).astype(jnp.float32)  # [H]
+    qg_r = jnp.where(chosen, qg, 0.0)
+    s_g = (qg_r[:, None] * rep).sum(axis=0)  # [block_p]
+    num, den = jnp.abs(qg_r).sum(), jnp.abs(qg).sum()
+    tau = jnp.sqrt(H * num / jnp.where(den > 0, den, 1.0))
+    inv_tau = 1.0 / jnp.where(tau > 0, tau, 1.0)
+    s = jnp.where((rows == g)[:, None], (s_g * inv_tau)[None, :], s)
   s = jnp.where(p_ok[None, :], s, MASK_VALUE)
   m = s.max(axis=-1)
   e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
@@ -122,10 +129,10 @@ def _hsa_scores_kernel(
   pltriton.store(l_ref.at[pl.ds(0, Gp)], l, mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "block_p", "num_warps",
+@functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "num_warps",
                                              "num_stages"])
-def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *, page_size: int,
-                    interpret: bool = False, block_p: int | None = None, num_warps: int = 4,
+def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
+                      interpret: bool = False, block_p: int | None = None, num_warps: int = 4,
                     num_stages: int = 1):
   """HSA group page scores: mean over the group of each head's softmax over valid slots.
 
@@ -134,12 +141,13 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
     kt_min_BKHP, kt_max_BKHP: per-page element-wise key min / max, channel-major, P =
       ceil(S / page_size) pages, dtype f32, bf16 or float8_e5m2 (upcast to f32). Pages with no
       valid slot may hold junk.
-    channels_BKR: int32 top-r channel ids per (b, k) (clipped to [0, H)).
     length_B: int32 valid slots per sequence.
+    topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.
   Returns:
-    scores_BKP float32: a probability per page (each of the page's n[p] valid slots gets it;
-    sum_p n[p] * scores[p] == 1), -inf on pages with no valid slot.
+    s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
+      pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
+      s/tau over its non-empty pages and the sum of n[p] * exp(s/tau - max).
   """
   if q_BKGH.ndim != 4:
     raise ValueError(f"q_BKGH.shape={q_BKGH.shape} must be 4-D")
@@ -147,67 +155,72 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *,
   if check_kt_pages(kt_min_BKHP, kt_max_BKHP)[:3] != (B, K, H):
     raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} must be (B, K, H, P) = ({B}, {K}, {H}, P)")
   P = kt_min_BKHP.shape[-1]
-  if channels_BKR.ndim != 3 or channels_BKR.shape[:2] != (B, K):
-    raise ValueError(f"channels_BKR.shape={channels_BKR.shape} must be (B, K, R) = ({B}, {K}, R)")
-  R = channels_BKR.shape[2]
-  if not 1 <= R <= H:
-    raise ValueError(f"top_r R={R} must be in [1, H={H}]")
+  if not 1 <= topr <= H:
+    raise ValueError(f"topr={topr} must be in [1, H={H}]")
   if length_B.shape != (B,):
     raise ValueError(f"length_B.shape={length_B.shape} must be ({B},)")
   if page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1")
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
   if block_p is None:
-    # Enough page blocks to fill the GPU, between 32 and 128 pages per program.
+    # Enough page blocks to fill the GPU, between 32 pages and a tile of _TILE_ELEMS per program.
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
-    block_p = min(128, max(32, next_pow2(want)))
+    block_p = min(max(32, _TILE_ELEMS // H), max(32, next_pow2(want)))
   if block_p < MIN_DOT_DIM or block_p & (block_p - 1):
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)
   P_pad = num_blocks * block_p
 
-  # The per-(b, k) selection terms are tiny ([G, R]); XLA computes them once instead of every
-  # page-block program redoing them.
-  channels = jnp.clip(channels_BKR.astype(jnp.int32), 0, H - 1)
-  qf_BKGH = q_BKGH.astype(jnp.float32)
-  qr_BKGR = jnp.take_along_axis(qf_BKGH, channels[:, :, None, :], axis=-1)
-  use_max_BKR = qr_BKGR.sum(axis=2) > 0  # zero counts as negative
-  inv_tau_BKG = 1.0 / _temperature(qr_BKGR, qf_BKGH)
-
-  kernel = functools.partial(_hsa_scores_kernel, block_p=block_p, page_size=page_size,
-                             masked_gather=not interpret)
+  kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, page_size=page_size,
+                             num_pages=P, masked_gather=not interpret)
   length = jnp.clip(length_B.astype(jnp.int32), 0, P * page_size)
-  s_BKGP, m_BKNG, l_BKNG = pl.pallas_call(
+  kt_min, kt_max = kt_min_BKHP, kt_max_BKHP
+  if interpret:  # interpret mode reads whole blocks: pad instead of masking (the pads are empty pages)
+    pad = ((0, 0), (0, 0), (0, 0), (0, P_pad - P))
+    kt_min, kt_max = jnp.pad(kt_min, pad), jnp.pad(kt_max, pad)
+  return pl.pallas_call(
       kernel,
       grid=(B, K, num_blocks),
       in_specs=[
-          pl.BlockSpec((None, None, G, R), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, G), lambda b, k, j: (b, k, 0)),
-          pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, R), lambda b, k, j: (b, k, 0)),
-          pl.BlockSpec((None, None, R), lambda b, k, j: (b, k, 0)),
+          pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, H, kt_min.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, H, kt_max.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
           pl.BlockSpec((None,), lambda b, k, j: (b,)),
       ],
       out_specs=[
           pl.BlockSpec((None, None, G, block_p), lambda b, k, j: (b, k, 0, j)),
-          pl.BlockSpec((None, None, None, G), lambda b, k, j: (b, k, j, 0)),
-          pl.BlockSpec((None, None, None, G), lambda b, k, j: (b, k, j, 0)),
+          pl.BlockSpec((None, None, G, None), lambda b, k, j: (b, k, 0, j)),
+          pl.BlockSpec((None, None, G, None), lambda b, k, j: (b, k, 0, j)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((B, K, G, P_pad), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_blocks, G), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_blocks, G), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
       ],
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_hsa_scores",
-  )(qr_BKGR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, channels, use_max_BKR, length)
+  )(q_BKGH, kt_min, kt_max, length)
 
-  # Epilogue: per-head normaliser over all pages, then the group mean.
-  m_BKG = m_BKNG.max(axis=2)
-  l_BKG = (l_BKNG * jnp.exp(m_BKNG - m_BKG[:, :, None])).sum(axis=2)
+
+def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int):
+  """The scores of `hsa_page_scores` from its kernel's partials: each head's softmax normaliser over all
+  page blocks, then the group mean; -inf on pages with no valid slot."""
+  P = s_BKGP.shape[-1]
+  m_BKG = m_BKGN.max(axis=-1)
+  l_BKG = (l_BKGN * jnp.exp(m_BKGN - m_BKG[..., None])).sum(axis=-1)
   inv_l = jnp.where(l_BKG > 0, 1.0 / jnp.where(l_BKG > 0, l_BKG, 1.0), 0.0)
-  prob_BKGP = jnp.exp(s_BKGP[..., :P] - m_BKG[..., None]) * inv_l[..., None]
-  n_BP = page_slots(length[:, None], jnp.arange(P)[None, :], page_size)
+  prob_BKGP = jnp.exp(s_BKGP - m_BKG[..., None]) * inv_l[..., None]
+  n_BP = page_slots(length_B[:, None], jnp.arange(P)[None, :], page_size)
   return jnp.where(n_BP[:, None, :] > 0, prob_BKGP.mean(axis=2), -jnp.inf)
+
+
+def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int, **tuning):
+  """HSA group page scores [B, K, P] float32: mean over the group of each head's softmax over valid
+  slots; a probability per page (each of the page's n[p] valid slots gets it; sum_p n[p] * scores[p]
+  == 1), -inf on pages with no valid slot. Arguments as `hsa_page_partials`."""
+  P = kt_min_BKHP.shape[-1]
+  s, m, l = hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
+                              **tuning)
+  length = jnp.clip(length_B.astype(jnp.int32), 0, P * page_size)
+  return normalize_partials(s[..., :P], m, l, length, page_size=page_size)

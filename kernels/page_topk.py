@@ -6,10 +6,8 @@ whole row (about 16 us per layer on an H200 at any size); this kernel needs no s
 per (b, k) row holds the row's page scores and:
 
 1. maps each score to an int32 key with the same order (sign-magnitude flip of the float bits);
-2. finds the m-th best slot key tau by bisection over the key bits (32 masked sums of the pages'
-   valid-slot counts);
-3. takes every slot of pages with key > tau and, of pages with key == tau, the lowest slots until m
-   are taken (an exclusive cumsum over those pages);
+2.-3. takes the m best slots with `_common.best_units_take` (each page holds its valid-slot count of
+   units at its key: bisection over the key bits for the m-th best key, then the lowest tied pages);
 4. writes the taken slots in ascending slot order: page p's slots go to positions
    offset[p] + j (an exclusive cumsum of the per-page take), a masked scatter of page_size stores.
 
@@ -26,12 +24,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import next_pow2, page_slots
+from rocketkv_jax.kernels._common import MASK_VALUE, best_units_take, next_pow2, order_key, page_slots
 
 # A row's page scores live in registers: up to this many pages per row (4096 pages of 3 slots is a
 # 12k-token cache, above RocketKV's capacity at t = 2048).
 MAX_PAGES = 4096
-_INT_MIN = -(2 ** 31)
 
 
 def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int,
@@ -48,43 +45,12 @@ def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slo
   return jnp.where(taken, idx, 0).astype(jnp.int32)
 
 
-def _order_key(x):
-  """int32 keys ordered as the float32 values (-0 just below +0); NaN is not expected."""
-  bits = lax.bitcast_convert_type(x, jnp.int32)
-  return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
-
-
-def _page_topk_kernel(scores_ref, length_ref, idx_ref, *, page_size: int, k: int, num_pages: int,
-                      masked_scatter: bool):
-  Pp = next_pow2(num_pages)
+def _write_top_slots(key, cnt, m, idx_ref, *, page_size: int, masked_scatter: bool):
+  """Writes the m best slots (every valid slot of a page scores its page's key) in ascending slot order."""
   Mp = idx_ref.shape[0] - 1  # the last entry is a dump slot for interpret mode's unmasked scatter
-  M = min(k, Mp)
-  page = jnp.arange(Pp, dtype=jnp.int32)
-  length = length_ref[...]
-  cnt = jnp.where(page < num_pages, page_slots(length, page, page_size), 0)
-  s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0) if masked_scatter \
-      else scores_ref[pl.ds(0, Pp)]
-  key = _order_key(s.astype(jnp.float32))
-  m = jnp.minimum(length, M)
-
-  def weight_at_least(t):
-    return jnp.sum(jnp.where(key >= t, cnt, 0))
-
-  # tau = the largest t with weight(key >= t) >= m: the sign bit first, then bits 30..0.
-  tau = jnp.where(weight_at_least(jnp.int32(0)) >= m, jnp.int32(0), jnp.int32(_INT_MIN))
-
-  def bit_step(i, t):
-    cand = t | lax.shift_left(jnp.int32(1), jnp.int32(30) - i)
-    return jnp.where(weight_at_least(cand) >= m, cand, t)
-
-  tau = lax.fori_loop(0, 31, bit_step, tau)
-  gt = key > tau
-  eq_w = jnp.where(key == tau, cnt, 0)
-  need = m - jnp.sum(jnp.where(gt, cnt, 0))
-  eq_before = jnp.cumsum(eq_w) - eq_w
-  take = jnp.where(gt, cnt, jnp.clip(need - eq_before, 0, eq_w))
+  page = jnp.arange(key.shape[0], dtype=jnp.int32)
+  take = best_units_take(key, cnt, m)
   offset = jnp.cumsum(take) - take
-
   if masked_scatter:  # zeros past m: disjoint from the scatter below, so no ordering is needed
     pltriton.store(idx_ref.at[pl.ds(0, Mp)], jnp.zeros((Mp,), jnp.int32), mask=jnp.arange(Mp) >= m)
   else:
@@ -96,6 +62,86 @@ def _page_topk_kernel(scores_ref, length_ref, idx_ref, *, page_size: int, k: int
       pltriton.store(idx_ref.at[offset + j], slot, mask=ok)
     else:  # interpret mode cannot mask a scatter: send the untaken lanes to the dump slot
       idx_ref[jnp.where(ok, offset + j, Mp)] = slot
+
+
+def _page_counts(length, Pp: int, num_pages: int, page_size: int):
+  page = jnp.arange(Pp, dtype=jnp.int32)
+  return page, jnp.where(page < num_pages, page_slots(length, page, page_size), 0)
+
+
+def _page_topk_kernel(scores_ref, length_ref, idx_ref, *, page_size: int, k: int, num_pages: int,
+                      masked_scatter: bool):
+  Pp = next_pow2(num_pages)
+  length = length_ref[...]
+  page, cnt = _page_counts(length, Pp, num_pages, page_size)
+  s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0) if masked_scatter \
+      else scores_ref[pl.ds(0, Pp)]
+  m = jnp.minimum(length, min(k, idx_ref.shape[0] - 1))
+  _write_top_slots(order_key(s), cnt, m, idx_ref, page_size=page_size, masked_scatter=masked_scatter)
+
+
+def _hsa_page_topk_kernel(
+    # inputs: the HSA kernel's partials (kernels/hsa_scores.py: hsa_page_partials)
+    s_ref,  # [G, P_pad] float32: each head's s/tau per page
+    m_ref,  # [G, NB] float32: per page block, max of s/tau
+    l_ref,  # [G, NB] float32: per page block, sum of n[p] * exp(s/tau - max)
+    length_ref,  # []
+    # outputs
+    idx_ref,  # [Mp + 1] int32
+    *,
+    page_size: int,
+    k: int,
+    num_pages: int,
+    masked_scatter: bool,
+):
+  G, NB = m_ref.shape
+  Pp, NBp = next_pow2(num_pages), next_pow2(NB)
+  length = length_ref[...]
+  page, cnt = _page_counts(length, Pp, num_pages, page_size)
+  blk_ok = jnp.arange(NBp) < NB
+  # The group mean of each head's softmax over all pages: normalise per head, then average.
+  prob = jnp.zeros((Pp,), jnp.float32)
+  for g in range(G):
+    gi = jnp.int32(g)
+    if masked_scatter:
+      m_g = pltriton.load(m_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=MASK_VALUE)
+      l_g = pltriton.load(l_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=0.0)
+      s_g = pltriton.load(s_ref.at[gi, pl.ds(0, Pp)], mask=page < num_pages, other=MASK_VALUE)
+    else:  # interpret mode: the wrapper padded these (MASK_VALUE / 0) to whole power-of-two rows
+      m_g, l_g, s_g = m_ref[gi, pl.ds(0, NBp)], l_ref[gi, pl.ds(0, NBp)], s_ref[gi, pl.ds(0, Pp)]
+    top = m_g.max()
+    denom = (l_g * jnp.exp(m_g - top)).sum()
+    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+    prob = prob + jnp.exp(s_g - top) * inv
+  m = jnp.minimum(length, min(k, idx_ref.shape[0] - 1))
+  _write_top_slots(order_key(prob / G), cnt, m, idx_ref, page_size=page_size, masked_scatter=masked_scatter)
+
+
+def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
+  if page_size < 1 or k < 1 or num_slots < 1:
+    raise ValueError(f"page_size={page_size}, k={k} and num_slots={num_slots} must be >= 1")
+  if P != -(-num_slots // page_size):
+    raise ValueError(f"P={P} pages must be ceil(num_slots={num_slots} / page_size={page_size})")
+  if P > MAX_PAGES:
+    raise ValueError(f"P={P} pages is above this kernel's MAX_PAGES={MAX_PAGES}; use the XLA top-k")
+  if length_B.shape != (B,):
+    raise ValueError(f"length_B.shape={length_B.shape} must be ({B},)")
+
+
+def _call(kernel, inputs, in_block_shapes, B, K, M, interpret, num_warps, name):
+  Mp = next_pow2(M)
+  idx = pl.pallas_call(
+      kernel,
+      grid=(B, K),
+      in_specs=[pl.BlockSpec((None, None) + shape, lambda b, h, n=len(shape): (b, h) + (0,) * n)
+                for shape in in_block_shapes] + [pl.BlockSpec((None,), lambda b, h: (b,))],
+      out_specs=pl.BlockSpec((None, None, Mp + 1), lambda b, h: (b, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, K, Mp + 1), jnp.int32),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name=name,
+  )(*inputs)
+  return idx[..., :M]
 
 
 @functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
@@ -114,34 +160,54 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
   if scores_BKP.ndim != 3:
     raise ValueError(f"scores_BKP.shape={scores_BKP.shape} must be (B, K, P)")
   B, K, P = scores_BKP.shape
-  if page_size < 1 or k < 1 or num_slots < 1:
-    raise ValueError(f"page_size={page_size}, k={k} and num_slots={num_slots} must be >= 1")
-  if P != -(-num_slots // page_size):
-    raise ValueError(f"P={P} pages must be ceil(num_slots={num_slots} / page_size={page_size})")
-  if P > MAX_PAGES:
-    raise ValueError(f"P={P} pages is above this kernel's MAX_PAGES={MAX_PAGES}; use the XLA top-k")
-  if length_B.shape != (B,):
-    raise ValueError(f"length_B.shape={length_B.shape} must be ({B},)")
+  _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
   if jnp.dtype(scores_BKP.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"scores_BKP.dtype={scores_BKP.dtype} must be float32 or bfloat16")
-  M = min(k, num_slots)
-  Mp = next_pow2(M)
-  Pp = next_pow2(P)
   scores = scores_BKP.astype(jnp.float32)
   if interpret:  # interpret mode reads whole power-of-two blocks: pad instead of masking
-    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, Pp - P)))
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, next_pow2(P) - P)))
   length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
   kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P,
                              masked_scatter=not interpret)
-  idx = pl.pallas_call(
-      kernel,
-      grid=(B, K),
-      in_specs=[pl.BlockSpec((None, None, scores.shape[-1]), lambda b, h: (b, h, 0)),
-                pl.BlockSpec((None,), lambda b, h: (b,))],
-      out_specs=pl.BlockSpec((None, None, Mp + 1), lambda b, h: (b, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, K, Mp + 1), jnp.int32),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret,
-      name="rocketkv_page_topk",
-  )(scores, length)
-  return idx[..., :M]
+  return _call(kernel, (scores, length), [scores.shape[2:]], B, K, min(k, num_slots), interpret, num_warps,
+               "rocketkv_page_topk")
+
+
+def hsa_page_topk_reference(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int,
+                            **unused_tuning):
+  """`page_topk_reference` of the scores that `hsa_scores.normalize_partials` makes from the partials."""
+  from rocketkv_jax.kernels.hsa_scores import normalize_partials
+  P = -(-num_slots // page_size)
+  length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
+  scores = normalize_partials(s_BKGP[..., :P], m_BKGN, l_BKGN, length, page_size=page_size)
+  return page_topk_reference(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
+
+
+@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
+def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int,
+                  interpret: bool = False, num_warps: int = 4):
+  """`page_topk` of the HSA page scores, straight from the HSA kernel's partials (`hsa_page_partials`):
+  this kernel normalises each head's softmax over all page blocks and averages the group itself, so no
+  XLA op runs between scoring and selection. Same output as `page_topk`.
+  """
+  if s_BKGP.ndim != 4 or m_BKGN.ndim != 4 or l_BKGN.shape != m_BKGN.shape or \
+      s_BKGP.shape[:3] != m_BKGN.shape[:3]:
+    raise ValueError(f"s_BKGP.shape={s_BKGP.shape}, m_BKGN.shape={m_BKGN.shape} and l_BKGN.shape="
+                     f"{l_BKGN.shape} must be (B, K, G, P_pad), (B, K, G, NB), (B, K, G, NB)")
+  B, K, G, P_pad = s_BKGP.shape
+  NB = m_BKGN.shape[-1]
+  P = -(-num_slots // page_size)
+  if not NB <= P <= P_pad:
+    raise ValueError(f"pages P={P} (num_slots={num_slots}, page_size={page_size}) must lie in "
+                     f"[NB={NB}, P_pad={P_pad}]")
+  _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
+  s, m, l = (x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN))
+  if interpret:  # interpret mode reads whole power-of-two rows: pad instead of masking
+    s = jnp.pad(s[..., :P], ((0, 0), (0, 0), (0, 0), (0, next_pow2(P) - P)), constant_values=MASK_VALUE)
+    pad = ((0, 0), (0, 0), (0, 0), (0, next_pow2(NB) - NB))
+    m, l = jnp.pad(m, pad, constant_values=MASK_VALUE), jnp.pad(l, pad)
+  length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
+  kernel = functools.partial(_hsa_page_topk_kernel, page_size=page_size, k=k, num_pages=P,
+                             masked_scatter=not interpret)
+  return _call(kernel, (s, m, l, length), [s.shape[2:], m.shape[2:], l.shape[2:]], B, K, min(k, num_slots),
+               interpret, num_warps, "rocketkv_hsa_page_topk")

@@ -1,5 +1,5 @@
 """The decode hot path behind the `impl` switch: dense decode attention, sparse (top-k) decode attention,
-HSA page scoring, the top-k tokens from page scores and the KT page update. `impl="xla"` is plain XLA (below); `impl="pallas"` calls the Pallas Triton kernels of
+HSA page scoring, the top-k tokens from page scores and the token append (K/V rows and KT page). `impl="xla"` is plain XLA (below); `impl="pallas"` calls the Pallas Triton kernels of
 `rocketkv_jax.kernels` with the same arguments; `"interpret"` runs those kernels in Pallas interpret mode (CPU tests);
 `"auto"` picks Pallas on GPU and XLA elsewhere.
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from rocketkv_jax import cache as cache_lib
 from rocketkv_jax.cache import slot_valid
-from rocketkv_jax.select import topk_tokens_from_pages
+from rocketkv_jax.select import group_channels, topk_tokens_from_pages
 
 
 def resolve_impl(impl: str) -> str:
@@ -98,12 +98,15 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl)
   return sparse_decode_attention_xla(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM)
 
 
-def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, *, page_size, impl):
+def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
+  """HSA page scores over the group's top-r channels (`select.group_channels`). The Pallas kernel chooses
+  the channels, signs and temperatures itself, so nothing runs between the query and it."""
   if resolve_impl(impl) in ("pallas", "interpret"):
     from rocketkv_jax.kernels import hsa_scores
-    return hsa_scores.hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B,
+    return hsa_scores.hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
                                       page_size=page_size, interpret=impl == "interpret")
-  return hsa_page_scores_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B, page_size=page_size)
+  channels = group_channels(q_BKGH, topr)
+  return hsa_page_scores_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels, length_B, page_size=page_size)
 
 
 def page_topk(page_scores_BKP, length_B, *, page_size, k, num_slots, impl):
@@ -117,13 +120,40 @@ def page_topk(page_scores_BKP, length_B, *, page_size, k, num_slots, impl):
   return topk_tokens_from_pages(page_scores_BKP, length_B, page_size, k, num_slots)
 
 
-def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, *, page_size, num_slots, impl):
-  """`cache.append_kt_pages` (fold the appended key into its page; a slot past num_slots changes nothing);
-  with Pallas, one in-place kernel instead of XLA's gathers and scatters."""
+def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl):
+  """HSA's top-k slots, idx and valid [B, K, M] as `page_topk`: page scores over the group's top-r channels,
+  then the k best tokens. With Pallas, two kernels back to back and nothing between them: the scoring
+  kernel's partials go straight to a selection kernel that normalises and picks (above the selection
+  kernel's page limit, the scores are normalised in XLA and selected by XLA's top-k)."""
+  from rocketkv_jax.kernels import page_topk as topk_kernel
+  if resolve_impl(impl) in ("pallas", "interpret") and kt_min_BKHP.shape[-1] <= topk_kernel.MAX_PAGES:
+    from rocketkv_jax.kernels import hsa_scores
+    interpret = impl == "interpret"
+    s, m, l = hsa_scores.hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
+                                           page_size=page_size, interpret=interpret)
+    idx = topk_kernel.hsa_page_topk(s, m, l, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                                    interpret=interpret)
+    return idx, jnp.broadcast_to(slot_valid(length_B, idx.shape[-1])[:, None, :], idx.shape)
+  scores = hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
+                           impl=impl)
+  return page_topk(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl)
+
+
+def append_token(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
+                 page_size, impl):
+  """Writes the new token's K/V rows at slot_BK and, when KT pages are given, folds its key into its page:
+  (k, v), or (k, v, kt_min, kt_max). A slot past the capacity changes nothing (a decode past capacity inside a
+  caller's jit drops the token). With Pallas, one in-place kernel (`kernels.cache_append`) instead of XLA's
+  two scatters and the KT gathers and scatters.
+
+  KT pages take one slot per sequence, slot_BK[:, 0] on the XLA path: only streaming_llm and h2o have ring or
+  per-head slots, and neither keeps KT pages."""
   if resolve_impl(impl) in ("pallas", "interpret"):
-    from rocketkv_jax.kernels import kt_update
-    past = kt_min_BKHP.shape[-1] * page_size  # the kernel leaves slots from here on alone
-    slot = jnp.where(slot_B < num_slots, slot_B, past).astype(jnp.int32)
-    return kt_update.kt_update(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot, page_size=page_size,
-                               interpret=impl == "interpret")
-  return cache_lib.append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size, num_slots)
+    from rocketkv_jax.kernels import cache_append
+    return cache_append.cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
+                                     page_size=page_size, interpret=impl == "interpret")
+  kv = (cache_lib.write_slot(k_BKSH, k_new_BKH, slot_BK), cache_lib.write_slot(v_BKSH, v_new_BKH, slot_BK))
+  if kt_min_BKHP is None and kt_max_BKHP is None:
+    return kv
+  return kv + cache_lib.append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_BK[:, 0], page_size,
+                                        k_BKSH.shape[2])

@@ -12,7 +12,7 @@ import numpy as np
 
 from rocketkv_jax import attention
 from rocketkv_jax.config import _NoEvictionConfig
-from rocketkv_jax.cache import (KVCache, build_kt_pages, kt_dtype, slot_valid, write_slot)
+from rocketkv_jax.cache import (KVCache, build_kt_pages, kt_dtype, slot_valid)
 from rocketkv_jax.select import group_channels, sparq_temperature, topk_tokens
 from rocketkv_jax.snapkv import h2o_prefill_scores, snapkv_keep
 
@@ -117,10 +117,17 @@ def _h2o_prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, config) -> KVCache:
 # ---------------------------------------------------------------- decode
 
 
-def _append(cache: KVCache, k_new_BKH, v_new_BKH, slot_BK, **replace) -> KVCache:
-  fields = dict(k=write_slot(cache.k, k_new_BKH, slot_BK), v=write_slot(cache.v, v_new_BKH, slot_BK),
-                length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32), pos=cache.pos + 1,
-                kt_min=cache.kt_min, kt_max=cache.kt_max, scores=cache.scores, positions=cache.positions,
+def _append(cache: KVCache, k_new_BKH, v_new_BKH, slot_BK, config, **replace) -> KVCache:
+  """The cache with the new token at slot_BK: K/V rows and (methods with KT pages) its KT page, in one
+  `attention.append_token`; length and pos advance; `replace` sets the method's other leaves."""
+  if config.uses_kt_pages:
+    k, v, kt_min, kt_max = attention.append_token(cache.k, cache.v, k_new_BKH, v_new_BKH, slot_BK, cache.kt_min,
+                                                  cache.kt_max, page_size=config.page_size, impl=config.impl)
+  else:
+    k, v = attention.append_token(cache.k, cache.v, k_new_BKH, v_new_BKH, slot_BK, page_size=1, impl=config.impl)
+    kt_min, kt_max = cache.kt_min, cache.kt_max
+  fields = dict(k=k, v=v, length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32),
+                pos=cache.pos + 1, kt_min=kt_min, kt_max=kt_max, scores=cache.scores, positions=cache.positions,
                 v_sum=cache.v_sum)
   fields.update(replace)
   return KVCache(**fields)
@@ -141,13 +148,9 @@ def decode(cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH, config):
   else:
     slot = cache.length
   replace = {}
-  if config.uses_kt_pages:
-    replace["kt_min"], replace["kt_max"] = attention.append_kt_pages(
-        cache.kt_min, cache.kt_max, k_new_BKH, slot, page_size=config.page_size, num_slots=cache.capacity,
-        impl=impl)
   if method == "sparq":
     replace["v_sum"] = cache.v_sum + v_new_BKH.astype(jnp.float32)
-  cache = _append(cache, k_new_BKH, v_new_BKH, _slot_BK(slot, n_kv), **replace)
+  cache = _append(cache, k_new_BKH, v_new_BKH, _slot_BK(slot, n_kv), config, **replace)
   if method in ("full", "snapkv", "streaming_llm"):
     return attention.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=impl), cache
   if method == "sparq":
@@ -162,14 +165,12 @@ def select(cache: KVCache, q_BKGH, config):
   and valid [B, K, M] (hsa, rocketkv, quest, sparq, exact_topk)."""
   method = config.method
   if method in ("hsa", "rocketkv"):
-    channels = group_channels(q_BKGH, min(config.topr, q_BKGH.shape[-1]))
-    page_scores = attention.hsa_page_scores(q_BKGH, cache.kt_min, cache.kt_max, channels, cache.length,
-                                            page_size=config.page_size, impl=config.impl)
-  elif method == "quest":
-    page_scores = _quest_page_scores(q_BKGH, cache)
-  if method in ("hsa", "rocketkv", "quest"):
-    return attention.page_topk(page_scores, cache.length, page_size=config.page_size, k=config.topk,
-                               num_slots=cache.capacity, impl=config.impl)
+    return attention.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length,
+                                topr=min(config.topr, q_BKGH.shape[-1]), page_size=config.page_size,
+                                k=config.topk, num_slots=cache.capacity, impl=config.impl)
+  if method == "quest":
+    return attention.page_topk(_quest_page_scores(q_BKGH, cache), cache.length, page_size=config.page_size,
+                               k=config.topk, num_slots=cache.capacity, impl=config.impl)
   if method == "exact_topk":
     probs = attention.dense_attention_probs(q_BKGH, cache.k, cache.length)
     return topk_tokens(probs.mean(axis=2), cache.length, config.topk)
@@ -222,7 +223,7 @@ def _h2o_decode(cache, q_BKGH, k_new_BKH, v_new_BKH, config):
   b, k = np.indices(slot_BK.shape, sparse=True)
   positions = cache.positions.at[b, k, slot_BK].set(jnp.broadcast_to(cache.pos[:, None], slot_BK.shape))
   scores = cache.scores.at[b, k, slot_BK].set(0.0)
-  cache = _append(cache, k_new_BKH, v_new_BKH, slot_BK, positions=positions, scores=scores)
+  cache = _append(cache, k_new_BKH, v_new_BKH, slot_BK, config, positions=positions, scores=scores)
   probs = attention.dense_attention_probs(q_BKGH, cache.k, cache.length)  # [B, K, G, S]
   valid = slot_valid(cache.length, cap)[:, None, None, :]
   v = jnp.where(valid[:, :, 0, :, None], cache.v, jnp.zeros((), cache.v.dtype))

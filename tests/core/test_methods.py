@@ -259,7 +259,7 @@ def test_pallas_impl_matches_xla(method):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["full", "rocketkv", "quest", "hsa"])
 def test_pallas_impl_matches_xla_gpu(method):
-  """The compiled Pallas kernels (dense, HSA scores, page top-k, sparse attention, KT update) give what the
+  """The compiled Pallas kernels (dense, HSA scores, page top-k, sparse attention, token append) give what the
   XLA path gives, method level, ragged batch, float32 (XLA's dots at full precision, no TF32)."""
   if not any(d.platform == "gpu" for d in jax.devices()):
     pytest.skip("needs a GPU")

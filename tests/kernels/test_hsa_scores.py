@@ -26,15 +26,14 @@ def make_inputs(c, seed, page_size, R, kt_dtype):
   empty = (n == 0)[:, None, None, :]
   kt_min = jnp.where(empty, jnp.nan, kt_min).astype(kt_dtype)
   kt_max = jnp.where(empty, jnp.inf, kt_max).astype(kt_dtype)
-  channels = jax.lax.top_k(jnp.abs(q.astype(jnp.float32)).sum(2), R)[1].astype(jnp.int32)
-  return q, kt_min, kt_max, channels, length, n
+  return q, kt_min, kt_max, length, n
 
 
 def check(c, seed, page_size, R, kt_dtype, interpret, **tuning):
-  q, kt_min, kt_max, channels, length, n = make_inputs(c, seed, page_size, R, kt_dtype)
-  out = hsa_page_scores(q, kt_min, kt_max, channels, length, page_size=page_size,
-                        interpret=interpret, **tuning)
-  ref = hsa_page_scores_reference(q, kt_min, kt_max, channels, length, page_size=page_size)
+  q, kt_min, kt_max, length, n = make_inputs(c, seed, page_size, R, kt_dtype)
+  out = hsa_page_scores(q, kt_min, kt_max, length, topr=R, page_size=page_size, interpret=interpret,
+                        **tuning)
+  ref = hsa_page_scores_reference(q, kt_min, kt_max, length, topr=R, page_size=page_size)
   out, ref, n = np.asarray(out), np.asarray(ref), np.asarray(n)
   assert out.dtype == np.float32 and out.shape == ref.shape
   live = np.broadcast_to((n > 0)[:, None, :], out.shape)
@@ -70,14 +69,15 @@ def test_single_channel_and_all_channels():
 def test_rejects_bad_shapes():
   q = jnp.ones((1, 2, 4, 64))
   kt = jnp.ones((1, 2, 64, 5))
-  ch = jnp.zeros((1, 2, 8), jnp.int32)
   length = jnp.ones((1,), jnp.int32)
   with pytest.raises(ValueError, match="kt_max_BKHP.shape"):
-    hsa_page_scores(q, kt, jnp.ones((1, 2, 64, 6)), ch, length, page_size=2)
-  with pytest.raises(ValueError, match="top_r R=65"):
-    hsa_page_scores(q, kt, kt, jnp.zeros((1, 2, 65), jnp.int32), length, page_size=2)
+    hsa_page_scores(q, kt, jnp.ones((1, 2, 64, 6)), length, topr=8, page_size=2)
+  with pytest.raises(ValueError, match="topr=65"):
+    hsa_page_scores(q, kt, kt, length, topr=65, page_size=2)
+  with pytest.raises(ValueError, match="topr=0"):
+    hsa_page_scores(q, kt, kt, length, topr=0, page_size=2)
   with pytest.raises(ValueError, match="page_size=0"):
-    hsa_page_scores(q, kt, kt, ch, length, page_size=0)
+    hsa_page_scores(q, kt, kt, length, topr=8, page_size=0)
 
 
 @pytest.mark.parametrize("H,G,R,kt_dtype", [(64, 1, 13, jnp.float32), (128, 4, 61, jnp.bfloat16),
@@ -85,9 +85,8 @@ def test_rejects_bad_shapes():
 def test_lowers_for_h200_through_triton(H, G, R, kt_dtype):
   q = jax.ShapeDtypeStruct((2, 2, G, H), jnp.bfloat16)
   kt = jax.ShapeDtypeStruct((2, 2, H, 333), kt_dtype)
-  ch = jax.ShapeDtypeStruct((2, 2, R), jnp.int32)
   length = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = lower_for_h200(lambda *a: hsa_page_scores(*a, page_size=3), q, kt, kt, ch, length)
+  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3), q, kt, kt, length)
   assert "rocketkv_hsa_scores" in text
 
 

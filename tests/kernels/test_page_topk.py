@@ -91,3 +91,70 @@ def test_matches_reference_gpu(B, K, num_slots, page_size, k):
         interpret=False)
   check(seed=num_slots + 2, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=False,
         interpret=False)
+
+
+# ---------------------------------------------------------------- selection straight from HSA partials
+
+def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
+  """Real partials of the HSA kernel (interpret mode) on random queries and KT pages, junk on empty pages."""
+  from rocketkv_jax.kernels.hsa_scores import hsa_page_partials
+  rng = np.random.default_rng(seed)
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  P = -(-num_slots // page_size)
+  q = jax.random.normal(ks[0], (B, K, G, H))
+  a, b = jax.random.normal(ks[1], (B, K, H, P)), jax.random.normal(ks[2], (B, K, H, P))
+  length = ragged_lengths(rng, B, num_slots)
+  empty = (jnp.arange(P)[None, :] * page_size >= length[:, None])[:, None, None, :]
+  kt_min = jnp.where(empty, jnp.nan, jnp.minimum(a, b))
+  kt_max = jnp.where(empty, jnp.inf, jnp.maximum(a, b))
+  tuning = {} if block_p is None else dict(block_p=block_p)
+  return hsa_page_partials(q, kt_min, kt_max, length, topr=topr, page_size=page_size, interpret=True,
+                           **tuning), length
+
+
+def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None):
+  from rocketkv_jax.kernels.hsa_scores import normalize_partials
+  from rocketkv_jax.kernels.page_topk import hsa_page_topk, hsa_page_topk_reference
+  (s, m, l), length = hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p)
+  kw = dict(page_size=page_size, k=k, num_slots=num_slots)
+  out = np.asarray(hsa_page_topk(s, m, l, length, interpret=interpret, **kw))
+  ref = np.asarray(hsa_page_topk_reference(s, m, l, length, **kw))
+  assert out.shape == ref.shape == (B, K, min(k, num_slots))
+  if np.array_equal(out, ref):
+    return
+  # The kernel normalises in another order than XLA: a differing choice must be a near tie of the scores.
+  P = -(-num_slots // page_size)
+  scores = np.asarray(normalize_partials(s[..., :P], m, l, jnp.minimum(length, num_slots), page_size=page_size))
+  for b in range(B):
+    n = min(k, int(length[b]))
+    for h in range(K):
+      mine, theirs = set(out[b, h, :n].tolist()), set(ref[b, h, :n].tolist())
+      threshold = min(scores[b, h, t // page_size] for t in theirs) if theirs else 0.0
+      for slot in mine ^ theirs:
+        assert np.isclose(scores[b, h, slot // page_size], threshold, rtol=1e-5), \
+            f"(b={b}, h={h}) slot {slot} differs from the reference and is no near tie"
+
+
+@pytest.mark.parametrize("B,K,G,H,num_slots,page_size,k,topr,block_p", [
+    (2, 2, 4, 64, 37, 3, 8, 21, 16), (3, 1, 3, 128, 100, 1, 16, 64, 32), (2, 2, 1, 64, 67, 4, 200, 7, 16),
+    (1, 2, 8, 128, 1617, 3, 128, 61, None)])
+def test_hsa_page_topk_matches_reference_interpret(B, K, G, H, num_slots, page_size, k, topr, block_p):
+  check_hsa(num_slots, B, K, G, H, num_slots, page_size, k, topr, interpret=True, block_p=block_p)
+
+
+def test_hsa_page_topk_lowers_for_h200_through_triton():
+  from rocketkv_jax.kernels.page_topk import hsa_page_topk
+  P, NB, P_pad = 540, 17, 17 * 32
+  text = lower_for_h200(
+      lambda s, m, l, n: hsa_page_topk(s, m, l, n, page_size=3, k=128, num_slots=1618),
+      jax.ShapeDtypeStruct((2, 8, 4, P_pad), jnp.float32), jax.ShapeDtypeStruct((2, 8, 4, NB), jnp.float32),
+      jax.ShapeDtypeStruct((2, 8, 4, NB), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
+  assert "rocketkv_hsa_page_topk" in text and P <= P_pad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,K,G,H,num_slots,page_size,k,topr", [
+    (1, 8, 4, 128, 1618, 3, 128, 60), (8, 8, 4, 128, 6471, 3, 512, 40), (4, 3, 3, 64, 1031, 2, 64, 20)])
+def test_hsa_page_topk_matches_reference_gpu(B, K, G, H, num_slots, page_size, k, topr):
+  needs_gpu()
+  check_hsa(num_slots + 1, B, K, G, H, num_slots, page_size, k, topr, interpret=False)

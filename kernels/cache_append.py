@@ -1,0 +1,166 @@
+"""Appends one decode token to a KV cache in one launch: the K and V rows, and (methods with KT pages) the
+fold of the new key into its min/max page (ALGORITHM.md section 3).
+
+Row slot[b, k] of k[b, k] / v[b, k] becomes k_new[b, k] / v_new[b, k]. With KT pages (channel-major
+[B, K, H, P]), page p = slot // page_size: when slot % page_size == 0 the page starts fresh (min = max =
+k_new), otherwise min/max take the element-wise min/max with k_new. One program per (b, k) reads one K row,
+one V row and one page column of each of kt_min and kt_max and writes them back in place
+(input_output_aliases), so nothing else of the cache moves. This replaces two XLA scatters and a separate
+KT kernel, three launch-bound launches per layer on the H200, by one.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from rocketkv_jax.kernels._common import FLOAT_DTYPES, cdiv, check_dtype, check_kt_pages
+
+
+def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
+                           *, page_size: int = 1, **unused_tuning):
+  """(k, v) with the new token at slot_BK, plus (kt_min, kt_max) with its page updated when KT pages are
+  given. A slot outside [0, S) changes nothing."""
+  del unused_tuning
+  S = k_BKSH.shape[2]
+  in_range_BK = (slot_BK >= 0) & (slot_BK < S)
+  at_BKS = (jnp.arange(S)[None, None, :] == slot_BK[..., None]) & in_range_BK[..., None]
+  at_BKSH = at_BKS[..., None]
+  k = jnp.where(at_BKSH, k_new_BKH[:, :, None, :].astype(k_BKSH.dtype), k_BKSH)
+  v = jnp.where(at_BKSH, v_new_BKH[:, :, None, :].astype(v_BKSH.dtype), v_BKSH)
+  if kt_min_BKHP is None and kt_max_BKHP is None:
+    return k, v
+  P = kt_min_BKHP.shape[-1]
+  at_BKP = (jnp.arange(P)[None, None, :] == (slot_BK // page_size)[..., None]) & in_range_BK[..., None]
+  fresh = ((slot_BK % page_size) == 0)[..., None, None]
+  kf = k_new_BKH.astype(jnp.float32)[..., None]  # [B, K, H, 1]
+  new_min = jnp.where(fresh, kf, jnp.minimum(kt_min_BKHP.astype(jnp.float32), kf))
+  new_max = jnp.where(fresh, kf, jnp.maximum(kt_max_BKHP.astype(jnp.float32), kf))
+  at = at_BKP[:, :, None, :]
+  return (k, v, jnp.where(at, new_min.astype(kt_min_BKHP.dtype), kt_min_BKHP),
+          jnp.where(at, new_max.astype(kt_max_BKHP.dtype), kt_max_BKHP))
+
+
+def _cache_append_kernel(
+    # inputs
+    k_ref,  # [S, H] (aliased to k_out_ref)
+    v_ref,  # [S, H] (aliased to v_out_ref)
+    k_new_ref,  # [H]
+    v_new_ref,  # [H]
+    slot_ref,  # []
+    kt_min_ref,  # [H, P] (aliased to kt_min_out_ref), or None
+    kt_max_ref,  # [H, P] (aliased to kt_max_out_ref), or None
+    # outputs
+    k_out_ref,  # [S, H]
+    v_out_ref,  # [S, H]
+    kt_min_out_ref,  # [H, P], or None
+    kt_max_out_ref,  # [H, P], or None
+    *,
+    page_size: int,
+):
+  S, H = k_ref.shape
+  slot = slot_ref[...]
+  # Out of range: every store below writes back what it read (no masked stores, so interpret mode agrees).
+  in_range = (slot >= 0) & (slot < S)
+  row = jnp.clip(slot, 0, S - 1)
+  chans = jnp.arange(H)
+  rows = jnp.zeros((H,), jnp.int32) + row
+  for src_ref, new_ref, out_ref in ((k_ref, k_new_ref, k_out_ref), (v_ref, v_new_ref, v_out_ref)):
+    old = src_ref[rows, chans]
+    out_ref[rows, chans] = jnp.where(in_range, new_ref[...].astype(out_ref.dtype), old)
+  if kt_min_ref is None:
+    return
+  page = row // page_size  # < P, as P = cdiv(S, page_size)
+  fresh = (slot % page_size) == 0
+  cols = jnp.zeros((H,), jnp.int32) + page
+  k = k_new_ref[...].astype(jnp.float32)
+  # min/max in float32; an f8/bf16 page value round-trips float32 exactly, so out of range stays bit-equal.
+  old_min = kt_min_ref[chans, cols].astype(jnp.float32)
+  old_max = kt_max_ref[chans, cols].astype(jnp.float32)
+  new_min = jnp.where(fresh, k, jnp.minimum(old_min, k))
+  new_max = jnp.where(fresh, k, jnp.maximum(old_max, k))
+  kt_min_out_ref[chans, cols] = jnp.where(in_range, new_min, old_min).astype(kt_min_out_ref.dtype)
+  kt_max_out_ref[chans, cols] = jnp.where(in_range, new_max, old_max).astype(kt_max_out_ref.dtype)
+
+
+def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size):
+  if k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape:
+    raise ValueError(f"k_BKSH.shape={k_BKSH.shape} and v_BKSH.shape={v_BKSH.shape} must be equal (B, K, S, H)")
+  B, K, S, H = k_BKSH.shape
+  if H & (H - 1):
+    raise ValueError(f"head dim H={H} must be a power of two (64 or 128 supported)")
+  if S < 1:
+    raise ValueError(f"cache slots S={S} must be >= 1")
+  check_dtype("k_BKSH", k_BKSH.dtype, FLOAT_DTYPES)
+  check_dtype("v_BKSH", v_BKSH.dtype, FLOAT_DTYPES)
+  for name, x in (("k_new_BKH", k_new_BKH), ("v_new_BKH", v_new_BKH)):
+    if x.shape != (B, K, H):
+      raise ValueError(f"{name}.shape={x.shape} must be ({B}, {K}, {H})")
+    check_dtype(name, x.dtype, FLOAT_DTYPES)
+  if slot_BK.shape != (B, K):
+    raise ValueError(f"slot_BK.shape={slot_BK.shape} must be ({B}, {K})")
+  if not jnp.issubdtype(slot_BK.dtype, jnp.integer):
+    raise ValueError(f"slot_BK.dtype={slot_BK.dtype} must be an integer dtype")
+  if page_size < 1:
+    raise ValueError(f"page_size={page_size} must be >= 1")
+  if (kt_min_BKHP is None) != (kt_max_BKHP is None):
+    raise ValueError("kt_min_BKHP and kt_max_BKHP must be given together (or neither)")
+  if kt_min_BKHP is not None:
+    pages = check_kt_pages(kt_min_BKHP, kt_max_BKHP)
+    want = (B, K, H, cdiv(S, page_size))
+    if pages != want:
+      raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} must be {want}: the pages of S={S} slots "
+                       f"at page_size={page_size}")
+
+
+@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps"])
+def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
+                 page_size: int = 1, interpret: bool = False, num_warps: int = 1):
+  """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
+  slot[b, k] and, when KT pages are given, folds k_new (in float32, stored in the KT dtype) into page
+  slot // page_size, which starts fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max).
+
+  A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
+  how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages
+  take each (b, k)'s own slot; the methods with KT pages use one slot per sequence.
+
+  The outputs alias the cache inputs (input_output_aliases): inside a jitted step whose cache is donated (or
+  a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
+  """
+  _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size)
+  B, K, S, H = k_BKSH.shape
+  kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
+  new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
+  slot_spec = pl.BlockSpec((None, None), lambda b, k: (b, k))
+  in_specs = [kv_spec, kv_spec, new_spec, new_spec, slot_spec]
+  out_specs = [kv_spec, kv_spec]
+  out_shape = [jax.ShapeDtypeStruct(k_BKSH.shape, k_BKSH.dtype), jax.ShapeDtypeStruct(v_BKSH.shape, v_BKSH.dtype)]
+  args = [k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK.astype(jnp.int32)]
+  aliases = {0: 0, 1: 1}
+  kernel = functools.partial(_cache_append_kernel, page_size=page_size)
+  if kt_min_BKHP is None:
+    def body(k_ref, v_ref, k_new_ref, v_new_ref, slot_ref, k_out_ref, v_out_ref):
+      kernel(k_ref, v_ref, k_new_ref, v_new_ref, slot_ref, None, None, k_out_ref, v_out_ref, None, None)
+  else:
+    body = kernel
+    kt_spec = pl.BlockSpec((None, None, H, kt_min_BKHP.shape[-1]), lambda b, k: (b, k, 0, 0))
+    in_specs += [kt_spec, kt_spec]
+    out_specs += [kt_spec, kt_spec]
+    out_shape += [jax.ShapeDtypeStruct(kt_min_BKHP.shape, kt_min_BKHP.dtype),
+                  jax.ShapeDtypeStruct(kt_max_BKHP.shape, kt_max_BKHP.dtype)]
+    args += [kt_min_BKHP, kt_max_BKHP]
+    aliases.update({5: 2, 6: 3})
+  return tuple(pl.pallas_call(
+      body,
+      grid=(B, K),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="rocketkv_cache_append",
+  )(*args))

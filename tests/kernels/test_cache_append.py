@@ -1,0 +1,162 @@
+"""The fused token append (K/V rows and KT page) against its jnp reference."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import lower_for_h200, needs_gpu
+from rocketkv_jax.kernels.cache_append import cache_append, cache_append_reference
+
+KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
+
+
+def make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot_BK, seed=0):
+  """A cache whose slots past each (b, k)'s slot are NaN junk (a slot out of range poisons nothing), its KT
+  pages, and fresh keys/values. With kt_dtype None, no KT pages."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  k = jax.random.normal(ks[0], (B, K, S, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[1], (B, K, S, H), jnp.float32).astype(dtype)
+  junk = (jnp.arange(S)[None, None, :] > slot_BK[..., None]) & (slot_BK < S)[..., None]
+  k = jnp.where(junk[..., None], jnp.nan, k)
+  v = jnp.where(junk[..., None], jnp.nan, v)
+  k_new = jax.random.normal(ks[2], (B, K, H), jnp.float32).astype(dtype)
+  v_new = jax.random.normal(ks[3], (B, K, H), jnp.float32).astype(dtype)
+  if kt_dtype is None:
+    return (k, v, k_new, v_new, slot_BK)
+  P = -(-S // page_size)
+  a = jax.random.normal(ks[4], (B, K, H, P))
+  b = jax.random.normal(ks[5], (B, K, H, P))
+  return (k, v, k_new, v_new, slot_BK, jnp.minimum(a, b).astype(kt_dtype), jnp.maximum(a, b).astype(kt_dtype))
+
+
+def slots(B, K, S, page_size, per_head):
+  """A fresh page start, a mid-page slot, the last slot, one past it and a negative one (no change), cycling
+  over the batch; per_head shifts the choice by the KV head (h2o's per-head slots)."""
+  mid = min(S - 1, page_size * ((S // page_size) // 2) + page_size // 2)
+  choices = np.array([0, mid, S - 1, S, -1, page_size * (S // (2 * page_size))])
+  i = np.arange(B)[:, None] + (np.arange(K)[None, :] if per_head else np.zeros((1, K), int))
+  return jnp.asarray(choices[i % len(choices)], jnp.int32)
+
+
+def assert_same(out, ref):
+  assert len(out) == len(ref)
+  for o, r in zip(out, ref):
+    assert o.shape == r.shape and o.dtype == r.dtype
+    np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(r.astype(jnp.float32)))
+
+
+def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0):
+  slot = slots(B, K, S, page_size, per_head)
+  args = make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot, seed)
+  ref = cache_append_reference(*args, page_size=page_size)
+  out = cache_append(*[jnp.copy(x) for x in args], page_size=page_size, interpret=interpret)
+  assert_same(out, ref)
+  k, v = out[:2]
+  b, h = np.indices(slot.shape)
+  ok = np.asarray((slot >= 0) & (slot < S))
+  s = np.clip(np.asarray(slot), 0, S - 1)
+  written_k = np.asarray(k.astype(jnp.float32))[b, h, s][ok]
+  np.testing.assert_array_equal(written_k, np.asarray(args[2].astype(jnp.float32))[ok])
+  np.testing.assert_array_equal(np.asarray(v.astype(jnp.float32))[b, h, s][ok],
+                                np.asarray(args[3].astype(jnp.float32))[ok])
+  # Out of range: nothing changed, the poisoned junk included.
+  for o, x in zip(out, args[:2] + args[5:]):
+    np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32))[~ok], np.asarray(x.astype(jnp.float32))[~ok])
+  if kt_dtype is not None:
+    for page in out[2:]:
+      assert np.isfinite(np.asarray(page.astype(jnp.float32))).all(), "junk leaked into the KT pages"
+
+
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("H, page_size", [(64, 3), (128, 1)])
+def test_matches_reference_interpret(H, page_size, dtype, kt_dtype):
+  check(B=6, K=2, S=23, H=H, page_size=page_size, dtype=dtype, kt_dtype=kt_dtype, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("H", [64, 128])
+def test_no_kt_pages_per_head_slots_interpret(H, dtype):
+  check(B=6, K=3, S=19, H=H, page_size=1, dtype=dtype, kt_dtype=None, interpret=True, per_head=True)
+
+
+def test_per_head_slots_with_kt_pages_interpret():
+  check(B=6, K=3, S=20, H=64, page_size=3, dtype=jnp.bfloat16, kt_dtype=jnp.bfloat16, interpret=True,
+        per_head=True)
+
+
+def test_casts_new_rows_to_the_cache_dtype_interpret():
+  slot = jnp.array([[2, 5]], jnp.int32)
+  k, v, _, _, _, kt_min, kt_max = make_inputs(1, 2, 9, 64, 3, jnp.bfloat16, jnp.float32, slot)
+  k_new = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 64), jnp.float32)
+  v_new = jax.random.normal(jax.random.PRNGKey(8), (1, 2, 64), jnp.float32)
+  args = (k, v, k_new, v_new, slot, kt_min, kt_max)
+  assert_same(cache_append(*args, page_size=3, interpret=True), cache_append_reference(*args, page_size=3))
+
+
+def test_donated_jit_is_in_place_interpret():
+  slot = slots(4, 2, 17, 3, per_head=False)
+  args = make_inputs(4, 2, 17, 64, 3, jnp.bfloat16, jnp.float8_e5m2, slot)
+  ref = cache_append_reference(*args, page_size=3)
+  step = jax.jit(lambda *a: cache_append(*a, page_size=3, interpret=True), donate_argnums=(0, 1, 5, 6))
+  donated = [jnp.copy(x) for x in args]
+  pointers = [donated[i].unsafe_buffer_pointer() for i in (0, 1, 5, 6)]
+  out = step(*donated)
+  assert_same(out, ref)
+  assert all(donated[i].is_deleted() for i in (0, 1, 5, 6))
+  assert [o.unsafe_buffer_pointer() for o in out] == pointers
+
+
+def test_rejects_bad_args():
+  kv = jnp.ones((1, 2, 10, 64))
+  new = jnp.ones((1, 2, 64))
+  slot = jnp.zeros((1, 2), jnp.int32)
+  kt = jnp.ones((1, 2, 64, 4))
+  with pytest.raises(ValueError, match="k_new_BKH.shape"):
+    cache_append(kv, kv, jnp.ones((1, 2, 32)), new, slot)
+  with pytest.raises(ValueError, match="v_BKSH.shape"):
+    cache_append(kv, jnp.ones((1, 2, 11, 64)), new, new, slot)
+  with pytest.raises(ValueError, match="slot_BK.shape"):
+    cache_append(kv, kv, new, new, jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match="slot_BK.dtype"):
+    cache_append(kv, kv, new, new, jnp.zeros((1, 2), jnp.float32))
+  with pytest.raises(ValueError, match="v_new_BKH.dtype"):
+    cache_append(kv, kv, new, jnp.ones((1, 2, 64), jnp.int32), slot)
+  with pytest.raises(ValueError, match="given together"):
+    cache_append(kv, kv, new, new, slot, kt, None, page_size=3)
+  with pytest.raises(ValueError, match="page_size=2"):
+    cache_append(kv, kv, new, new, slot, kt, kt, page_size=2)  # 10 slots make 5 pages of 2, not 4
+  with pytest.raises(ValueError, match="kt_min_BKHP.dtype"):
+    cache_append(kv, kv, new, new, slot, kt.astype(jnp.int8), kt.astype(jnp.int8), page_size=3)
+
+
+def _sd(B, K, S, H, P, dtype, kt_dtype):
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, K, S, H), dtype), sd((B, K, S, H), dtype), sd((B, K, H), dtype), sd((B, K, H), dtype),
+          sd((B, K), jnp.int32)]
+  return args + ([] if kt_dtype is None else [sd((B, K, H, P), kt_dtype), sd((B, K, H, P), kt_dtype)])
+
+
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES + [None])
+def test_lowers_for_h200_through_triton(kt_dtype):
+  text = lower_for_h200(lambda *a: cache_append(*a, page_size=3), *_sd(2, 8, 1617, 128, 539, jnp.bfloat16, kt_dtype))
+  assert "rocketkv_cache_append" in text
+  # In place: every cache output aliases its input (k, v and, with KT pages, operands 5 and 6).
+  assert text.count("stablehlo.output_operand_alias<") == (2 if kt_dtype is None else 4)
+  if kt_dtype is not None:
+    assert "operand_index = 6" in text
+
+
+def test_lowers_for_h200_f32_cache_h64():
+  text = lower_for_h200(lambda *a: cache_append(*a, page_size=1), *_sd(3, 2, 70, 64, 70, jnp.float32, jnp.float32))
+  assert "rocketkv_cache_append" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES + [None])
+def test_matches_reference_gpu(kt_dtype):
+  needs_gpu()
+  check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False)
+  check(B=5, K=2, S=70, H=64, page_size=1, dtype=jnp.float32, kt_dtype=kt_dtype, interpret=False, per_head=True)
