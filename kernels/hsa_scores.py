@@ -2,7 +2,7 @@
 
 KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks). Each program takes the group's
 query [G, H] and does the whole per-(b, k) selection itself, so no XLA op runs between the query and the
-kernel: the top-r channels of sum_g |q_g| (sort-free, `_common.best_units_take`: ties toward the lower
+kernel: the top-r channels of sum_g |q_g| (sort-free ranks from [H, H] compares: ties toward the lower
 channel), the signs of the group's summed query on them, the per-head temperatures tau_g. It then reads
 only the selected channel rows, and of each row only the min or the max page summary (by that sign):
 R * block_p values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, best_units_take, cdiv,
-                                          check_dtype, check_kt_pages, next_pow2, order_key, page_slots)
+from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
+                                          check_kt_pages, next_pow2, page_slots)
 
 _TARGET_PROGRAMS = 2 * 132
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
@@ -88,8 +88,13 @@ def _hsa_scores_kernel(
   rows = jnp.arange(Gp)
   row_ok = rows < G
   q = pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0).astype(jnp.float32)  # [Gp, H]
-  # The group's top-r channels of sum_g |q_g|, ties toward the lower channel.
-  chosen = best_units_take(order_key(jnp.abs(q).sum(axis=0)), jnp.ones((H,), jnp.int32), topr) > 0  # [H]
+  # The group's top-r channels of sum_g |q_g|, ties toward the lower channel: a channel's rank counts the
+  # channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial loop).
+  a = jnp.abs(q).sum(axis=0)  # [H]
+  c = jnp.arange(H)
+  a_i, a_j = a[:, None], a[None, :]
+  beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
+  chosen = jnp.sum(beats.astype(jnp.int32), axis=1) < topr  # [H]
   use_max = chosen & (q.sum(axis=0) > 0)  # zero counts as negative
   use_min = chosen & ~use_max
 
