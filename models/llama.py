@@ -301,30 +301,23 @@ def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
   return x + (jax.nn.silu(gate) * up) @ blk.w_down[...]
 
 
-# Long prompts run the per-token parts of a layer (norms, projections, RoPE, residuals, MLP) over chunks of this
-# many tokens, one after another: at 128k tokens the fused gate/up output alone is 7.5 GB for an 8B model, a
-# chunk's is 0.5 GB, so prefill's peak holds one layer's q/k/v and attention output, not its MLP activations.
+# Long prompts run a layer's MLP block (wo, residuals, norm, gate/up, down) over chunks of about this many
+# tokens, one after another: at 128k tokens the fused gate/up output alone is 7.5 GB for an 8B model, a
+# chunk's is 0.5 GB. The chunks are a Python loop, not lax.map: on an H200, XLA kept every layer's while-loop
+# buffers alive (prefill temp memory grew 1.1-2.7 GB per layer), while the unrolled loop's stays flat
+# (5.5 GB against 13.6 GB unchunked at 128k; benchmarks/prefill_memory.py).
 PREFILL_CHUNK_TOKENS = 8192
 
 
 def _over_token_chunks(fn, *xs_BT):
-  """fn(*xs) for arrays [B, T, ...] whose rows are independent tokens, computed over chunks of at most
-  PREFILL_CHUNK_TOKENS tokens in sequence (lax.map) and joined back to [B, T, ...]; equal to fn(*xs)."""
+  """fn(*xs) for arrays [B, T, ...] whose rows are independent tokens, computed over slices of the T axis
+  (B * slice about PREFILL_CHUNK_TOKENS tokens) and joined back; equal to fn(*xs)."""
   B, T = xs_BT[0].shape[:2]
-  n, c = B * T, PREFILL_CHUNK_TOKENS
-  if n <= c:
+  c = max(1, PREFILL_CHUNK_TOKENS // B)
+  if T <= c:
     return fn(*xs_BT)
-  num = -(-n // c)
-  pad = num * c - n
-
-  def split(x):
-    flat = x.reshape(n, *x.shape[2:])
-    if pad:
-      flat = jnp.pad(flat, ((0, pad),) + ((0, 0),) * (x.ndim - 2))
-    return flat.reshape(num, 1, c, *x.shape[2:])
-
-  out = jax.lax.map(lambda args: fn(*args), tuple(split(x) for x in xs_BT))
-  return jax.tree.map(lambda y: y.reshape(num * c, *y.shape[3:])[:n].reshape(B, T, *y.shape[3:]), out)
+  outs = [fn(*(x[:, i:i + c] for x in xs_BT)) for i in range(0, T, c)]
+  return jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=1), *outs)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -407,7 +400,7 @@ def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   outs = []
   for blk in model.layers:
-    q, k, v = _over_token_chunks(functools.partial(_qkv, blk, cfg), x, pos)
+    q, k, v = _qkv(blk, cfg, x, pos)
     o = causal_attention(q, k, v, impl=impl)
     # The barrier makes the next layer wait for this layer's compression, so XLA cannot postpone it
     # and keep every layer's full q/k/v alive (on an H200 at 128k that raised the peak by ~20 GB).
@@ -487,7 +480,7 @@ def _forward_full_jit(graphdef, state, tokens_BT, impl):
   x = _embed(model, tokens_BT)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   for blk in model.layers:
-    q, k, v = _over_token_chunks(functools.partial(_qkv, blk, cfg), x, pos)
+    q, k, v = _qkv(blk, cfg, x, pos)
     x = _over_token_chunks(functools.partial(_finish, blk, cfg), x, causal_attention(q, k, v, impl=impl))
   h = rms_norm(x, model.norm[...], cfg.norm_eps)
   w = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
