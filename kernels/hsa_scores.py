@@ -1,6 +1,7 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
-KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks). Each program takes the group's
+KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks), or (B, K, 1) with a loop over the
+row's page blocks when there are many (b, k) rows. Each program takes the group's
 query [G, H] and does the whole per-(b, k) selection itself, so no XLA op runs between the query and the
 kernel: the top-r channels of sum_g |q_g| (sort-free ranks from [H, H] compares: ties toward the lower
 channel), the signs of the group's summed query on them, the per-head temperatures tau_g. It then reads
@@ -72,12 +73,13 @@ def _hsa_scores_kernel(
     kt_max_ref,  # [H, P]
     length_ref,  # []
     # outputs
-    s_ref,  # [G, block_p] float32: s/tau of each head, MASK_VALUE on empty pages
-    m_ref,  # [G] float32: max of s/tau over this block's non-empty pages
-    l_ref,  # [G] float32: sum over those pages of n[p] * exp(s/tau - m)
+    s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
+    m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
+    l_ref,  # [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
     *,
     topr: int,
     block_p: int,
+    blocks_per_program: int,
     page_size: int,
     num_pages: int,
     masked_gather: bool,
@@ -98,47 +100,58 @@ def _hsa_scores_kernel(
   use_max = chosen & (q.sum(axis=0) > 0)  # zero counts as negative
   use_min = chosen & ~use_max
 
-  p0 = pl.program_id(2) * block_p
-  page = p0 + jnp.arange(block_p)
-  n = page_slots(length_ref[...], page, page_size)
-  p_ok = (n > 0) & (page < P)
-  if masked_gather:
-    # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all.
-    # No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by where.
-    rows_H, cols = jnp.arange(H)[:, None], page[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
-    rep = jnp.where(use_max[:, None], rep_max.astype(jnp.float32), rep_min.astype(jnp.float32))
-  else:  # interpret mode cannot mask a gather: load both and select
-    rep_max = kt_max_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
-    rep_min = kt_min_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
-    rep = jnp.where(use_max[:, None], rep_max, rep_min)
-  rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, 0.0)  # [H, block_p]
-  # Per head, in exact float32 (no TF32 dot): s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p],
-  # and tau_g = sqrt(H * |q_g[chosen]|_1 / |q_g|_1).
-  s = jnp.zeros((Gp, block_p), jnp.float32)
+  # Per head, hoisted out of the page loop: q_g on the chosen channels and 1 / tau_g, tau_g =
+  # sqrt(H * |q_g[chosen]|_1 / |q_g|_1).
+  q_rows, inv_taus = [], []
   for g in range(G):
     qg = pltriton.load(q_ref.at[jnp.int32(g), pl.ds(0, H)]).astype(jnp.float32)  # [H]
     qg_r = jnp.where(chosen, qg, 0.0)
-    s_g = (qg_r[:, None] * rep).sum(axis=0)  # [block_p]
     num, den = jnp.abs(qg_r).sum(), jnp.abs(qg).sum()
     tau = jnp.sqrt(H * num / jnp.where(den > 0, den, 1.0))
-    inv_tau = 1.0 / jnp.where(tau > 0, tau, 1.0)
-    s = jnp.where((rows == g)[:, None], (s_g * inv_tau)[None, :], s)
-  s = jnp.where(p_ok[None, :], s, MASK_VALUE)
-  m = s.max(axis=-1)
-  e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
-  l = (e * n[None, :].astype(jnp.float32)).sum(axis=-1)
-  pltriton.store(s_ref.at[pl.ds(0, Gp), :], s, mask=row_ok[:, None])
-  pltriton.store(m_ref.at[pl.ds(0, Gp)], m, mask=row_ok)
-  pltriton.store(l_ref.at[pl.ds(0, Gp)], l, mask=row_ok)
+    q_rows.append(qg_r)
+    inv_taus.append(1.0 / jnp.where(tau > 0, tau, 1.0))
+  length = length_ref[...]
+  first_block = pl.program_id(2) * blocks_per_program
+
+  def page_block(i, carry):
+    p0 = (first_block + i) * block_p
+    page = p0 + jnp.arange(block_p)
+    n = page_slots(length, page, page_size)
+    p_ok = (n > 0) & (page < P)
+    if masked_gather:
+      # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all.
+      # No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by where.
+      rows_H, cols = jnp.arange(H)[:, None], page[None, :]
+      rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
+      rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
+      rep = jnp.where(use_max[:, None], rep_max.astype(jnp.float32), rep_min.astype(jnp.float32))
+    else:  # interpret mode cannot mask a gather: load both and select
+      rep_max = kt_max_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
+      rep_min = kt_min_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
+      rep = jnp.where(use_max[:, None], rep_max, rep_min)
+    rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, 0.0)  # [H, block_p]
+    # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p] in exact float32 (no TF32 dot).
+    s = jnp.zeros((Gp, block_p), jnp.float32)
+    for g in range(G):
+      s_g = (q_rows[g][:, None] * rep).sum(axis=0) * inv_taus[g]  # [block_p]
+      s = jnp.where((rows == g)[:, None], s_g[None, :], s)
+    s = jnp.where(p_ok[None, :], s, MASK_VALUE)
+    m = s.max(axis=-1)
+    e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
+    l = (e * n[None, :].astype(jnp.float32)).sum(axis=-1)
+    pltriton.store(s_ref.at[pl.ds(0, Gp), pl.ds(i * block_p, block_p)], s, mask=row_ok[:, None])
+    pltriton.store(m_ref.at[pl.ds(0, Gp), i], m, mask=row_ok)
+    pltriton.store(l_ref.at[pl.ds(0, Gp), i], l, mask=row_ok)
+    return carry
+
+  lax.fori_loop(0, blocks_per_program, page_block, 0)
 
 
-@functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "num_warps",
-                                             "num_stages"])
+@functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
+                                             "num_warps", "num_stages"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
-                      interpret: bool = False, block_p: int | None = None, num_warps: int = 4,
-                    num_stages: int = 1):
+                      interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
+                      num_warps: int = 4, num_stages: int = 1):
   """HSA group page scores: mean over the group of each head's softmax over valid slots.
 
   Args:
@@ -149,6 +162,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     length_B: int32 valid slots per sequence.
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.
+    split_pages: one program per page block (True: fills the GPU when there are few (b, k) rows) or one
+      program per row looping over its blocks (False: the channel choice is made once per row); None picks
+      by the number of rows.
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -175,9 +191,14 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)
   P_pad = num_blocks * block_p
+  if split_pages is None:
+    # Few (b, k) rows: one program per page block, to fill the GPU. Many rows: one program per row walks
+    # its pages, so the channel choice is made once per row, not once per block.
+    split_pages = B * K <= _TARGET_PROGRAMS // 2
+  bpp = 1 if split_pages else num_blocks
 
-  kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, page_size=page_size,
-                             num_pages=P, masked_gather=not interpret)
+  kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
+                             page_size=page_size, num_pages=P, masked_gather=not interpret)
   length = jnp.clip(length_B.astype(jnp.int32), 0, P * page_size)
   kt_min, kt_max = kt_min_BKHP, kt_max_BKHP
   if interpret:  # interpret mode reads whole blocks: pad instead of masking (the pads are empty pages)
@@ -185,7 +206,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     kt_min, kt_max = jnp.pad(kt_min, pad), jnp.pad(kt_max, pad)
   return pl.pallas_call(
       kernel,
-      grid=(B, K, num_blocks),
+      grid=(B, K, num_blocks // bpp),
       in_specs=[
           pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
           pl.BlockSpec((None, None, H, kt_min.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
@@ -193,9 +214,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
           pl.BlockSpec((None,), lambda b, k, j: (b,)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, G, block_p), lambda b, k, j: (b, k, 0, j)),
-          pl.BlockSpec((None, None, G, None), lambda b, k, j: (b, k, 0, j)),
-          pl.BlockSpec((None, None, G, None), lambda b, k, j: (b, k, 0, j)),
+          pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
+          pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
+          pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((B, K, G, P_pad), jnp.float32),

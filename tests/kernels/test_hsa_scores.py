@@ -60,6 +60,13 @@ def test_matches_reference_interpret(c, page_size, R, kt_dtype):
         block_p=16)
 
 
+@pytest.mark.parametrize("c", [CASES[1].values[0], CASES[3].values[0]], ids=[CASES[1].id, CASES[3].id])
+def test_one_program_per_row_walking_its_pages(c):
+  """split_pages=False (the default for many (b, k) rows): one program per row loops over its page blocks."""
+  check(c, seed=5, page_size=3, R=min(21, c["H"]), kt_dtype=jnp.bfloat16, interpret=True, block_p=16,
+        split_pages=False)
+
+
 def test_single_channel_and_all_channels():
   c = dict(B=2, K=2, G=4, H=64, S=50, dtype=jnp.float32)
   check(c, seed=2, page_size=5, R=1, kt_dtype=jnp.float32, interpret=True)
@@ -80,13 +87,15 @@ def test_rejects_bad_shapes():
     hsa_page_scores(q, kt, kt, length, topr=8, page_size=0)
 
 
+@pytest.mark.parametrize("split_pages", [True, False])
 @pytest.mark.parametrize("H,G,R,kt_dtype", [(64, 1, 13, jnp.float32), (128, 4, 61, jnp.bfloat16),
                                             (128, 8, 128, jnp.float8_e5m2)])
-def test_lowers_for_h200_through_triton(H, G, R, kt_dtype):
+def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, split_pages):
   q = jax.ShapeDtypeStruct((2, 2, G, H), jnp.bfloat16)
   kt = jax.ShapeDtypeStruct((2, 2, H, 333), kt_dtype)
   length = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3), q, kt, kt, length)
+  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages),
+                        q, kt, kt, length)
   assert "rocketkv_hsa_scores" in text
 
 
@@ -98,3 +107,4 @@ def test_matches_reference_gpu(c, kt_dtype):
   needs_gpu()
   check(c, seed=3, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False)
   check(c, seed=4, page_size=1, R=c["H"] // 2, kt_dtype=kt_dtype, interpret=False, block_p=32)
+  check(c, seed=5, page_size=3, R=min(40, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=False)
