@@ -179,12 +179,18 @@ def peak_point(cfg, method, budget, context, steps, impl):
                         cache_bytes=rk.cache_nbytes(caches))), flush=True)
 
 
-def _max_batch(per_seq_bytes: int, reserve: int) -> int:
+def _free_bytes() -> int | None:
+  """Device bytes the allocator can still hand out (None where the backend has no memory stats)."""
   stats = jax.devices()[0].memory_stats() or {}
-  limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
-  if not limit:
+  limit = stats.get("bytes_limit")
+  return None if not limit else int(limit - stats.get("bytes_in_use", 0))
+
+
+def _max_batch(per_seq_bytes: int, reserve: int) -> int:
+  free = _free_bytes()
+  if free is None:
     return 8
-  return max(1, int((limit - used - reserve) * 0.9 // per_seq_bytes))
+  return max(1, int((free - reserve) * 0.9 // per_seq_bytes))
 
 
 def main(argv=None):
@@ -263,6 +269,12 @@ def main(argv=None):
           rec = dict(base, batch=batch, batch_spec=bspec, cache_bytes=per_seq * batch, prefill_s=round(prefill_s, 4),
                      prefill_vs_dense=(round(prefill_s / dense_prefill_s[context], 3)
                                        if context in dense_prefill_s else None))
+          free = _free_bytes()
+          if bspec != "max" and free is not None and per_seq * batch > free:  # reported at once, not retried
+            rec.update(status="OOM", error=f"does not fit: the caches alone need {per_seq * batch / 1e9:.1f} GB, "
+                                           f"{free / 1e9:.1f} GB free")
+            emit(rec)
+            continue
           for attempt in range(4):
             try:
               caches = caches1 if batch == 1 else rk.concat_caches([caches1] * batch)

@@ -325,36 +325,33 @@ def main():
                        err_attention=err_a)
           run_point("sparse_step", "pallas", step_p, sets, nbytes, extra)
           run_point("sparse_step", "xla", step_x, sets, nbytes, extra)
+
+          def time_loop(kind, impl_fns, total_bytes, err):
+            """Times jitted loops of LAYER_STEPS steps; reports per step against the bytes-moved floor."""
+            for impl, fn in impl_fns:
+              dev, wall, top = time_fn(fn, sets, max(2, iters // LAYER_STEPS), profile)
+              t_us = (dev if dev is not None else wall) / LAYER_STEPS
+              step_bytes = total_bytes / LAYER_STEPS
+              emit(dict(kind=kind, impl=impl, B=B, L=L, t=t, **plan, steps_per_call=LAYER_STEPS,
+                        bytes=int(step_bytes), device_us=None if dev is None else dev / LAYER_STEPS,
+                        wall_us=wall / LAYER_STEPS, GBps=step_bytes / (t_us * 1e-6) / 1e9,
+                        frac_copy_bw=step_bytes / (t_us * 1e-6) / bw, floor_us=step_bytes / bw * 1e6,
+                        err_vs_xla=err, top_kernels=[(n, round(v / LAYER_STEPS, 2)) for n, v in top]))
+
           # Whole layer step: + the appended K/V row and the KT page column read and written.
           lbytes = (nbytes + B * K_HEADS * (2 * H * 2 + 4 * H * 2)) * LAYER_STEPS
           loop_p = jax.jit(lambda q, kn, vn, c: layer_steps(q, kn, vn, c, config=cfg_p))
           loop_x = jax.jit(lambda q, kn, vn, c: layer_steps(q, kn, vn, c, config=cfg_x))
           # One step (a loop feeds each output back as the query, so near-ties compound).
           err_l = rel_err(methods.decode(c, q, kn, vn, cfg_p)[0], methods.decode(c, q, kn, vn, cfg_x)[0])
-          for impl, fn in (("pallas", loop_p), ("xla", loop_x)):
-            dev, wall, top = time_fn(fn, sets, max(2, iters // LAYER_STEPS), profile)
-            t_us = (dev if dev is not None else wall) / LAYER_STEPS
-            emit(dict(kind="layer_step", impl=impl, B=B, L=L, t=t, **plan, steps_per_call=LAYER_STEPS,
-                      bytes=lbytes // LAYER_STEPS, device_us=None if dev is None else dev / LAYER_STEPS,
-                      wall_us=wall / LAYER_STEPS, GBps=lbytes / LAYER_STEPS / (t_us * 1e-6) / 1e9,
-                      frac_copy_bw=lbytes / LAYER_STEPS / (t_us * 1e-6) / bw,
-                      floor_us=lbytes / LAYER_STEPS / bw * 1e6, err_vs_xla=err_l,
-                      top_kernels=[(n, round(v / LAYER_STEPS, 2)) for n, v in top]))
+          time_loop("layer_step", (("pallas", loop_p), ("xla", loop_x)), lbytes, err_l)
           # The append alone: K/V rows written, the KT page column read and written.
           abytes = B * K_HEADS * (2 * H * 2 + 4 * H * 2) * LAYER_STEPS
           app_p = jax.jit(lambda q, kn, vn, c: append_steps(kn, vn, c, config=cfg_p))
           app_x = jax.jit(lambda q, kn, vn, c: append_steps(kn, vn, c, config=cfg_x))
           err_app = max(rel_err(a_.astype(jnp.float32), b_.astype(jnp.float32))
                         for a_, b_ in zip(app_p(q, kn, vn, c), app_x(q, kn, vn, c)))
-          for impl, fn in (("pallas", app_p), ("xla", app_x)):
-            dev, wall, top = time_fn(fn, sets, max(2, iters // LAYER_STEPS), profile)
-            t_us = (dev if dev is not None else wall) / LAYER_STEPS
-            emit(dict(kind="append", impl=impl, B=B, L=L, t=t, **plan, steps_per_call=LAYER_STEPS,
-                      bytes=abytes // LAYER_STEPS, device_us=None if dev is None else dev / LAYER_STEPS,
-                      wall_us=wall / LAYER_STEPS, GBps=abytes / LAYER_STEPS / (t_us * 1e-6) / 1e9,
-                      frac_copy_bw=abytes / LAYER_STEPS / (t_us * 1e-6) / bw,
-                      floor_us=abytes / LAYER_STEPS / bw * 1e6, err_vs_xla=err_app,
-                      top_kernels=[(n, round(v / LAYER_STEPS, 2)) for n, v in top]))
+          time_loop("append", (("pallas", app_p), ("xla", app_x)), abytes, err_app)
           del sets
 
   fout.close()

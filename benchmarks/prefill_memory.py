@@ -1,6 +1,9 @@
 """Compile-only check of prefill's device memory: XLA's temp buffer size (memory_analysis) for the
 Llama-3.1-8B shape at a long context with 2 and 4 layers, so the per-layer growth shows, for the ways of
-running the per-token parts of a layer (whole / over token chunks). Nothing is allocated or run.
+running the per-token parts of a layer: whole; chunks through lax.map (the MLP block, or it and the q/k/v
+projections); the MLP block over an unrolled loop of token slices (what models/llama.py does). Nothing is
+allocated or run. On the H200 (results/prefill_memory_h200_2026-12-01.txt) lax.map grew 1.1-2.7 GB per
+layer; the unrolled loop stays flat.
 
   python3 benchmarks/prefill_memory.py --context 128k
 """
@@ -18,30 +21,40 @@ import rocketkv_jax as rk
 from benchmarks.decode import LLAMA_31_8B, _parse_tokens
 from rocketkv_jax.models import llama
 
-_CHUNKED = llama._over_token_chunks
+_MODULE_CHUNKS = llama._over_token_chunks  # what models/llama.py does: the MLP block over unrolled slices
 
 
-def _finish_only(fn, *xs):  # chunk the MLP block, run q/k/v projections whole
-  if isinstance(fn, functools.partial) and fn.func is llama._qkv:
+def _lax_map_chunks(fn, *xs):
+  """The first design (commit 7a2bdf2): flattened tokens in chunks through lax.map (a while loop)."""
+  B, T = xs[0].shape[:2]
+  n, c = B * T, llama.PREFILL_CHUNK_TOKENS
+  if n <= c:
     return fn(*xs)
-  return _CHUNKED(fn, *xs)
+  num = -(-n // c)
+  split = lambda x: jnp.pad(x.reshape(n, *x.shape[2:]), ((0, num * c - n),) + ((0, 0),) * (x.ndim - 2)) \
+      .reshape(num, 1, c, *x.shape[2:])  # noqa: E731
+  out = jax.lax.map(lambda args: fn(*args), tuple(split(x) for x in xs))
+  return jax.tree.map(lambda y: y.reshape(num * c, *y.shape[3:])[:n].reshape(B, T, *y.shape[3:]), out)
 
 
-def _unrolled_mlp(fn, *xs):  # the MLP block over token slices in a Python loop (no while loop), joined
-  if isinstance(fn, functools.partial) and fn.func is llama._qkv:
-    return fn(*xs)
-  c, T = llama.PREFILL_CHUNK_TOKENS, xs[0].shape[1]
-  outs = [fn(*(x[:, i:i + c] for x in xs)) for i in range(0, T, c)]
-  return jnp.concatenate(outs, axis=1)
+def _qkv_too(chunks):
+  """A variant that also runs the q/k/v projections (and RoPE) over chunks."""
+  def patched_qkv(blk, cfg, x, pos):
+    return chunks(functools.partial(_ORIG_QKV, blk, cfg), x, pos)
+  return patched_qkv
 
 
-VARIANTS = {"whole": None, "chunk_all": _CHUNKED, "chunk_mlp": _finish_only, "unrolled_mlp": _unrolled_mlp}
+_ORIG_QKV = llama._qkv
+# name: (how the MLP block is chunked, whether q/k/v are chunked the same way)
+VARIANTS = {"whole": (lambda fn, *xs: fn(*xs), False), "chunk_all": (_lax_map_chunks, True),
+            "chunk_mlp": (_lax_map_chunks, False), "unrolled_mlp": (_MODULE_CHUNKS, False)}
 
 
 def temp_bytes(n_layers: int, context: int, variant: str) -> int:
   cfg = dataclasses.replace(LLAMA_31_8B, n_layers=n_layers)
-  chunk = VARIANTS[variant]
-  llama._over_token_chunks = chunk if chunk is not None else (lambda fn, *xs: fn(*xs))
+  chunks, qkv_too = VARIANTS[variant]
+  llama._over_token_chunks = chunks
+  llama._qkv = _qkv_too(chunks) if qkv_too else _ORIG_QKV
   jax.clear_caches()  # the jitted prefill would otherwise reuse the last variant's trace
   try:
     model = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -52,7 +65,7 @@ def temp_bytes(n_layers: int, context: int, variant: str) -> int:
     compiled = llama._prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
     return compiled.memory_analysis().temp_size_in_bytes
   finally:
-    llama._over_token_chunks = _CHUNKED
+    llama._over_token_chunks, llama._qkv = _MODULE_CHUNKS, _ORIG_QKV
 
 
 def main():

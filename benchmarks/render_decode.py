@@ -29,7 +29,8 @@ def render(path: str) -> str:
            f"- date {header.get('date')}, jax {header.get('jax')}, copy bandwidth "
            f"{header.get('copy_bandwidth_GBps')} GB/s (read + write, measured in the same run), weights "
            f"{header.get('weight_bytes', 0) / 1e9:.2f} GB read per step",
-           *[f"- command: `{h.get('command')}` ({h.get('date')}, copy {h.get('copy_bandwidth_GBps')} GB/s)"
+           *[f"- command: `{h.get('command')}` ({h.get('date')}, copy {h.get('copy_bandwidth_GBps')} GB/s"
+             + (f", code {h['code']}" if h.get("code") else "") + ")" + (f": {h['note']}" if h.get("note") else "")
              for h in headers], "",
            "| method | context | batch | ms/step | floor ms | x floor | tokens/s | cache GB | prefill s | prefill vs dense |",
            "|---|---|---|---|---|---|---|---|---|---|"]
