@@ -45,6 +45,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 import rocketkv_jax as rk  # noqa: E402
 from rocketkv_jax import attention, methods  # noqa: E402
 from rocketkv_jax.cache import KVCache, build_kt_pages  # noqa: E402
+from rocketkv_jax.kernels.hsa_scores import hsa_page_partials  # noqa: E402
 from rocketkv_jax.kernels.dense_decode import (dense_decode_attention,  # noqa: E402
                                                dense_decode_attention_reference)
 
@@ -325,6 +326,13 @@ def main():
                        err_attention=err_a)
           run_point("sparse_step", "pallas", step_p, sets, nbytes, extra)
           run_point("sparse_step", "xla", step_x, sets, nbytes, extra)
+          # The scoring kernel alone: one program per page block against one per (b, k) row walking its
+          # blocks (the default splits at <= 132 rows; this shows where the crossover really is).
+          for split in (True, False):
+            score = jax.jit(lambda q, kn, vn, c, split=split: hsa_page_partials(
+                q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret, split_pages=split))
+            run_point("hsa_scores", f"pallas split_pages={split}", score, sets,
+                      B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
 
           def time_loop(kind, impl_fns, total_bytes, err):
             """Times jitted loops of LAYER_STEPS steps; reports per step against the bytes-moved floor."""
