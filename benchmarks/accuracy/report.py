@@ -172,7 +172,9 @@ def write_outputs(res, prefix) -> list[str]:
 
 
 def merge(results: list[dict]) -> dict:
-  """One results dict from runs over different contexts (same methods, budgets and settings otherwise)."""
+  """One results dict from several runs (other contexts, methods or budgets; same settings otherwise). A record
+  that an earlier input already holds (same context, method, budget, task and seed; for fidelity, same
+  context, method and budget) is dropped, so runs that each recomputed `full` on the same prompts count once."""
   from benchmarks.accuracy.runner import summarize
 
   first = results[0]
@@ -180,12 +182,28 @@ def merge(results: list[dict]) -> dict:
   out["meta"]["command"] = " && ".join(r["meta"]["command"] for r in results)
   out["meta"]["seconds"] = sum(r["meta"].get("seconds", 0) for r in results)
   out["meta"]["date"] = ", ".join(r["meta"]["date"] for r in results)
-  out["meta"]["grid"]["contexts"] = list(dict.fromkeys(c for r in results for c in r["meta"]["grid"]["contexts"]))
-  out["meta"]["grid"]["samples"] = max(r["meta"]["grid"]["samples"] for r in results)
-  out["meta"]["grid"]["fid_samples"] = max(r["meta"]["grid"]["fid_samples"] for r in results)
+  grid = out["meta"]["grid"]
+  grid["contexts"] = list(dict.fromkeys(c for r in results for c in r["meta"]["grid"]["contexts"]))
+  grid["methods"] = list(dict.fromkeys(m for r in results for m in r["meta"]["grid"]["methods"]))
+  grid["budgets"] = sorted({b for r in results for b in r["meta"]["grid"]["budgets"]})
+  grid["samples"] = max(r["meta"]["grid"]["samples"] for r in results)
+  grid["fid_samples"] = max(r["meta"]["grid"]["fid_samples"] for r in results)
+  notes = [r["meta"]["note"] for r in results if r["meta"].get("note")]
+  if notes:
+    out["meta"]["note"] = " | ".join(dict.fromkeys(notes))
+  seen = set()
   for r in results:
-    for k in ("tasks", "fidelity", "skipped"):
-      out[k] += r.get(k, [])
+    for rec in r.get("tasks", []):
+      key = ("task", rec["context"], rec["method"], rec["budget"], rec["task"], rec["seed"])
+      if key not in seen:
+        seen.add(key)
+        out["tasks"].append(rec)
+    for rec in r.get("fidelity", []):
+      key = ("fid", rec["context"], rec["method"], rec["budget"])
+      if key not in seen:
+        seen.add(key)
+        out["fidelity"].append(rec)
+    out["skipped"] += r.get("skipped", [])
   out["summary"] = summarize(out)
   return out
 

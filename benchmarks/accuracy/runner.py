@@ -217,12 +217,26 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
 
 def summarize(res) -> dict:
   """Per (context, method, budget): task accuracy (mean over tasks of the mean sample score), its ratio to
-  full KV's at the same context, and the fidelity figures."""
+  full KV's on the same prompts (same tasks and seeds: merged runs may hold more samples of full than of a
+  method), and the fidelity figures."""
   acc: dict = {}
+  seeds: dict = {}
+  full_score = {}
   for r in res["tasks"]:
-    acc.setdefault((r["context"], r["method"], r["budget"]), {}).setdefault(r["task"], []).append(r["score"])
+    key = (r["context"], r["method"], r["budget"])
+    acc.setdefault(key, {}).setdefault(r["task"], []).append(r["score"])
+    seeds.setdefault(key, {}).setdefault(r["task"], []).append(r["seed"])
+    if r["method"] == "full":
+      full_score[(r["context"], r["task"], r["seed"])] = r["score"]
   out = []
   full = {c: np.mean([np.mean(v) for v in t.values()]) for (c, m, b), t in acc.items() if m == "full"}
+
+  def full_on_same_prompts(c, task_seeds):
+    per_task = [[full_score.get((c, t, s_)) for s_ in ss] for t, ss in task_seeds.items()]
+    if any(v is None for vs in per_task for v in vs):
+      return None
+    return float(np.mean([np.mean(vs) for vs in per_task]))
+
   full_task = {(c, k): np.mean(v) for (c, m, b), t in acc.items() if m == "full" for k, v in t.items()}
   fid = {(r["context"], r["method"], r["budget"]): r for r in res["fidelity"]}
   keys = sorted(set(acc) | set(fid), key=lambda k: (k[0], k[1], k[2] or 0))
@@ -233,8 +247,9 @@ def summarize(res) -> dict:
       per_task = {t: float(np.mean(v)) for t, v in acc[k].items()}
       row["per_task"] = per_task
       row["accuracy"] = float(np.mean(list(per_task.values())))
-      if full.get(c):
-        row["relative_accuracy"] = row["accuracy"] / full[c]
+      base = full_on_same_prompts(c, seeds[k])
+      if base:
+        row["relative_accuracy"] = row["accuracy"] / base
       row["accuracy_on_full_solved"] = _on_solved(res, c, m, b)
     if k in fid:
       for f in ("top1", "top1_confident", "kl", "nll", "mass", "oracle"):
