@@ -171,7 +171,7 @@ def write_outputs(res, prefix) -> list[str]:
   return [prefix + ".json", prefix + ".md"] + plots(res, prefix)
 
 
-def merge(results: list[dict]) -> dict:
+def merge(results: list[dict], note: str | None = None) -> dict:
   """One results dict from several runs (other contexts, methods or budgets; same settings otherwise). A record
   that an earlier input already holds (same context, method, budget, task and seed; for fidelity, same
   context, method and budget) is dropped, so runs that each recomputed `full` on the same prompts count once."""
@@ -187,8 +187,23 @@ def merge(results: list[dict]) -> dict:
   grid["methods"] = list(dict.fromkeys(m for r in results for m in r["meta"]["grid"]["methods"]))
   grid["budgets"] = sorted({b for r in results for b in r["meta"]["grid"]["budgets"]})
   grid["samples"] = max(r["meta"]["grid"]["samples"] for r in results)
-  grid["fid_samples"] = max(r["meta"]["grid"]["fid_samples"] for r in results)
+
+  def distinct(values):  # one value, or the runs' values joined ("4 / 8")
+    vals = list(dict.fromkeys(str(v) for v in values))
+    return vals[0] if len(vals) == 1 else " / ".join(vals)
+
+  # Fidelity settings of the runs that contributed fidelity rows; the machines of all runs.
+  fid_runs = [r for r in results if r.get("fidelity")] or results
+  grid["fid_samples"] = distinct(r["meta"]["grid"]["fid_samples"] for r in fid_runs)
+  grid["fid_tail"] = distinct(r["meta"]["grid"]["fid_tail"] for r in fid_runs)
+  machines = [r["meta"]["machine"] for r in results]
+  out["meta"]["machine"] = dict(backend=distinct(m["backend"] for m in machines),
+                                devices=sorted({d for m in machines for d in m["devices"]}),
+                                cpu_count=distinct(m["cpu_count"] for m in machines),
+                                host=distinct(m["host"] for m in machines), jax=distinct(m["jax"] for m in machines))
   notes = [r["meta"]["note"] for r in results if r["meta"].get("note")]
+  if note:
+    notes.insert(0, note)
   if notes:
     out["meta"]["note"] = " | ".join(dict.fromkeys(notes))
   seen = set()
@@ -215,8 +230,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.report")
   p.add_argument("inputs", nargs="+")
   p.add_argument("--out", required=True)
+  p.add_argument("--note", default=None, help="what the merged table is made of, shown first in its notes")
   a = p.parse_args(argv)
-  res = merge([json.load(open(x)) for x in a.inputs])
+  res = merge([json.load(open(x)) for x in a.inputs], note=a.note)
   for path in write_outputs(res, a.out):
     print(f"wrote {path}")
 
