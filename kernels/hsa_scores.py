@@ -7,8 +7,9 @@ kernel: the top-r channels of sum_g |q_g| (sort-free ranks from [H, H] compares:
 channel), the signs of the group's summed query on them, the per-head temperatures tau_g. It then reads
 only the selected channel rows, and of each row only the min or the max page summary (by that sign):
 R * block_p values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
-weighted sum) over its pages; a small XLA epilogue normalises per head over all pages and averages the
-group.
+weighted sum) over its pages (`hsa_page_partials`). `hsa_page_scores` normalises them in XLA (per head over
+all pages, then the group mean); the decode path hands them to `page_topk.hsa_page_topk` instead, which
+normalises and selects in one kernel.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ _TILE_ELEMS = 8192
 
 
 def _temperature(qr_GR, qf_GH):
-  """tau[g] = sqrt(H * |q_g[channels]|_1 / |q_g|_1); 1 where that is not a positive number."""
+  """tau[g] = sqrt(H * |q_g[channels]|_1 / |q_g|_1); 1 where that is not a positive number. qr holds q on
+  the chosen channels (gathered, or zero elsewhere); one head's [H] rows give a scalar."""
   H = qf_GH.shape[-1]
   num = jnp.abs(qr_GR).sum(-1)
   den = jnp.abs(qf_GH).sum(-1)
@@ -86,7 +88,6 @@ def _hsa_scores_kernel(
 ):
   G, H = q_ref.shape
   Gp = next_pow2(G)
-  P = num_pages
   rows = jnp.arange(Gp)
   row_ok = rows < G
   q = pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0).astype(jnp.float32)  # [Gp, H]
@@ -100,16 +101,13 @@ def _hsa_scores_kernel(
   use_max = chosen & (q.sum(axis=0) > 0)  # zero counts as negative
   use_min = chosen & ~use_max
 
-  # Per head, hoisted out of the page loop: q_g on the chosen channels and 1 / tau_g, tau_g =
-  # sqrt(H * |q_g[chosen]|_1 / |q_g|_1).
+  # Per head, hoisted out of the page loop: q_g on the chosen channels (0 elsewhere) and 1 / tau_g.
   q_rows, inv_taus = [], []
   for g in range(G):
     qg = pltriton.load(q_ref.at[jnp.int32(g), pl.ds(0, H)]).astype(jnp.float32)  # [H]
     qg_r = jnp.where(chosen, qg, 0.0)
-    num, den = jnp.abs(qg_r).sum(), jnp.abs(qg).sum()
-    tau = jnp.sqrt(H * num / jnp.where(den > 0, den, 1.0))
     q_rows.append(qg_r)
-    inv_taus.append(1.0 / jnp.where(tau > 0, tau, 1.0))
+    inv_taus.append(1.0 / _temperature(qg_r, qg))
   length = length_ref[...]
   first_block = pl.program_id(2) * blocks_per_program
 
@@ -117,7 +115,7 @@ def _hsa_scores_kernel(
     p0 = (first_block + i) * block_p
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, page_size)
-    p_ok = (n > 0) & (page < P)
+    p_ok = (n > 0) & (page < num_pages)
     if masked_gather:
       # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all.
       # No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by where.
@@ -152,7 +150,8 @@ def _hsa_scores_kernel(
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
                       num_warps: int = 4, num_stages: int = 1):
-  """HSA group page scores: mean over the group of each head's softmax over valid slots.
+  """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
+  `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
   Args:
     q_BKGH: queries (bf16 or f32), the new token already appended to the cache.

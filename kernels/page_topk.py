@@ -45,9 +45,11 @@ def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slo
   return jnp.where(taken, idx, 0).astype(jnp.int32)
 
 
-def _write_top_slots(key, cnt, m, idx_ref, *, page_size: int, masked_scatter: bool):
-  """Writes the m best slots (every valid slot of a page scores its page's key) in ascending slot order."""
+def _write_top_slots(key, cnt, length, idx_ref, *, k: int, page_size: int, masked_scatter: bool):
+  """Writes the m = min(k, length, M) best slots (every valid slot of a page scores its page's key) in
+  ascending slot order, then 0s."""
   Mp = idx_ref.shape[0] - 1  # the last entry is a dump slot for interpret mode's unmasked scatter
+  m = jnp.minimum(length, min(k, Mp))
   page = jnp.arange(key.shape[0], dtype=jnp.int32)
   take = best_units_take(key, cnt, m)
   offset = jnp.cumsum(take) - take
@@ -76,8 +78,7 @@ def _page_topk_kernel(scores_ref, length_ref, idx_ref, *, page_size: int, k: int
   page, cnt = _page_counts(length, Pp, num_pages, page_size)
   s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0) if masked_scatter \
       else scores_ref[pl.ds(0, Pp)]
-  m = jnp.minimum(length, min(k, idx_ref.shape[0] - 1))
-  _write_top_slots(order_key(s), cnt, m, idx_ref, page_size=page_size, masked_scatter=masked_scatter)
+  _write_top_slots(order_key(s), cnt, length, idx_ref, k=k, page_size=page_size, masked_scatter=masked_scatter)
 
 
 def _hsa_page_topk_kernel(
@@ -113,8 +114,8 @@ def _hsa_page_topk_kernel(
     denom = (l_g * jnp.exp(m_g - top)).sum()
     inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
     prob = prob + jnp.exp(s_g - top) * inv
-  m = jnp.minimum(length, min(k, idx_ref.shape[0] - 1))
-  _write_top_slots(order_key(prob / G), cnt, m, idx_ref, page_size=page_size, masked_scatter=masked_scatter)
+  _write_top_slots(order_key(prob / G), cnt, length, idx_ref, k=k, page_size=page_size,
+                   masked_scatter=masked_scatter)
 
 
 def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
