@@ -46,6 +46,7 @@ import rocketkv_jax as rk  # noqa: E402
 from rocketkv_jax import attention, methods  # noqa: E402
 from rocketkv_jax.cache import KVCache, build_kt_pages  # noqa: E402
 from rocketkv_jax.kernels.hsa_scores import hsa_page_partials  # noqa: E402
+from rocketkv_jax.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
 from rocketkv_jax.kernels.dense_decode import (dense_decode_attention,  # noqa: E402
                                                dense_decode_attention_reference)
 
@@ -329,10 +330,23 @@ def main():
           # The scoring kernel alone: one program per page block against one per (b, k) row walking its
           # blocks (the default splits at <= 132 rows; this shows where the crossover really is).
           for split in (True, False):
-            score = jax.jit(lambda q, kn, vn, c, split=split: hsa_page_partials(
-                q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret, split_pages=split))
-            run_point("hsa_scores", f"pallas split_pages={split}", score, sets,
-                      B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
+            for warps in (4, 8):
+              score = jax.jit(lambda q, kn, vn, c, split=split, warps=warps: hsa_page_partials(
+                  q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret, split_pages=split,
+                  num_warps=warps))
+              run_point("hsa_scores", f"pallas split_pages={split} num_warps={warps}", score, sets,
+                        B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
+          # The sparse attention kernel alone on one fixed selection: the default split grid (partials merged
+          # by an XLA epilogue) against one program per (b, k) row that normalises itself.
+          idx_s, valid_s = methods.select(c, q, cfg_p)
+          for name, tune in (("default", {}), ("num_splits=1 block_m=32", dict(num_splits=1, block_m=32)),
+                             ("num_splits=1 block_m=64", dict(num_splits=1, block_m=64)),
+                             ("num_splits=1 block_m=128", dict(num_splits=1, block_m=128))):
+            attend = jax.jit(lambda q, kn, vn, c, tune=tune: sparse_decode_attention(
+                q, c.k, c.v, idx_s, valid_s, interpret=interpret, **tune))
+            run_point("sparse_attn", f"pallas {name}", attend, sets, B * K_HEADS * 2 * topk * H * 2,
+                      dict(extra, err_vs_xla=rel_err(attend(*sets[0]), attention.sparse_decode_attention(
+                          q, c.k, c.v, idx_s, valid_s, impl="xla"))))
 
           def time_loop(kind, impl_fns, total_bytes, err):
             """Times jitted loops of LAYER_STEPS steps; reports per step against the bytes-moved floor."""

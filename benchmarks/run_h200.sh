@@ -19,7 +19,7 @@ for part in "$@"; do
       echo $ok > ~/pallas_ok; grep DIAG "$out/diag.txt" ;;
     peak)      run 170 --contexts "" --peak rocketkv:256:128k,full:256:128k ;;
     lat128)    run 200 --contexts 128k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
-    lat32)     run 170 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 --profile /tmp/prof ;;
+    lat32)     run 170 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 --profile /tmp/prof --profile-batches 1,8 ;;
     lat16_64)  run 220 --contexts 16k,64k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
     methods32) run 200 --contexts 32k --methods snapkv,quest --budgets 256 --batches 1,8 ;;
     max32)     run 200 --contexts 32k --methods full,rocketkv --budgets 256 --batches 32,max ;;

@@ -201,3 +201,29 @@ def store_partials(o_ref, m_ref, l_ref, partials, row_ok):
   pltriton.store(o_ref.at[pl.ds(0, gp), :], o, mask=row_ok[:, None])
   pltriton.store(m_ref.at[pl.ds(0, gp)], m, mask=row_ok)
   pltriton.store(l_ref.at[pl.ds(0, gp)], l, mask=row_ok)
+
+
+def split_outputs(B: int, K: int, num_splits: int, G: int, H: int, dtype):
+  """(out_specs, out_shape) of a split-K decode kernel on a (B, K, splits) grid: each split's partials
+  (o, m, l), or with a single split the normalised output [B, K, G, H] in `dtype` itself, so that no XLA
+  epilogue (`combine_partials`) runs after the kernel."""
+  if num_splits == 1:
+    return ([pl.BlockSpec((None, None, G, H), lambda b, k, s: (b, k, 0, 0))],
+            [jax.ShapeDtypeStruct((B, K, G, H), dtype)])
+  return partial_specs(G, H), partial_shapes(B, K, num_splits, G, H)
+
+
+def store_split_outputs(out_refs, partials, row_ok):
+  """Stores what `split_outputs` laid out: the partials, or (one split) o / l, 0 where no slot was valid."""
+  if len(out_refs) == 3:
+    store_partials(*out_refs, partials, row_ok)
+    return
+  (out_ref,) = out_refs
+  o, _, l = partials
+  out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+  pltriton.store(out_ref.at[pl.ds(0, row_ok.shape[0]), :], out.astype(out_ref.dtype), mask=row_ok[:, None])
+
+
+def finish_split_outputs(outs, dtype):
+  """The attention output from the kernel's outputs: merged partials, or the single split's output."""
+  return outs[0] if len(outs) == 1 else combine_partials(*outs, dtype)

@@ -22,10 +22,11 @@ from rocketkv_jax.kernels._common import FLOAT_DTYPES, cdiv, check_dtype, check_
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
                            *, page_size: int = 1, **unused_tuning):
-  """(k, v) with the new token at slot_BK, plus (kt_min, kt_max) with its page updated when KT pages are
-  given. A slot outside [0, S) changes nothing."""
+  """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
+  with its page updated when KT pages are given. A slot outside [0, S) changes nothing."""
   del unused_tuning
   S = k_BKSH.shape[2]
+  slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
   in_range_BK = (slot_BK >= 0) & (slot_BK < S)
   at_BKS = (jnp.arange(S)[None, None, :] == slot_BK[..., None]) & in_range_BK[..., None]
   at_BKSH = at_BKS[..., None]
@@ -100,8 +101,8 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
     if x.shape != (B, K, H):
       raise ValueError(f"{name}.shape={x.shape} must be ({B}, {K}, {H})")
     check_dtype(name, x.dtype, FLOAT_DTYPES)
-  if slot_BK.shape != (B, K):
-    raise ValueError(f"slot_BK.shape={slot_BK.shape} must be ({B}, {K})")
+  if slot_BK.shape not in ((B, K), (B,)):
+    raise ValueError(f"slot_BK.shape={slot_BK.shape} must be ({B}, {K}) or ({B},)")
   if not jnp.issubdtype(slot_BK.dtype, jnp.integer):
     raise ValueError(f"slot_BK.dtype={slot_BK.dtype} must be an integer dtype")
   if page_size < 1:
@@ -120,7 +121,7 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
                  page_size: int = 1, interpret: bool = False, num_warps: int = 1):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
-  slot[b, k] and, when KT pages are given, folds k_new (in float32, stored in the KT dtype) into page
+  slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT pages are given, folds k_new (in float32, stored in the KT dtype) into page
   slot // page_size, which starts fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max).
 
   A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
@@ -134,7 +135,8 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   B, K, S, H = k_BKSH.shape
   kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
   new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
-  slot_spec = pl.BlockSpec((None, None), lambda b, k: (b, k))
+  slot_spec = (pl.BlockSpec((None,), lambda b, k: (b,)) if slot_BK.ndim == 1 else
+               pl.BlockSpec((None, None), lambda b, k: (b, k)))
   in_specs = [kv_spec, kv_spec, new_spec, new_spec, slot_spec]
   out_specs = [kv_spec, kv_spec]
   out_shape = [jax.ShapeDtypeStruct(k_BKSH.shape, k_BKSH.dtype), jax.ShapeDtypeStruct(v_BKSH.shape, v_BKSH.dtype)]

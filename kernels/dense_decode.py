@@ -17,10 +17,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (MIN_DOT_DIM, check_qkv, combine_partials, dot_precision,
+from rocketkv_jax.kernels._common import (MIN_DOT_DIM, check_qkv, dot_precision, finish_split_outputs,
                                           init_partials, load_query_group, masked_attention_reference,
-                                          online_softmax_update, partial_shapes, partial_specs, split_grid,
-                                          store_partials)
+                                          online_softmax_update, split_grid, split_outputs,
+                                          store_split_outputs)
 
 # Programs to aim for: a few waves over the H200's 132 SMs.
 _TARGET_PROGRAMS = 4 * 132
@@ -39,12 +39,10 @@ def _dense_decode_kernel(
     q_ref,  # [G, H]
     k_ref,  # [S, H]
     v_ref,  # [S, H]
-    length_ref,  # []
-    # outputs
-    o_ref,  # [G, H] float32, unnormalised
-    m_ref,  # [G] float32, running max of the scaled logits
-    l_ref,  # [G] float32, softmax denominator relative to m
-    *,
+    length_ref,  # [] (any int: clipped to [0, S] here)
+    # outputs (`split_outputs`): o [G, H] float32 unnormalised, m [G] running max of the scaled logits,
+    # l [G] softmax denominator relative to m; or with one split the normalised out [G, H]
+    *out_refs,
     block_k: int,
     split_len: int,
     sm_scale: float,
@@ -66,7 +64,7 @@ def _dense_decode_kernel(
 
   num_blocks = jnp.maximum(end - start + block_k - 1, 0) // block_k
   partials = lax.fori_loop(0, num_blocks, body, init_partials(row_ok.shape[0], H))
-  store_partials(o_ref, m_ref, l_ref, partials, row_ok)
+  store_split_outputs(out_refs, partials, row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=["interpret", "block_k", "num_splits", "num_warps",
@@ -96,7 +94,8 @@ def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, interpret: bool 
 
   kernel = functools.partial(_dense_decode_kernel, block_k=block_k,
                              split_len=split_len, sm_scale=1.0 / math.sqrt(H))
-  o, m, l = pl.pallas_call(
+  out_specs, out_shape = split_outputs(B, K, num_splits, G, H, q_BKGH.dtype)
+  outs = pl.pallas_call(
       kernel,
       grid=(B, K, num_splits),
       in_specs=[
@@ -105,10 +104,10 @@ def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, interpret: bool 
           pl.BlockSpec((None, None, S, H), lambda b, k, s: (b, k, 0, 0)),
           pl.BlockSpec((None,), lambda b, k, s: (b,)),
       ],
-      out_specs=partial_specs(G, H),
-      out_shape=partial_shapes(B, K, num_splits, G, H),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_dense_decode",
-  )(q_BKGH, k_BKSH, v_BKSH, jnp.clip(length_B.astype(jnp.int32), 0, S))
-  return combine_partials(o, m, l, q_BKGH.dtype)
+  )(q_BKGH, k_BKSH, v_BKSH, length_B.astype(jnp.int32))
+  return finish_split_outputs(outs, q_BKGH.dtype)

@@ -108,7 +108,7 @@ def _hsa_scores_kernel(
     qg_r = jnp.where(chosen, qg, 0.0)
     q_rows.append(qg_r)
     inv_taus.append(1.0 / _temperature(qg_r, qg))
-  length = length_ref[...]
+  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
   first_block = pl.program_id(2) * blocks_per_program
 
   def page_block(i, carry):
@@ -198,7 +198,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
 
   kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
                              page_size=page_size, num_pages=P, masked_gather=not interpret)
-  length = jnp.clip(length_B.astype(jnp.int32), 0, P * page_size)
+  length = length_B.astype(jnp.int32)  # clipped to [0, P * page_size] in the kernel
   kt_min, kt_max = kt_min_BKHP, kt_max_BKHP
   if interpret:  # interpret mode reads whole blocks: pad instead of masking (the pads are empty pages)
     pad = ((0, 0), (0, 0), (0, 0), (0, P_pad - P))

@@ -47,23 +47,25 @@ def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slo
 
 def _write_top_slots(key, cnt, length, idx_ref, *, k: int, page_size: int, masked_scatter: bool):
   """Writes the m = min(k, length, M) best slots (every valid slot of a page scores its page's key) in
-  ascending slot order, then 0s."""
-  Mp = idx_ref.shape[0] - 1  # the last entry is a dump slot for interpret mode's unmasked scatter
-  m = jnp.minimum(length, min(k, Mp))
+  ascending slot order, then 0s. idx_ref is the row [M]; in interpret mode [next_pow2(M) + 1], whose last
+  entry (index M here) is a dump slot for the unmasked scatter."""
+  M = idx_ref.shape[0] if masked_scatter else idx_ref.shape[0] - 1
+  m = jnp.minimum(length, min(k, M))
   page = jnp.arange(key.shape[0], dtype=jnp.int32)
   take = best_units_take(key, cnt, m)
   offset = jnp.cumsum(take) - take
   if masked_scatter:  # zeros past m: disjoint from the scatter below, so no ordering is needed
-    pltriton.store(idx_ref.at[pl.ds(0, Mp)], jnp.zeros((Mp,), jnp.int32), mask=jnp.arange(Mp) >= m)
+    pos = jnp.arange(next_pow2(M), dtype=jnp.int32)
+    pltriton.store(idx_ref.at[pos], jnp.zeros(pos.shape, jnp.int32), mask=(pos >= m) & (pos < M))
   else:
-    idx_ref[pl.ds(0, Mp)] = jnp.zeros((Mp,), jnp.int32)
+    idx_ref[pl.ds(0, M)] = jnp.zeros((M,), jnp.int32)
   for j in range(page_size):
     ok = j < take
     slot = page * page_size + j
     if masked_scatter:
       pltriton.store(idx_ref.at[offset + j], slot, mask=ok)
     else:  # interpret mode cannot mask a scatter: send the untaken lanes to the dump slot
-      idx_ref[jnp.where(ok, offset + j, Mp)] = slot
+      idx_ref[jnp.where(ok, offset + j, M)] = slot  # M: the dump slot
 
 
 def _page_counts(length, Pp: int, num_pages: int, page_size: int):
@@ -72,9 +74,9 @@ def _page_counts(length, Pp: int, num_pages: int, page_size: int):
 
 
 def _page_topk_kernel(scores_ref, length_ref, idx_ref, *, page_size: int, k: int, num_pages: int,
-                      masked_scatter: bool):
+                      num_slots: int, masked_scatter: bool):
   Pp = next_pow2(num_pages)
-  length = length_ref[...]
+  length = jnp.clip(length_ref[...], 0, num_slots)
   page, cnt = _page_counts(length, Pp, num_pages, page_size)
   s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0) if masked_scatter \
       else scores_ref[pl.ds(0, Pp)]
@@ -88,16 +90,17 @@ def _hsa_page_topk_kernel(
     l_ref,  # [G, NB] float32: per page block, sum of n[p] * exp(s/tau - max)
     length_ref,  # []
     # outputs
-    idx_ref,  # [Mp + 1] int32
+    idx_ref,  # [M] int32 ([next_pow2(M) + 1] in interpret mode)
     *,
     page_size: int,
     k: int,
     num_pages: int,
+    num_slots: int,
     masked_scatter: bool,
 ):
   G, NB = m_ref.shape
   Pp, NBp = next_pow2(num_pages), next_pow2(NB)
-  length = length_ref[...]
+  length = jnp.clip(length_ref[...], 0, num_slots)
   page, cnt = _page_counts(length, Pp, num_pages, page_size)
   blk_ok = jnp.arange(NBp) < NB
   # The group mean of each head's softmax over all pages: normalise per head, then average.
@@ -130,19 +133,20 @@ def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
 
 
 def _call(kernel, inputs, in_block_shapes, B, K, M, interpret, num_warps, name):
-  Mp = next_pow2(M)
+  """The (B, K) grid, one program per row; compiled, the output is exactly [B, K, M] (no XLA slice after)."""
+  width = next_pow2(M) + 1 if interpret else M
   idx = pl.pallas_call(
       kernel,
       grid=(B, K),
       in_specs=[pl.BlockSpec((None, None) + shape, lambda b, h, n=len(shape): (b, h) + (0,) * n)
                 for shape in in_block_shapes] + [pl.BlockSpec((None,), lambda b, h: (b,))],
-      out_specs=pl.BlockSpec((None, None, Mp + 1), lambda b, h: (b, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, K, Mp + 1), jnp.int32),
+      out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, K, width), jnp.int32),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name=name,
   )(*inputs)
-  return idx[..., :M]
+  return idx[..., :M] if interpret else idx
 
 
 @functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
@@ -167,10 +171,9 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
   scores = scores_BKP.astype(jnp.float32)
   if interpret:  # interpret mode reads whole power-of-two blocks: pad instead of masking
     scores = jnp.pad(scores, ((0, 0), (0, 0), (0, next_pow2(P) - P)))
-  length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
-  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P,
+  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
                              masked_scatter=not interpret)
-  return _call(kernel, (scores, length), [scores.shape[2:]], B, K, min(k, num_slots), interpret, num_warps,
+  return _call(kernel, (scores, length_B.astype(jnp.int32)), [scores.shape[2:]], B, K, min(k, num_slots), interpret, num_warps,
                "rocketkv_page_topk")
 
 
@@ -207,8 +210,7 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
     s = jnp.pad(s[..., :P], ((0, 0), (0, 0), (0, 0), (0, next_pow2(P) - P)), constant_values=MASK_VALUE)
     pad = ((0, 0), (0, 0), (0, 0), (0, next_pow2(NB) - NB))
     m, l = jnp.pad(m, pad, constant_values=MASK_VALUE), jnp.pad(l, pad)
-  length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
-  kernel = functools.partial(_hsa_page_topk_kernel, page_size=page_size, k=k, num_pages=P,
+  kernel = functools.partial(_hsa_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
                              masked_scatter=not interpret)
-  return _call(kernel, (s, m, l, length), [s.shape[2:], m.shape[2:], l.shape[2:]], B, K, min(k, num_slots),
+  return _call(kernel, (s, m, l, length_B.astype(jnp.int32)), [s.shape[2:], m.shape[2:], l.shape[2:]], B, K, min(k, num_slots),
                interpret, num_warps, "rocketkv_hsa_page_topk")

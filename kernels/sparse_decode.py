@@ -18,10 +18,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (MIN_DOT_DIM, check_qkv, combine_partials, dot_precision,
+from rocketkv_jax.kernels._common import (MIN_DOT_DIM, check_qkv, dot_precision, finish_split_outputs,
                                           init_partials, load_query_group, masked_attention_reference,
-                                          online_softmax_update, partial_shapes, partial_specs, split_grid,
-                                          store_partials)
+                                          online_softmax_update, split_grid, split_outputs,
+                                          store_split_outputs)
 
 _TARGET_PROGRAMS = 2 * 132
 
@@ -40,11 +40,8 @@ def _sparse_decode_kernel(
     v_ref,  # [S, H]
     idx_ref,  # [M] int32
     valid_ref,  # [M] bool
-    # outputs
-    o_ref,  # [G, H] float32, unnormalised
-    m_ref,  # [G] float32
-    l_ref,  # [G] float32
-    *,
+    # outputs (`split_outputs`): o [G, H] float32 unnormalised, m [G], l [G]; or one split: out [G, H]
+    *out_refs,
     block_m: int,
     split_m: int,
     sm_scale: float,
@@ -77,7 +74,7 @@ def _sparse_decode_kernel(
 
   num_blocks = jnp.maximum(end - start + block_m - 1, 0) // block_m
   partials = lax.fori_loop(0, num_blocks, body, init_partials(row_ok.shape[0], H))
-  store_partials(o_ref, m_ref, l_ref, partials, row_ok)
+  store_split_outputs(out_refs, partials, row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=["interpret", "block_m", "num_splits", "num_warps",
@@ -115,7 +112,8 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
 
   kernel = functools.partial(_sparse_decode_kernel, block_m=block_m, split_m=split_m,
                              sm_scale=1.0 / math.sqrt(H), masked_gather=not interpret)
-  o, m, l = pl.pallas_call(
+  out_specs, out_shape = split_outputs(B, K, num_splits, G, H, q_BKGH.dtype)
+  outs = pl.pallas_call(
       kernel,
       grid=(B, K, num_splits),
       in_specs=[
@@ -125,10 +123,10 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
           pl.BlockSpec((None, None, M), lambda b, k, s: (b, k, 0)),
           pl.BlockSpec((None, None, M), lambda b, k, s: (b, k, 0)),
       ],
-      out_specs=partial_specs(G, H),
-      out_shape=partial_shapes(B, K, num_splits, G, H),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_sparse_decode",
   )(q_BKGH, k_BKSH, v_BKSH, idx_BKM.astype(jnp.int32), valid_BKM)
-  return combine_partials(o, m, l, q_BKGH.dtype)
+  return finish_split_outputs(outs, q_BKGH.dtype)

@@ -139,19 +139,20 @@ def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k
   return page_topk(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl)
 
 
-def append_token(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
+def append_token(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *,
                  page_size, impl):
-  """Writes the new token's K/V rows at slot_BK and, when KT pages are given, folds its key into its page:
-  (k, v), or (k, v, kt_min, kt_max). A slot past the capacity changes nothing (a decode past capacity inside a
-  caller's jit drops the token). With Pallas, one in-place kernel (`kernels.cache_append`) instead of XLA's
-  two scatters and the KT gathers and scatters.
+  """Writes the new token's K/V rows at `slot` ([B]: one slot per sequence; or [B, K]: per KV head) and, when
+  KT pages are given, folds its key into its page: (k, v), or (k, v, kt_min, kt_max). A slot past the
+  capacity changes nothing (a decode past capacity inside a caller's jit drops the token). With Pallas, one
+  in-place kernel (`kernels.cache_append`) instead of XLA's two scatters and the KT gathers and scatters.
 
-  KT pages take one slot per sequence, slot_BK[:, 0] on the XLA path: only streaming_llm and h2o have ring or
-  per-head slots, and neither keeps KT pages."""
+  KT pages take one slot per sequence, slot[:, 0] of a [B, K] slot on the XLA path: only streaming_llm and
+  h2o have ring or per-head slots, and neither keeps KT pages."""
   if resolve_impl(impl) in ("pallas", "interpret"):
     from rocketkv_jax.kernels import cache_append
-    return cache_append.cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
+    return cache_append.cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
                                      page_size=page_size, interpret=impl == "interpret")
+  slot_BK = jnp.broadcast_to(slot[:, None], k_BKSH.shape[:2]) if slot.ndim == 1 else slot
   kv = (cache_lib.write_slot(k_BKSH, k_new_BKH, slot_BK), cache_lib.write_slot(v_BKSH, v_new_BKH, slot_BK))
   if kt_min_BKHP is None and kt_max_BKHP is None:
     return kv

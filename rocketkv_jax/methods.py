@@ -117,14 +117,14 @@ def _h2o_prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, config) -> KVCache:
 # ---------------------------------------------------------------- decode
 
 
-def _append(cache: KVCache, k_new_BKH, v_new_BKH, slot_BK, config, **replace) -> KVCache:
-  """The cache with the new token at slot_BK: K/V rows and (methods with KT pages) its KT page, in one
+def _append(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, **replace) -> KVCache:
+  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages) its KT page, in one
   `attention.append_token`; length and pos advance; `replace` sets the method's other leaves."""
   if config.uses_kt_pages:
-    k, v, kt_min, kt_max = attention.append_token(cache.k, cache.v, k_new_BKH, v_new_BKH, slot_BK, cache.kt_min,
+    k, v, kt_min, kt_max = attention.append_token(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, cache.kt_min,
                                                   cache.kt_max, page_size=config.page_size, impl=config.impl)
   else:
-    k, v = attention.append_token(cache.k, cache.v, k_new_BKH, v_new_BKH, slot_BK, page_size=1, impl=config.impl)
+    k, v = attention.append_token(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, page_size=1, impl=config.impl)
     kt_min, kt_max = cache.kt_min, cache.kt_max
   fields = dict(k=k, v=v, length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32),
                 pos=cache.pos + 1, kt_min=kt_min, kt_max=kt_max, scores=cache.scores, positions=cache.positions,
@@ -133,13 +133,8 @@ def _append(cache: KVCache, k_new_BKH, v_new_BKH, slot_BK, config, **replace) ->
   return KVCache(**fields)
 
 
-def _slot_BK(slot_B, n_kv):
-  return jnp.broadcast_to(slot_B[:, None], (slot_B.shape[0], n_kv))
-
-
 def decode(cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH, config):
   method = config.method
-  n_kv = cache.k.shape[1]
   impl = config.impl
   if method == "h2o":
     return _h2o_decode(cache, q_BKGH, k_new_BKH, v_new_BKH, config)
@@ -150,7 +145,7 @@ def decode(cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH, config):
   replace = {}
   if method == "sparq":
     replace["v_sum"] = cache.v_sum + v_new_BKH.astype(jnp.float32)
-  cache = _append(cache, k_new_BKH, v_new_BKH, _slot_BK(slot, n_kv), config, **replace)
+  cache = _append(cache, k_new_BKH, v_new_BKH, slot, config, **replace)
   if method in ("full", "snapkv", "streaming_llm"):
     return attention.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=impl), cache
   if method == "sparq":

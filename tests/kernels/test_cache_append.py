@@ -53,6 +53,10 @@ def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, see
   ref = cache_append_reference(*args, page_size=page_size)
   out = cache_append(*[jnp.copy(x) for x in args], page_size=page_size, interpret=interpret)
   assert_same(out, ref)
+  if not per_head:  # one [B] slot for every KV head: the same result
+    args_B = args[:4] + (slot[:, 0],) + args[5:]
+    assert_same(cache_append(*[jnp.copy(x) for x in args_B], page_size=page_size, interpret=interpret), ref)
+    assert_same(cache_append_reference(*args_B, page_size=page_size), ref)
   k, v = out[:2]
   b, h = np.indices(slot.shape)
   ok = np.asarray((slot >= 0) & (slot < S))
@@ -119,7 +123,7 @@ def test_rejects_bad_args():
   with pytest.raises(ValueError, match="v_BKSH.shape"):
     cache_append(kv, jnp.ones((1, 2, 11, 64)), new, new, slot)
   with pytest.raises(ValueError, match="slot_BK.shape"):
-    cache_append(kv, kv, new, new, jnp.zeros((1,), jnp.int32))
+    cache_append(kv, kv, new, new, jnp.zeros((2,), jnp.int32))
   with pytest.raises(ValueError, match="slot_BK.dtype"):
     cache_append(kv, kv, new, new, jnp.zeros((1, 2), jnp.float32))
   with pytest.raises(ValueError, match="v_new_BKH.dtype"):
@@ -132,10 +136,10 @@ def test_rejects_bad_args():
     cache_append(kv, kv, new, new, slot, kt.astype(jnp.int8), kt.astype(jnp.int8), page_size=3)
 
 
-def _sd(B, K, S, H, P, dtype, kt_dtype):
+def _sd(B, K, S, H, P, dtype, kt_dtype, slot_shape=None):
   sd = jax.ShapeDtypeStruct
   args = [sd((B, K, S, H), dtype), sd((B, K, S, H), dtype), sd((B, K, H), dtype), sd((B, K, H), dtype),
-          sd((B, K), jnp.int32)]
+          sd(slot_shape or (B, K), jnp.int32)]
   return args + ([] if kt_dtype is None else [sd((B, K, H, P), kt_dtype), sd((B, K, H, P), kt_dtype)])
 
 
@@ -147,6 +151,12 @@ def test_lowers_for_h200_through_triton(kt_dtype):
   assert text.count("stablehlo.output_operand_alias<") == (2 if kt_dtype is None else 4)
   if kt_dtype is not None:
     assert "operand_index = 6" in text
+
+
+def test_lowers_for_h200_one_slot_per_sequence():
+  text = lower_for_h200(lambda *a: cache_append(*a, page_size=3),
+                        *_sd(8, 8, 1617, 128, 539, jnp.bfloat16, jnp.bfloat16, slot_shape=(8,)))
+  assert "rocketkv_cache_append" in text
 
 
 def test_lowers_for_h200_f32_cache_h64():

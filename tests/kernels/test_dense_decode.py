@@ -30,9 +30,10 @@ def check(c, seed, interpret, **tuning):
   assert rel_err(out, ref) < tol(c["dtype"])
 
 
+@pytest.mark.parametrize("num_splits", [3, 1])  # 1: the kernel normalises itself (no XLA epilogue)
 @pytest.mark.parametrize("c", CASES)
-def test_matches_reference_interpret(c):
-  check(c, seed=1, interpret=True, block_k=16, num_splits=3)
+def test_matches_reference_interpret(c, num_splits):
+  check(c, seed=1, interpret=True, block_k=16, num_splits=num_splits)
 
 
 def test_ragged_batch_equals_each_sequence_alone():
@@ -72,6 +73,7 @@ def test_matches_reference_gpu(c):
   needs_gpu()
   check(c, seed=3, interpret=False)
   check(c, seed=4, interpret=False, block_k=32, num_splits=5)
+  check(c, seed=5, interpret=False, block_k=32, num_splits=1)
 
 
 def test_zero_length_gives_zero_and_long_length_is_clipped():
@@ -81,5 +83,9 @@ def test_zero_length_gives_zero_and_long_length_is_clipped():
   v = jnp.where(jnp.isnan(v), 0.5, v)
   out = dense_decode_attention(q, k, v, jnp.array([0, 99], jnp.int32), interpret=True, block_k=16)
   assert not np.asarray(out[0]).any()
+  negative = dense_decode_attention(q, k, v, jnp.array([-5, 99], jnp.int32), interpret=True, block_k=16,
+                                    num_splits=1)
+  assert not np.asarray(negative[0]).any()
+  np.testing.assert_allclose(np.asarray(negative[1]), np.asarray(out[1]), rtol=1e-6)
   ref = dense_decode_attention_reference(q[1:], k[1:], v[1:], jnp.array([33], jnp.int32))
   assert rel_err(out[1:], ref) < 1e-5

@@ -74,7 +74,7 @@ def test_rejects_bad_arguments():
     page_topk(s.astype(jnp.int32), length, page_size=3, k=4, num_slots=30)
 
 
-@pytest.mark.parametrize("num_slots,page_size,k", [(1617, 3, 128), (6471, 3, 512), (37, 16, 8),
+@pytest.mark.parametrize("num_slots,page_size,k", [(1617, 3, 128), (6471, 3, 512), (37, 16, 8), (301, 3, 45),
                                                    (3 * MAX_PAGES, 3, 1024)])
 def test_lowers_for_h200_through_triton(num_slots, page_size, k):
   P = -(-num_slots // page_size)
@@ -84,7 +84,8 @@ def test_lowers_for_h200_through_triton(num_slots, page_size, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,K,num_slots,page_size,k", CASES + [(8, 8, 6471, 3, 512), (256, 1, 70, 3, 16)])
+@pytest.mark.parametrize("B,K,num_slots,page_size,k", CASES + [(8, 8, 6471, 3, 512), (256, 1, 70, 3, 16),
+                                                                (3, 2, 301, 3, 45)])
 def test_matches_reference_gpu(B, K, num_slots, page_size, k):
   needs_gpu()
   check(seed=num_slots + 1, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=True,
