@@ -1,3 +1,4 @@
-"""Pallas GPU (Triton backend) kernels for RocketKV decode: dense and sparse decode attention and
-HSA page scoring. Each module holds a plain-jnp reference, the kernel body and a public wrapper.
-These modules never import the rocketkv_jax core."""
+"""Pallas GPU (Triton backend) kernels for RocketKV decode: dense and sparse decode attention, HSA page
+scoring and top-k, the token append, and the model's fused add + RMSNorm and q/k/v RoPE. Each module
+holds a plain-jnp reference, the kernel body and a public wrapper. These modules never import the
+rocketkv_jax core."""

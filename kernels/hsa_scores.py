@@ -1,10 +1,11 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
-KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks), or (B, K, 1) with a loop over the
-row's page blocks when there are many (b, k) rows. Each program takes the group's
-query [G, H] and does the whole per-(b, k) selection itself, so no XLA op runs between the query and the
-kernel: the top-r channels of sum_g |q_g| (sort-free ranks from [H, H] compares: ties toward the lower
-channel), the signs of the group's summed query on them, the per-head temperatures tau_g. It then reads
+KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks) (or (B, K, 1) with a loop over the
+row's page blocks). Each program takes the group's query [G, H] and does the whole per-(b, k) selection
+itself, so no XLA op runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
+ranks from [H, H] compares: ties toward the lower channel), the signs of the group's summed query on them,
+the per-head temperatures tau_g. With many (b, k) rows the channel choice runs once per row in a small
+kernel of its own (`_hsa_channels_kernel`) instead of once per page block. It then reads
 only the selected channel rows, and of each row only the min or the max page summary (by that sign):
 R * block_p values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
 weighted sum) over its pages (`hsa_page_partials`). `hsa_page_scores` normalises them in XLA (per head over
@@ -25,6 +26,8 @@ from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM,
                                           check_kt_pages, next_pow2, page_slots)
 
 _TARGET_PROGRAMS = 2 * 132
+# Up to this many (b, k) rows, each page-block program chooses its row's channels itself (no extra launch).
+_FUSED_CHOICE_MAX_ROWS = 16
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
 _TILE_ELEMS = 8192
 
@@ -68,38 +71,73 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
   return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
+def _load_group(q_ref):
+  """The query group [Gp, H] float32 (Gp = next_pow2(G), pad rows 0) and the [Gp] mask of real rows."""
+  G, _ = q_ref.shape
+  Gp = next_pow2(G)
+  row_ok = jnp.arange(Gp) < G
+  return pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0).astype(jnp.float32), row_ok
+
+
+def _choose_channels(q_GpH, topr: int):
+  """(use_max, use_min) [H] bool: the group's top-r channels of sum_g |q_g|, ties toward the lower channel,
+  split by the sign of the group's summed query (zero counts as negative). A channel's rank counts the
+  channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial
+  loop)."""
+  H = q_GpH.shape[-1]
+  a = jnp.abs(q_GpH).sum(axis=0)  # [H]
+  c = jnp.arange(H)
+  a_i, a_j = a[:, None], a[None, :]
+  beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
+  chosen = jnp.sum(beats.astype(jnp.int32), axis=1) < topr  # [H]
+  use_max = chosen & (q_GpH.sum(axis=0) > 0)
+  return use_max, chosen & ~use_max
+
+
+# Channel codes of `_hsa_channels_kernel`: not chosen, scored with the page min, scored with the page max.
+_SKIP, _USE_MIN, _USE_MAX = 0, 1, 2
+
+
+def _hsa_channels_kernel(
+    q_ref,  # [G, H]
+    choice_ref,  # [H] int32 output: _SKIP, _USE_MIN or _USE_MAX per channel
+    *,
+    topr: int,
+):
+  use_max, use_min = _choose_channels(_load_group(q_ref)[0], topr)
+  choice_ref[...] = jnp.where(use_max, _USE_MAX, jnp.where(use_min, _USE_MIN, _SKIP)).astype(jnp.int32)
+
+
 def _hsa_scores_kernel(
     # inputs
     q_ref,  # [G, H]
     kt_min_ref,  # [H, P]
     kt_max_ref,  # [H, P]
     length_ref,  # []
-    # outputs
-    s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
-    m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
-    l_ref,  # [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
-    *,
+    *refs,  # [choice_ref [H] int32 (`_hsa_channels_kernel`), when channels_given], then the outputs:
+    # s_ref [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
+    # m_ref [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
+    # l_ref [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
     topr: int,
     block_p: int,
     blocks_per_program: int,
     page_size: int,
     num_pages: int,
     masked_gather: bool,
+    channels_given: bool,
 ):
   G, H = q_ref.shape
-  Gp = next_pow2(G)
+  q, row_ok = _load_group(q_ref)  # [Gp, H]
+  Gp = q.shape[0]
   rows = jnp.arange(Gp)
-  row_ok = rows < G
-  q = pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0).astype(jnp.float32)  # [Gp, H]
-  # The group's top-r channels of sum_g |q_g|, ties toward the lower channel: a channel's rank counts the
-  # channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial loop).
-  a = jnp.abs(q).sum(axis=0)  # [H]
-  c = jnp.arange(H)
-  a_i, a_j = a[:, None], a[None, :]
-  beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
-  chosen = jnp.sum(beats.astype(jnp.int32), axis=1) < topr  # [H]
-  use_max = chosen & (q.sum(axis=0) > 0)  # zero counts as negative
-  use_min = chosen & ~use_max
+  if channels_given:
+    choice_ref, s_ref, m_ref, l_ref = refs
+    code = choice_ref[...]
+    use_max, use_min = code == _USE_MAX, code == _USE_MIN
+  else:
+    s_ref, m_ref, l_ref = refs
+    use_max, use_min = _choose_channels(q, topr)
+  chosen = use_max | use_min
 
   # Per head, hoisted out of the page loop: q_g on the chosen channels (0 elsewhere) and 1 / tau_g.
   q_rows, inv_taus = [], []
@@ -146,10 +184,10 @@ def _hsa_scores_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "num_warps", "num_stages"])
+                                             "channels_first", "num_warps", "num_stages"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
-                      interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
-                      num_warps: int = 4, num_stages: int = 1):
+                      interpret: bool = False, block_p: int | None = None, split_pages: bool = True,
+                      channels_first: bool | None = None, num_warps: int = 4, num_stages: int = 1):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -161,9 +199,11 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     length_B: int32 valid slots per sequence.
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.
-    split_pages: one program per page block (True: fills the GPU when there are few (b, k) rows) or one
-      program per row looping over its blocks (False: the channel choice is made once per row); None picks
-      by the number of rows.
+    split_pages: one program per page block (True), or one program per row looping over its blocks.
+    channels_first: choose each row's channels in a small kernel of its own first (one program per row),
+      instead of in every page-block program: the [H, H] rank is then made once per row. None: when there
+      are more than _FUSED_CHOICE_MAX_ROWS (b, k) rows (at batch 8 the repeated choice made the scoring
+      kernel 35 us per layer on an H200; at batch 1 the extra launch costs more than it saves).
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -190,28 +230,41 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)
   P_pad = num_blocks * block_p
-  if split_pages is None:
-    # Few (b, k) rows: one program per page block, to fill the GPU. Many rows: one program per row walks
-    # its pages, so the channel choice is made once per row, not once per block.
-    split_pages = B * K <= _TARGET_PROGRAMS // 2
   bpp = 1 if split_pages else num_blocks
+  if channels_first is None:
+    channels_first = B * K > _FUSED_CHOICE_MAX_ROWS
 
   kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                             page_size=page_size, num_pages=P, masked_gather=not interpret)
+                             page_size=page_size, num_pages=P, masked_gather=not interpret,
+                             channels_given=channels_first)
   length = length_B.astype(jnp.int32)  # clipped to [0, P * page_size] in the kernel
   kt_min, kt_max = kt_min_BKHP, kt_max_BKHP
   if interpret:  # interpret mode reads whole blocks: pad instead of masking (the pads are empty pages)
     pad = ((0, 0), (0, 0), (0, 0), (0, P_pad - P))
     kt_min, kt_max = jnp.pad(kt_min, pad), jnp.pad(kt_max, pad)
+  in_specs = [
+      pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
+      pl.BlockSpec((None, None, H, kt_min.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
+      pl.BlockSpec((None, None, H, kt_max.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
+      pl.BlockSpec((None,), lambda b, k, j: (b,)),
+  ]
+  args = [q_BKGH, kt_min, kt_max, length]
+  if channels_first:
+    in_specs.append(pl.BlockSpec((None, None, H), lambda b, k, j: (b, k, 0)))
+    args.append(pl.pallas_call(
+        functools.partial(_hsa_channels_kernel, topr=topr),
+        grid=(B, K),
+        in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k: (b, k, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, K, H), jnp.int32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="rocketkv_hsa_channels",
+    )(q_BKGH))
   return pl.pallas_call(
       kernel,
       grid=(B, K, num_blocks // bpp),
-      in_specs=[
-          pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, H, kt_min.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, H, kt_max.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None,), lambda b, k, j: (b,)),
-      ],
+      in_specs=in_specs,
       out_specs=[
           pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
           pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
@@ -225,7 +278,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_hsa_scores",
-  )(q_BKGH, kt_min, kt_max, length)
+  )(*args)
 
 
 def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int):

@@ -27,6 +27,9 @@ import numpy as np
 from flax import nnx
 
 from rocketkv_jax import cache_nbytes, decode_step, make_config, prefill_compress
+from rocketkv_jax.attention import resolve_impl
+from rocketkv_jax.kernels.qkv_rope import qkv_rope
+from rocketkv_jax.kernels.rms_norm import add_rms_norm
 
 __all__ = [
     "LlamaConfig", "Llama", "prefill", "decode", "forward_full", "prefill_dense",
@@ -274,31 +277,75 @@ def _embed(model: Llama, tokens) -> jax.Array:
   return jnp.take(model.embed[...], tokens, axis=0)
 
 
-def _head(model: Llama, x_BD: jax.Array) -> jax.Array:
+def _fused(impl: str) -> bool:
+  """Whether the decode step's norms and RoPE run as the Pallas kernels (impl "pallas" or "interpret")."""
+  return impl in ("pallas", "interpret")
+
+
+def _add_norm(x, delta, w, eps: float, impl: str = "xla"):
+  """(h, normed) [..., D]: the residual h = x + delta (h = x when delta is None) and rms_norm(h, w, eps);
+  one `add_rms_norm` kernel over the rows when `_fused(impl)`, else XLA."""
+  if _fused(impl):
+    rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
+    h, normed = add_rms_norm(rows(x), rows(delta), w, eps=eps, interpret=impl == "interpret")
+    return h.reshape(x.shape), normed.reshape(x.shape)
+  h = x if delta is None else x + delta
+  return h, rms_norm(h, w, eps)
+
+
+def _logits(model: Llama, normed_BD: jax.Array) -> jax.Array:
   cfg = model.config
-  h = rms_norm(x_BD, model.norm[...], cfg.norm_eps)
   w = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
-  return jnp.dot(h, w, preferred_element_type=jnp.float32)
+  return jnp.dot(normed_BD, w, preferred_element_type=jnp.float32)
 
 
-def _qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
-  B, T, _ = x_BTD.shape
+def _head(model: Llama, x_BD: jax.Array) -> jax.Array:
+  return _logits(model, rms_norm(x_BD, model.norm[...], model.config.norm_eps))
+
+
+def _rope_heads(cfg: LlamaConfig, qkv_BTX, pos_BT):
+  """The fused projection [B, T, (N + 2K) * H] split into q [B, T, N, H], k and v [B, T, K, H], q and k
+  rotated (XLA)."""
+  B, T, _ = qkv_BTX.shape
   inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-  h = rms_norm(x_BTD, blk.attn_norm[...], cfg.norm_eps)
   nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-  q, k, v = jnp.split(h @ blk.wqkv[...], [nq, nq + nk], axis=-1)
+  q, k, v = jnp.split(qkv_BTX, [nq, nq + nk], axis=-1)
   q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
   k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
   v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
   return apply_rope(q, pos_BT, inv), apply_rope(k, pos_BT, inv), v
 
 
+def _qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
+  h = rms_norm(x_BTD, blk.attn_norm[...], cfg.norm_eps)
+  return _rope_heads(cfg, h @ blk.wqkv[...], pos_BT)
+
+
+def _decode_qkv(blk: Block, cfg: LlamaConfig, normed_B1D, pos_B, impl: str):
+  """q [B, N, H], k and v [B, K, H] of one token per row from the attention-normed input: one `qkv_rope`
+  kernel after the projection when `_fused(impl)`, else `_rope_heads`."""
+  qkv_B1X = normed_B1D @ blk.wqkv[...]
+  if _fused(impl):
+    inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
+    return qkv_rope(qkv_B1X[:, 0], pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                    head_dim=cfg.head_dim, interpret=impl == "interpret")
+  q, k, v = _rope_heads(cfg, qkv_B1X, pos_B[:, None])
+  return q[:, 0], k[:, 0], v[:, 0]
+
+
+def _attn_out(blk: Block, attn_XNH, dtype):
+  """The attention output [..., N, H] projected back to the residual stream [..., D] in its dtype."""
+  return attn_XNH.reshape(*attn_XNH.shape[:-2], -1).astype(dtype) @ blk.wo[...]
+
+
+def _mlp(blk: Block, normed):
+  gate, up = jnp.split(normed @ blk.w_gate_up[...], 2, axis=-1)
+  return (jax.nn.silu(gate) * up) @ blk.w_down[...]
+
+
 def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
-  B, T, _ = x_BTD.shape
-  x = x_BTD + attn_BTNH.reshape(B, T, -1).astype(x_BTD.dtype) @ blk.wo[...]
-  h = rms_norm(x, blk.mlp_norm[...], cfg.norm_eps)
-  gate, up = jnp.split(h @ blk.w_gate_up[...], 2, axis=-1)
-  return x + (jax.nn.silu(gate) * up) @ blk.w_down[...]
+  x, h = _add_norm(x_BTD, _attn_out(blk, attn_BTNH, x_BTD.dtype), blk.mlp_norm[...], cfg.norm_eps)
+  return x + _mlp(blk, h)
 
 
 # Long prompts run a layer's MLP block (wo, residuals, norm, gate/up, down) over chunks of about this many
@@ -449,16 +496,29 @@ def compress_layers(layer_qkv, lengths_B, config):
 
 
 def decode_body(model: Llama, tokens_B, caches, config):
-  """One decode step (traceable): new token at each sequence's cache.pos."""
+  """One decode step (traceable): new token at each sequence's cache.pos.
+
+  Each residual add is fused with the norm that follows it: the MLP's output with the next layer's
+  attn_norm (the last layer's with the final norm), the attention's with mlp_norm. With config.impl
+  resolving to "pallas" or "interpret", each (add, norm) pair and each layer's RoPE + head split are one
+  kernel; otherwise XLA computes the same expressions as prefill does. Activations stay [B, 1, D]: in
+  bf16, XLA's excess-precision rewrites (which may skip the rounding of x + delta) depend on the shapes.
+  """
   cfg = model.config
-  x = _embed(model, tokens_B)[:, None, :]  # [B,1,D]
+  impl = resolve_impl(config.impl)
+  eps = cfg.norm_eps
+  x = _embed(model, tokens_B)[:, None, :]  # [B, 1, D]
+  delta = None  # what the previous layer's MLP adds to x
   new = []
   for blk, cache in zip(model.layers, caches):
-    q, k, v = _qkv(blk, cfg, x, cache.pos[:, None])
-    o, cache = decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=config)
-    x = _finish(blk, cfg, x, o[:, None])
+    x, h = _add_norm(x, delta, blk.attn_norm[...], eps, impl)
+    q, k, v = _decode_qkv(blk, cfg, h, cache.pos, impl)
+    o, cache = decode_step(cache, q, k, v, config=config)
+    x, h = _add_norm(x, _attn_out(blk, o[:, None], x.dtype), blk.mlp_norm[...], eps, impl)
+    delta = _mlp(blk, h)
     new.append(cache)
-  return _head(model, x[:, 0]), tuple(new)
+  _, h = _add_norm(x, delta, model.norm[...], eps, impl)
+  return _logits(model, h[:, 0]), tuple(new)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("caches",))
