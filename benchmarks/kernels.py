@@ -327,19 +327,17 @@ def main():
                        err_attention=err_a)
           run_point("sparse_step", "pallas", step_p, sets, nbytes, extra)
           run_point("sparse_step", "xla", step_x, sets, nbytes, extra)
-          # The scoring kernel alone: the channel choice in every page-block program or once per row in a kernel
-          # of its own first (the default above _FUSED_CHOICE_MAX_ROWS rows), and one program per row walking
+          # The scoring kernel alone: one program per page block (the default) or one per (b, k) row walking
           # its blocks.
-          for split, first in ((True, False), (True, True), (False, False)):
-            score = jax.jit(lambda q, kn, vn, c, split=split, first=first: hsa_page_partials(
-                q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret, split_pages=split,
-                channels_first=first))
-            run_point("hsa_scores", f"pallas split_pages={split} channels_first={first}", score, sets,
+          for split in (True, False):
+            score = jax.jit(lambda q, kn, vn, c, split=split: hsa_page_partials(
+                q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret, split_pages=split))
+            run_point("hsa_scores", f"pallas split_pages={split}", score, sets,
                       B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
-          # The sparse attention kernel alone on one fixed selection: the default (up to 128 tokens one block
-          # per (b, k) row, normalised in the kernel) against a split grid whose partials XLA merges.
+          # The sparse attention kernel alone on one fixed selection: the default split grid (partials merged
+          # by an XLA epilogue) against one block per (b, k) row that normalises itself.
           idx_s, valid_s = methods.select(c, q, cfg_p)
-          for name, tune in (("default", {}), ("split grid block_m=32", dict(block_m=32))):
+          for name, tune in (("default", {}), ("num_splits=1 block_m=128", dict(num_splits=1, block_m=128))):
             attend = jax.jit(lambda q, kn, vn, c, tune=tune: sparse_decode_attention(
                 q, c.k, c.v, idx_s, valid_s, interpret=interpret, **tune))
             run_point("sparse_attn", f"pallas {name}", attend, sets, B * K_HEADS * 2 * topk * H * 2,

@@ -4,8 +4,7 @@ KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks) (or (B,
 row's page blocks). Each program takes the group's query [G, H] and does the whole per-(b, k) selection
 itself, so no XLA op runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
 ranks from [H, H] compares: ties toward the lower channel), the signs of the group's summed query on them,
-the per-head temperatures tau_g. With many (b, k) rows the channel choice runs once per row in a small
-kernel of its own (`_hsa_channels_kernel`) instead of once per page block. It then reads
+the per-head temperatures tau_g. It then reads
 only the selected channel rows, and of each row only the min or the max page summary (by that sign):
 R * block_p values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
 weighted sum) over its pages (`hsa_page_partials`). `hsa_page_scores` normalises them in XLA (per head over
@@ -23,11 +22,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          check_kt_pages, next_pow2, page_slots)
+                                          check_kt_pages, dot_precision, load_query_group, next_pow2,
+                                          page_slots)
 
 _TARGET_PROGRAMS = 2 * 132
-# Up to this many (b, k) rows, each page-block program chooses its row's channels itself (no extra launch).
-_FUSED_CHOICE_MAX_ROWS = 16
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
 _TILE_ELEMS = 8192
 
@@ -71,41 +69,19 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
   return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
-def _load_group(q_ref):
-  """The query group [Gp, H] float32 (Gp = next_pow2(G), pad rows 0) and the [Gp] mask of real rows."""
-  G, _ = q_ref.shape
-  Gp = next_pow2(G)
-  row_ok = jnp.arange(Gp) < G
-  return pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0).astype(jnp.float32), row_ok
-
-
-def _choose_channels(q_GpH, topr: int):
+def _choose_channels(q_GH, topr: int):
   """(use_max, use_min) [H] bool: the group's top-r channels of sum_g |q_g|, ties toward the lower channel,
   split by the sign of the group's summed query (zero counts as negative). A channel's rank counts the
   channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial
-  loop)."""
-  H = q_GpH.shape[-1]
-  a = jnp.abs(q_GpH).sum(axis=0)  # [H]
+  loop). Pad rows of q must be 0."""
+  H = q_GH.shape[-1]
+  a = jnp.abs(q_GH).sum(axis=0)  # [H]
   c = jnp.arange(H)
   a_i, a_j = a[:, None], a[None, :]
   beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
   chosen = jnp.sum(beats.astype(jnp.int32), axis=1) < topr  # [H]
-  use_max = chosen & (q_GpH.sum(axis=0) > 0)
+  use_max = chosen & (q_GH.sum(axis=0) > 0)
   return use_max, chosen & ~use_max
-
-
-# Channel codes of `_hsa_channels_kernel`: not chosen, scored with the page min, scored with the page max.
-_SKIP, _USE_MIN, _USE_MAX = 0, 1, 2
-
-
-def _hsa_channels_kernel(
-    q_ref,  # [G, H]
-    choice_ref,  # [H] int32 output: _SKIP, _USE_MIN or _USE_MAX per channel
-    *,
-    topr: int,
-):
-  use_max, use_min = _choose_channels(_load_group(q_ref)[0], topr)
-  choice_ref[...] = jnp.where(use_max, _USE_MAX, jnp.where(use_min, _USE_MIN, _SKIP)).astype(jnp.int32)
 
 
 def _hsa_scores_kernel(
@@ -114,38 +90,29 @@ def _hsa_scores_kernel(
     kt_min_ref,  # [H, P]
     kt_max_ref,  # [H, P]
     length_ref,  # []
-    *refs,  # [choice_ref [H] int32 (`_hsa_channels_kernel`), when channels_given], then the outputs:
-    # s_ref [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
-    # m_ref [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
-    # l_ref [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
+    # outputs
+    s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
+    m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
+    l_ref,  # [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
+    *,
     topr: int,
     block_p: int,
     blocks_per_program: int,
     page_size: int,
     num_pages: int,
     masked_gather: bool,
-    channels_given: bool,
+    dot_dtype,
 ):
-  G, H = q_ref.shape
-  q, row_ok = _load_group(q_ref)  # [Gp, H]
-  Gp = q.shape[0]
-  rows = jnp.arange(Gp)
-  if channels_given:
-    choice_ref, s_ref, m_ref, l_ref = refs
-    code = choice_ref[...]
-    use_max, use_min = code == _USE_MAX, code == _USE_MIN
-  else:
-    s_ref, m_ref, l_ref = refs
-    use_max, use_min = _choose_channels(q, topr)
+  H = q_ref.shape[1]
+  q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
+  q = q_in.astype(jnp.float32)
+  use_max, use_min = _choose_channels(q, topr)
   chosen = use_max | use_min
-
-  # Per head, hoisted out of the page loop: q_g on the chosen channels (0 elsewhere) and 1 / tau_g.
-  q_rows, inv_taus = [], []
-  for g in range(G):
-    qg = pltriton.load(q_ref.at[jnp.int32(g), pl.ds(0, H)]).astype(jnp.float32)  # [H]
-    qg_r = jnp.where(chosen, qg, 0.0)
-    q_rows.append(qg_r)
-    inv_taus.append(1.0 / _temperature(qg_r, qg))
+  # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
+  q_r = jnp.where(chosen[None, :], q, 0.0)
+  inv_tau = 1.0 / _temperature(q_r, q)  # [Gp]
+  q_r = q_r.astype(dot_dtype)
+  prec = dot_precision(dot_dtype)
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
   first_block = pl.program_id(2) * blocks_per_program
 
@@ -160,21 +127,19 @@ def _hsa_scores_kernel(
       rows_H, cols = jnp.arange(H)[:, None], page[None, :]
       rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
       rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
-      rep = jnp.where(use_max[:, None], rep_max.astype(jnp.float32), rep_min.astype(jnp.float32))
     else:  # interpret mode cannot mask a gather: load both and select
-      rep_max = kt_max_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
-      rep_min = kt_min_ref[:, pl.ds(p0, block_p)].astype(jnp.float32)
-      rep = jnp.where(use_max[:, None], rep_max, rep_min)
-    rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, 0.0)  # [H, block_p]
-    # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p] in exact float32 (no TF32 dot).
-    s = jnp.zeros((Gp, block_p), jnp.float32)
-    for g in range(G):
-      s_g = (q_rows[g][:, None] * rep).sum(axis=0) * inv_taus[g]  # [block_p]
-      s = jnp.where((rows == g)[:, None], s_g[None, :], s)
+      rep_max = kt_max_ref[:, pl.ds(p0, block_p)]
+      rep_min = kt_min_ref[:, pl.ds(p0, block_p)]
+    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
+    rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
+    # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]: one dot with float32 accumulation
+    # (bf16 operands multiply exactly; float32 operands run at full precision, no TF32).
+    s = jnp.dot(q_r, rep, precision=prec, preferred_element_type=jnp.float32) * inv_tau[:, None]
     s = jnp.where(p_ok[None, :], s, MASK_VALUE)
     m = s.max(axis=-1)
     e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
     l = (e * n[None, :].astype(jnp.float32)).sum(axis=-1)
+    Gp = row_ok.shape[0]
     pltriton.store(s_ref.at[pl.ds(0, Gp), pl.ds(i * block_p, block_p)], s, mask=row_ok[:, None])
     pltriton.store(m_ref.at[pl.ds(0, Gp), i], m, mask=row_ok)
     pltriton.store(l_ref.at[pl.ds(0, Gp), i], l, mask=row_ok)
@@ -184,10 +149,10 @@ def _hsa_scores_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "channels_first", "num_warps", "num_stages"])
+                                             "num_warps", "num_stages"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool = True,
-                      channels_first: bool | None = None, num_warps: int = 4, num_stages: int = 1):
+                      num_warps: int = 4, num_stages: int = 1):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -200,10 +165,6 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.
     split_pages: one program per page block (True), or one program per row looping over its blocks.
-    channels_first: choose each row's channels in a small kernel of its own first (one program per row),
-      instead of in every page-block program: the [H, H] rank is then made once per row. None: when there
-      are more than _FUSED_CHOICE_MAX_ROWS (b, k) rows (at batch 8 the repeated choice made the scoring
-      kernel 35 us per layer on an H200; at batch 1 the extra launch costs more than it saves).
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -231,12 +192,12 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   num_blocks = cdiv(P, block_p)
   P_pad = num_blocks * block_p
   bpp = 1 if split_pages else num_blocks
-  if channels_first is None:
-    channels_first = B * K > _FUSED_CHOICE_MAX_ROWS
-
+  # bf16 queries against bf16 or float8 pages: a bf16 dot multiplies exactly; anything float32: float32.
+  exact_in_bf16 = (jnp.dtype(q_BKGH.dtype) == jnp.dtype(jnp.bfloat16) and
+                   jnp.dtype(kt_min_BKHP.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2)))
   kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
                              page_size=page_size, num_pages=P, masked_gather=not interpret,
-                             channels_given=channels_first)
+                             dot_dtype=jnp.bfloat16 if exact_in_bf16 else jnp.float32)
   length = length_B.astype(jnp.int32)  # clipped to [0, P * page_size] in the kernel
   kt_min, kt_max = kt_min_BKHP, kt_max_BKHP
   if interpret:  # interpret mode reads whole blocks: pad instead of masking (the pads are empty pages)
@@ -249,18 +210,6 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       pl.BlockSpec((None,), lambda b, k, j: (b,)),
   ]
   args = [q_BKGH, kt_min, kt_max, length]
-  if channels_first:
-    in_specs.append(pl.BlockSpec((None, None, H), lambda b, k, j: (b, k, 0)))
-    args.append(pl.pallas_call(
-        functools.partial(_hsa_channels_kernel, topr=topr),
-        grid=(B, K),
-        in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k: (b, k, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, K, H), jnp.int32),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="rocketkv_hsa_channels",
-    )(q_BKGH))
   return pl.pallas_call(
       kernel,
       grid=(B, K, num_blocks // bpp),

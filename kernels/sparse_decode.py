@@ -4,8 +4,9 @@ Triton kernel.
 The grid is (B, K, splits of M): each program walks its split of the index list in blocks of
 `block_m`, gathers those K/V rows of its KV head, and runs an online softmax for the whole query
 group (padded to 16 rows for Triton's dot). Partials (o, m, l) are merged by the same XLA epilogue
-as the dense kernel; with one split (the default up to 128 selected tokens: one block per row) the
-kernel normalises and writes the output itself. Invalid entries are masked before anything touches
+as the dense kernel; with one split (num_splits=1) the kernel normalises and writes the output itself.
+(One split per row at M = 128 measured no faster in the 8B decode step on an H200: 5.4 against 4.7 us per
+layer with the merge, as 8 programs gather too little in parallel.) Invalid entries are masked before anything touches
 them, so the slots they point at may hold NaN.
 """
 from __future__ import annotations
@@ -21,12 +22,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels._common import (MIN_DOT_DIM, check_qkv, dot_precision, finish_split_outputs,
                                           init_partials, load_query_group, masked_attention_reference,
-                                          next_pow2, online_softmax_update, split_grid, split_outputs,
+                                          online_softmax_update, split_grid, split_outputs,
                                           store_split_outputs)
 
 _TARGET_PROGRAMS = 2 * 132
-# Up to this many selected tokens, one program per (b, k) row gathers them all in one block.
-_ONE_BLOCK_MAX_M = 128
 
 
 def sparse_decode_attention_reference(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, **unused_tuning):
@@ -107,10 +106,6 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
     raise ValueError(f"idx_BKM.dtype={idx_BKM.dtype} must be an integer type")
   if valid_BKM.dtype != jnp.bool_:
     raise ValueError(f"valid_BKM.dtype={valid_BKM.dtype} must be bool")
-  if block_m is None and num_splits is None and M <= _ONE_BLOCK_MAX_M:
-    # One block per (b, k) row, normalised in the kernel: no XLA epilogue. On an H200 (8B shapes, M = 128)
-    # 4.3 us against 4.2 us for four splits plus the merge at batch 1, 4.8 against 5.4 at batch 8.
-    block_m, num_splits = max(MIN_DOT_DIM, next_pow2(M)), 1
   if block_m is None:
     block_m = 32 if M <= 256 else 64
   if block_m < MIN_DOT_DIM or block_m & (block_m - 1):

@@ -67,15 +67,6 @@ def test_one_program_per_row_walking_its_pages(c):
         split_pages=False)
 
 
-@pytest.mark.parametrize("split_pages", [True, False])
-@pytest.mark.parametrize("c", [CASES[0].values[0], CASES[2].values[0]], ids=[CASES[0].id, CASES[2].id])
-def test_channels_chosen_first_in_their_own_kernel(c, split_pages):
-  """channels_first=True (the default above _FUSED_CHOICE_MAX_ROWS rows) and False give the same scores."""
-  for first in (True, False):
-    check(c, seed=6, page_size=3, R=min(21, c["H"]), kt_dtype=jnp.float32, interpret=True, block_p=16,
-          split_pages=split_pages, channels_first=first)
-
-
 def test_single_channel_and_all_channels():
   c = dict(B=2, K=2, G=4, H=64, S=50, dtype=jnp.float32)
   check(c, seed=2, page_size=5, R=1, kt_dtype=jnp.float32, interpret=True)
@@ -96,17 +87,18 @@ def test_rejects_bad_shapes():
     hsa_page_scores(q, kt, kt, length, topr=8, page_size=0)
 
 
-@pytest.mark.parametrize("split_pages,channels_first", [(True, False), (False, False), (True, True)])
-@pytest.mark.parametrize("H,G,R,kt_dtype", [(64, 1, 13, jnp.float32), (128, 4, 61, jnp.bfloat16),
-                                            (128, 8, 128, jnp.float8_e5m2)])
-def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, split_pages, channels_first):
-  q = jax.ShapeDtypeStruct((2, 2, G, H), jnp.bfloat16)
+@pytest.mark.parametrize("split_pages", [True, False])
+@pytest.mark.parametrize("H,G,R,kt_dtype,q_dtype", [(64, 1, 13, jnp.float32, jnp.bfloat16),
+                                                    (128, 4, 61, jnp.bfloat16, jnp.bfloat16),
+                                                    (128, 8, 128, jnp.float8_e5m2, jnp.bfloat16),
+                                                    (128, 4, 40, jnp.bfloat16, jnp.float32)])
+def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages):
+  q = jax.ShapeDtypeStruct((2, 2, G, H), q_dtype)
   kt = jax.ShapeDtypeStruct((2, 2, H, 333), kt_dtype)
   length = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
-                                                   channels_first=channels_first), q, kt, kt, length)
+  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages),
+                        q, kt, kt, length)
   assert "rocketkv_hsa_scores" in text
-  assert ("rocketkv_hsa_channels" in text) == channels_first
 
 
 @pytest.mark.gpu
@@ -118,5 +110,3 @@ def test_matches_reference_gpu(c, kt_dtype):
   check(c, seed=3, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False)
   check(c, seed=4, page_size=1, R=c["H"] // 2, kt_dtype=kt_dtype, interpret=False, block_p=32)
   check(c, seed=5, page_size=3, R=min(40, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=False)
-  for first in (True, False):
-    check(c, seed=6, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, channels_first=first)
