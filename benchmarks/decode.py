@@ -66,16 +66,6 @@ def copy_bandwidth(nbytes: int = 4 << 30, rounds: int = 3) -> tuple[float, list[
   return max(per_round), per_round
 
 
-def read_bandwidth(nbytes: int = 4 << 30, rounds: int = 3) -> float:
-  """Read-only bandwidth (a sum over the buffer), bytes per second, best of `rounds` medians: what a step
-  that only streams weights can reach at most, so a tighter ceiling than the copy figure."""
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-  best = max(nbytes / _median_seconds(f, x) for _ in range(rounds))
-  del x
-  return best
-
-
 def weight_bytes(model) -> int:
   """Bytes one decode step must read: every parameter except the embedding table (B rows only)."""
   state = nnx.state(model)
@@ -255,10 +245,8 @@ def main(argv=None):
       out.flush()
 
   bw, rounds = copy_bandwidth(1 << 26 if args.tiny else 4 << 30)
-  read_bw = read_bandwidth(1 << 26 if args.tiny else 4 << 30)
   header["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
   header["copy_bandwidth_rounds_GBps"] = [round(r / 1e9, 1) for r in rounds]
-  header["read_bandwidth_GBps"] = round(read_bw / 1e9, 1)
   model = build_model(cfg)
   wbytes = weight_bytes(model)
   header["weight_bytes"] = wbytes
@@ -310,7 +298,6 @@ def main(argv=None):
               floor = step_bytes / bw
               rec.update(status="ok", ms_per_step=round(ms * 1e3, 3), floor_ms=round(floor * 1e3, 3),
                          ratio_to_floor=round(ms / floor, 3),
-                         ratio_to_read_floor=round(ms * read_bw / step_bytes, 3),
                          tokens_per_s=round(batch / ms, 1),
                          step_ms_min=round(min(per_step) * 1e3, 3), step_ms_max=round(max(per_step) * 1e3, 3),
                          steps_timed=reps * args.chunk, kv_bytes_needed=kv_bytes_needed(config, cfg, length, batch))

@@ -20,10 +20,22 @@ def render(path: str) -> str:
   header = next((r for r in recs if r["kind"] == "header"), {})
   points = [r for r in recs if r["kind"] == "point"]
   peaks = [r for r in recs if r["kind"] == "peak"]
-  dense = {r["context"]: r["prefill_s"] for r in points if r["method"] == "full" and r.get("prefill_s")}
-  for r in points:  # parts of a run may time the methods in either order
-    if r.get("prefill_s") and r["context"] in dense:
-      r["prefill_vs_dense"] = round(r["prefill_s"] / dense[r["context"]], 3)
+  # Prefill against dense prefill of the same run (same process, same machine state); a run without a full
+  # point at that context uses the median of the full prefills at that context over all runs.
+  run, runs = -1, []
+  for r in recs:
+    run += r["kind"] == "header"
+    runs.append(run)
+  dense_run, dense_all = {}, defaultdict(list)
+  for r, i in zip(recs, runs):
+    if r["kind"] == "point" and r["method"] == "full" and r.get("prefill_s"):
+      dense_run.setdefault((i, r["context"]), r["prefill_s"])
+      dense_all[r["context"]].append(r["prefill_s"])
+  for r, i in zip(recs, runs):
+    if r["kind"] == "point" and r.get("prefill_s"):
+      ref = dense_run.get((i, r["context"])) or (sorted(dense_all[r["context"]])[len(dense_all[r["context"]]) // 2]
+                                                if dense_all[r["context"]] else None)
+      r["prefill_vs_dense"] = round(r["prefill_s"] / ref, 3) if ref else None
   headers = [r for r in recs if r["kind"] == "header"]
   lines = [f"# Decode benchmark: {header.get('model', '?')} on {header.get('device', '?')}", "",
            f"- date {header.get('date')}, jax {header.get('jax')}, copy bandwidth "
