@@ -2,7 +2,8 @@
 # The H200 decode runs behind benchmarks/results/decode_h200_*.jsonl, in parts so each device call fits its
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: diag peak lat128 lat32 lat16_64 methods32 max32 t1024
-#        t1024_more methods_long max_long; the last three complete the grid)
+#        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max; the last four are the
+#        points of the grid that the 2026-12-01 runs did not reach)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -27,6 +28,10 @@ for part in "$@"; do
     t1024_more) run 220 --contexts 16k,64k --methods rocketkv,snapkv,quest --budgets 1024 --batches 1,8 ;;
     methods_long) run 300 --contexts 16k,64k,128k --methods snapkv,quest --budgets 256 --batches 1,8 ;;
     max_long)  run 300 --contexts 16k,64k,128k --methods full,rocketkv --budgets 256 --batches 32,max ;;
+    methods_max) run 420 --contexts 16k,32k,64k,128k --methods snapkv,quest --budgets 256 --batches 32,max ;;
+    t1024_rest) run 300 --contexts 32k,128k --methods snapkv,quest --budgets 1024 --batches 1,8 ;;
+    t1024_quest) run 220 --contexts 16k,64k --methods quest --budgets 1024 --batches 1,8 ;;
+    t1024_max) run 420 --contexts 16k,32k,64k,128k --methods rocketkv --budgets 1024 --batches 32,max ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac
 done
