@@ -294,13 +294,12 @@ def main(argv=None):
               ms, per_step, length, top = time_decode(model, config, caches, chunk=args.chunk, reps=reps,
                                                       profile_dir=prof)
               del caches
-              step_bytes = wbytes + kv_bytes_needed(config, cfg, length, batch)
-              floor = step_bytes / bw
+              kv_bytes = kv_bytes_needed(config, cfg, length, batch)
+              floor = (wbytes + kv_bytes) / bw
               rec.update(status="ok", ms_per_step=round(ms * 1e3, 3), floor_ms=round(floor * 1e3, 3),
-                         ratio_to_floor=round(ms / floor, 3),
-                         tokens_per_s=round(batch / ms, 1),
+                         ratio_to_floor=round(ms / floor, 3), tokens_per_s=round(batch / ms, 1),
                          step_ms_min=round(min(per_step) * 1e3, 3), step_ms_max=round(max(per_step) * 1e3, 3),
-                         steps_timed=reps * args.chunk, kv_bytes_needed=kv_bytes_needed(config, cfg, length, batch))
+                         steps_timed=reps * args.chunk, kv_bytes_needed=kv_bytes)
               if top:
                 rec["top_ops"] = top
               break

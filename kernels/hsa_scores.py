@@ -203,17 +203,15 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   if interpret:  # interpret mode reads whole blocks: pad instead of masking (the pads are empty pages)
     pad = ((0, 0), (0, 0), (0, 0), (0, P_pad - P))
     kt_min, kt_max = jnp.pad(kt_min, pad), jnp.pad(kt_max, pad)
-  in_specs = [
-      pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
-      pl.BlockSpec((None, None, H, kt_min.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
-      pl.BlockSpec((None, None, H, kt_max.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
-      pl.BlockSpec((None,), lambda b, k, j: (b,)),
-  ]
-  args = [q_BKGH, kt_min, kt_max, length]
   return pl.pallas_call(
       kernel,
       grid=(B, K, num_blocks // bpp),
-      in_specs=in_specs,
+      in_specs=[
+          pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, H, kt_min.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, H, kt_max.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None,), lambda b, k, j: (b,)),
+      ],
       out_specs=[
           pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
           pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
@@ -227,7 +225,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_hsa_scores",
-  )(*args)
+  )(q_BKGH, kt_min, kt_max, length)
 
 
 def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int):

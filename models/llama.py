@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from rocketkv_jax import cache_nbytes, decode_step, make_config, prefill_compress
-from rocketkv_jax.attention import resolve_impl
+from rocketkv_jax.attention import uses_kernels
 from rocketkv_jax.kernels.qkv_rope import qkv_rope
 from rocketkv_jax.kernels.rms_norm import add_rms_norm
 
@@ -277,15 +277,10 @@ def _embed(model: Llama, tokens) -> jax.Array:
   return jnp.take(model.embed[...], tokens, axis=0)
 
 
-def _fused(impl: str) -> bool:
-  """Whether the decode step's norms and RoPE run as the Pallas kernels (impl "pallas" or "interpret")."""
-  return impl in ("pallas", "interpret")
-
-
 def _add_norm(x, delta, w, eps: float, impl: str = "xla"):
   """(h, normed) [..., D]: the residual h = x + delta (h = x when delta is None) and rms_norm(h, w, eps);
-  one `add_rms_norm` kernel over the rows when `_fused(impl)`, else XLA."""
-  if _fused(impl):
+  one `add_rms_norm` kernel over the rows when `uses_kernels(impl)`, else XLA."""
+  if uses_kernels(impl):
     rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
     h, normed = add_rms_norm(rows(x), rows(delta), w, eps=eps, interpret=impl == "interpret")
     return h.reshape(x.shape), normed.reshape(x.shape)
@@ -323,9 +318,9 @@ def _qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
 
 def _decode_qkv(blk: Block, cfg: LlamaConfig, normed_B1D, pos_B, impl: str):
   """q [B, N, H], k and v [B, K, H] of one token per row from the attention-normed input: one `qkv_rope`
-  kernel after the projection when `_fused(impl)`, else `_rope_heads`."""
+  kernel after the projection when `uses_kernels(impl)`, else `_rope_heads`."""
   qkv_B1X = normed_B1D @ blk.wqkv[...]
-  if _fused(impl):
+  if uses_kernels(impl):
     inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
     return qkv_rope(qkv_B1X[:, 0], pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                     head_dim=cfg.head_dim, interpret=impl == "interpret")
@@ -505,7 +500,7 @@ def decode_body(model: Llama, tokens_B, caches, config):
   bf16, XLA's excess-precision rewrites (which may skip the rounding of x + delta) depend on the shapes.
   """
   cfg = model.config
-  impl = resolve_impl(config.impl)
+  impl = config.impl
   eps = cfg.norm_eps
   x = _embed(model, tokens_B)[:, None, :]  # [B, 1, D]
   delta = None  # what the previous layer's MLP adds to x

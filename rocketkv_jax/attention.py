@@ -22,6 +22,16 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
+def uses_kernels(impl: str) -> bool:
+  """Whether `impl` runs the Pallas kernels: "pallas", "interpret", or "auto" on a GPU."""
+  return resolve_impl(impl) in ("pallas", "interpret")
+
+
+def _prefix_valid(idx_BKM, length_B):
+  """valid [B, K, M] of a top-k index list whose first min(length, M) entries are the chosen slots."""
+  return jnp.broadcast_to(slot_valid(length_B, idx_BKM.shape[-1])[:, None, :], idx_BKM.shape)
+
+
 def _masked_softmax_attention(q_BKGH, k_BKMH, v_BKMH, valid_BKM):
   """Exact attention over M candidate slots, scale 1/sqrt(H); invalid slots (even NaN) never leak."""
   scale = 1.0 / np.sqrt(q_BKGH.shape[-1])
@@ -84,14 +94,14 @@ def hsa_page_scores_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, channels_BKR, length_B
 
 
 def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, impl):
-  if resolve_impl(impl) in ("pallas", "interpret"):
+  if uses_kernels(impl):
     from rocketkv_jax.kernels import dense_decode
     return dense_decode.dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, interpret=impl == "interpret")
   return dense_decode_attention_xla(q_BKGH, k_BKSH, v_BKSH, length_B)
 
 
 def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl):
-  if resolve_impl(impl) in ("pallas", "interpret"):
+  if uses_kernels(impl):
     from rocketkv_jax.kernels import sparse_decode
     return sparse_decode.sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM,
                                                  interpret=impl == "interpret")
@@ -101,7 +111,7 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl)
 def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
   """HSA page scores over the group's top-r channels (`select.group_channels`). The Pallas kernel chooses
   the channels, signs and temperatures itself, so nothing runs between the query and it."""
-  if resolve_impl(impl) in ("pallas", "interpret"):
+  if uses_kernels(impl):
     from rocketkv_jax.kernels import hsa_scores
     return hsa_scores.hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
                                       page_size=page_size, interpret=impl == "interpret")
@@ -113,10 +123,10 @@ def page_topk(page_scores_BKP, length_B, *, page_size, k, num_slots, impl):
   """Top-k slots from page scores: idx [B, K, M] and valid [B, K, M] as `topk_tokens_from_pages`. The
   Pallas kernel returns the same set of slots in ascending order (no sort); above its page limit, XLA."""
   from rocketkv_jax.kernels import page_topk as kernel
-  if resolve_impl(impl) in ("pallas", "interpret") and page_scores_BKP.shape[-1] <= kernel.MAX_PAGES:
+  if uses_kernels(impl) and page_scores_BKP.shape[-1] <= kernel.MAX_PAGES:
     idx = kernel.page_topk(page_scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
                            interpret=impl == "interpret")
-    return idx, jnp.broadcast_to(slot_valid(length_B, idx.shape[-1])[:, None, :], idx.shape)
+    return idx, _prefix_valid(idx, length_B)
   return topk_tokens_from_pages(page_scores_BKP, length_B, page_size, k, num_slots)
 
 
@@ -126,14 +136,14 @@ def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k
   kernel's partials go straight to a selection kernel that normalises and picks (above the selection
   kernel's page limit, the scores are normalised in XLA and selected by XLA's top-k)."""
   from rocketkv_jax.kernels import page_topk as topk_kernel
-  if resolve_impl(impl) in ("pallas", "interpret") and kt_min_BKHP.shape[-1] <= topk_kernel.MAX_PAGES:
+  if uses_kernels(impl) and kt_min_BKHP.shape[-1] <= topk_kernel.MAX_PAGES:
     from rocketkv_jax.kernels import hsa_scores
     interpret = impl == "interpret"
     s, m, l = hsa_scores.hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
                                            page_size=page_size, interpret=interpret)
     idx = topk_kernel.hsa_page_topk(s, m, l, length_B, page_size=page_size, k=k, num_slots=num_slots,
                                     interpret=interpret)
-    return idx, jnp.broadcast_to(slot_valid(length_B, idx.shape[-1])[:, None, :], idx.shape)
+    return idx, _prefix_valid(idx, length_B)
   scores = hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
                            impl=impl)
   return page_topk(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl)
@@ -148,7 +158,7 @@ def append_token(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
 
   KT pages take one slot per sequence, slot[:, 0] of a [B, K] slot on the XLA path: only streaming_llm and
   h2o have ring or per-head slots, and neither keeps KT pages."""
-  if resolve_impl(impl) in ("pallas", "interpret"):
+  if uses_kernels(impl):
     from rocketkv_jax.kernels import cache_append
     return cache_append.cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
                                      page_size=page_size, interpret=impl == "interpret")
