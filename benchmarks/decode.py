@@ -235,7 +235,8 @@ def main(argv=None):
   dev = jax.devices()[0]
   header = dict(kind="header", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=dev.device_kind, jax=jax.__version__, command="python -m benchmarks.decode " + " ".join(
-                    sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape")
+                    sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
 
   def emit(rec):
     line = json.dumps(rec)

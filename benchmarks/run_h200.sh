@@ -32,6 +32,16 @@ for part in "$@"; do
     t1024_rest) run 300 --contexts 32k,128k --methods snapkv,quest --budgets 1024 --batches 1,8 ;;
     t1024_quest) run 220 --contexts 16k,64k --methods quest --budgets 1024 --batches 1,8 ;;
     t1024_max) run 420 --contexts 16k,32k,64k,128k --methods rocketkv --budgets 1024 --batches 32,max ;;
+    cmdbuf)  # the batch-1 step with XLA's command buffers off, and at graph size 1, against the default flags
+      for v in "default:" "off:--xla_gpu_enable_command_buffer=" "min1:--xla_gpu_graph_min_graph_size=1"; do
+        name=${v%%:*}
+        XLA_FLAGS="${v#*:}" timeout 150 python3 -m benchmarks.decode --out "$out/cmdbuf_$name.jsonl" --contexts 16k \
+          --methods rocketkv,full --budgets 256 --batches 1 --profile "/tmp/cb_$name" >>"$out/log.txt" 2>&1
+        for f in /tmp/cb_$name/*/decode_chunk.hlo.txt; do
+          echo "$name $f command_buffer ops: $(grep -c 'command_buffer' "$f")" >>"$out/cmdbuf.txt"
+          gzip -c "$f" > "$out/cmdbuf_${name}_$(basename "$(dirname "$f")").hlo.txt.gz"
+        done
+      done ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac
 done
