@@ -15,6 +15,18 @@ def _label(r):
   return r["method"] if r.get("token_budget") is None or r["method"] == "full" else f'{r["method"]} t={r["token_budget"]}'
 
 
+_METHOD_ORDER = ("full", "rocketkv", "snapkv", "quest")
+
+
+def _table_order(r):
+  """Context, then batch (1, 8, 32, max), then the methods side by side (full first), then the budget."""
+  spec = str(r.get("batch_spec", r.get("batch")))
+  batch = float("inf") if spec == "max" else int(spec) if spec.isdigit() else r.get("batch", 0)
+  m = r["method"]
+  rank = _METHOD_ORDER.index(m) if m in _METHOD_ORDER else len(_METHOD_ORDER)
+  return r["context"], batch, r.get("token_budget") or 0 if m != "full" else 0, rank, m
+
+
 def render(path: str) -> str:
   recs = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
   header = next((r for r in recs if r["kind"] == "header"), {})
@@ -46,7 +58,7 @@ def render(path: str) -> str:
              for h in headers], "",
            "| method | context | batch | ms/step | floor ms | x floor | tokens/s | cache GB | prefill s | prefill vs dense |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-  for r in points:
+  for r in sorted(points, key=_table_order):
     if r.get("status") != "ok":
       lines.append(f"| {_label(r)} | {r['context']} | {r.get('batch')} ({r.get('batch_spec', '')}) | "
                    f"{r.get('status')} | | | | | | |")
