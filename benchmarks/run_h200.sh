@@ -2,8 +2,7 @@
 # The H200 decode runs behind benchmarks/results/decode_h200_*.jsonl, in parts so each device call fits its
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: diag peak lat128 lat32 lat16_64 methods32 max32 t1024
-#        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max; the last four are the
-#        points of the issue's grid that the 2026-12-01 runs did not reach)
+#        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -31,6 +30,9 @@ for part in "$@"; do
     methods_max) run 420 --contexts 16k,32k,64k,128k --methods snapkv,quest --budgets 256 --batches 32,max ;;
     t1024_rest) run 300 --contexts 32k,128k --methods snapkv,quest --budgets 1024 --batches 1,8 ;;
     t1024_quest) run 220 --contexts 16k,64k --methods quest --budgets 1024 --batches 1,8 ;;
+    hsa_large)  # the stage-2 kernels alone at RocketKV's largest batch (both scoring layouts), t=256 and 1024
+      timeout 300 python3 benchmarks/kernels.py --out "$out/kernels_large.jsonl" --only sparse --batches 32,108,391 \
+        --lengths 32768 --budgets 256,1024 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
     t1024_max) run 420 --contexts 16k,32k,64k,128k --methods rocketkv --budgets 1024 --batches 32,max ;;
     cmdbuf)  # the batch-1 step with XLA's command buffers off, and at graph size 1, against the default flags
       for v in "default:" "off:--xla_gpu_enable_command_buffer=" "min1:--xla_gpu_graph_min_graph_size=1"; do
@@ -58,4 +60,5 @@ PY
 for d in /tmp/prof/rocketkv_*_1 /tmp/prof/full_*_1; do
   [ -f "$d/decode_chunk.hlo.txt" ] && gzip -c "$d/decode_chunk.hlo.txt" > "$out/hlo_$(basename "$d").txt.gz"
 done
+[ -n "${NO_BUNDLE:-}" ] || bash benchmarks/bundle_out.sh "$out"
 true

@@ -33,5 +33,6 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     | grep -v "^{" | tee "$OUT/kernels_bench_$D.txt" | tail -45
 fi
 if [ -n "${DECODE_PARTS:-}" ]; then  # whole-model decode points too, e.g. DECODE_PARTS=lat32 (run_h200.sh)
-  bash benchmarks/run_h200.sh "$OUT" $DECODE_PARTS
+  NO_BUNDLE=1 bash benchmarks/run_h200.sh "$OUT" $DECODE_PARTS
 fi
+bash benchmarks/bundle_out.sh "$OUT"
