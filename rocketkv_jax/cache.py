@@ -56,9 +56,11 @@ def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
 def write_slot(x_BKSX: jax.Array, new_BKX: jax.Array, slot_BK: jax.Array) -> jax.Array:
   """x[b, k, slot[b, k]] = new[b, k], in place under donation (one scatter).
 
-  A slot past the capacity (possible only when a caller's jit decodes past capacity, which the eager
-  `decode_step` refuses) is dropped, never written out of range."""
+  A slot outside [0, S) (past the capacity: possible only when a caller's jit decodes past capacity, which
+  the eager `decode_step` refuses) is dropped, never written out of range; a negative slot does not wrap
+  (as in the Pallas `cache_append`)."""
   b, k = np.indices(slot_BK.shape, sparse=True)
+  slot_BK = jnp.where(slot_BK < 0, x_BKSX.shape[2], slot_BK)  # .at[] would wrap a negative index
   # The barrier keeps XLA from fusing the producer of `new` (the K/V projection matmul) into the scatter:
   # on an H200 that fusion ran each projection as one thread per output element (77 us per layer).
   new_BKX = jax.lax.optimization_barrier(new_BKX.astype(x_BKSX.dtype))
@@ -88,9 +90,9 @@ def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype
 
 def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size: int, num_slots: int):
   """Folds the key appended at slot `slot` into page slot // page_size; a page starts fresh at its first slot.
-  A slot past the capacity (dropped by write_slot) touches no page."""
+  A slot outside [0, num_slots) (dropped by write_slot) touches no page."""
   num_pages = kt_min_BKHP.shape[-1]
-  page_B = jnp.where(slot_B < num_slots, slot_B // page_size, num_pages)
+  page_B = jnp.where((slot_B >= 0) & (slot_B < num_slots), slot_B // page_size, num_pages)
   fresh_B = (slot_B % page_size == 0)[:, None, None]
   b = jnp.arange(slot_B.shape[0])
   kf = jax.lax.optimization_barrier(k_new_BKH).astype(jnp.float32)  # see write_slot

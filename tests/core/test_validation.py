@@ -108,6 +108,25 @@ def test_decode_past_capacity_inside_jit_never_writes_out_of_range():
   assert np.asarray(cache.length).tolist() == [T, T]
 
 
+@pytest.mark.parametrize("bad", [-1, -4, T, T + 5])
+def test_append_outside_the_cache_changes_nothing_on_either_path(bad):
+  """A slot outside [0, S) is dropped by the XLA scatters and by the Pallas kernel alike (no wrap-around of a
+  negative slot), K/V and KT pages; the in-range row of the same call is written."""
+  from rocketkv_jax import attention
+  ks = jax.random.split(jax.random.PRNGKey(3), 6)
+  k, v = (jax.random.normal(x, (B, K, T, H)) for x in ks[:2])
+  kt_min, kt_max = (jax.random.normal(x, (B, K, H, -(-T // 3))) for x in ks[2:4])
+  k_new, v_new = (jax.random.normal(x, (B, K, H)) for x in ks[4:])
+  slot = jnp.array([bad, 7], jnp.int32)
+  outs = {impl: attention.append_token(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=3, impl=impl)
+          for impl in ("xla", "interpret")}
+  for name, before, x, p in zip(("k", "v", "kt_min", "kt_max"), (k, v, kt_min, kt_max), outs["xla"],
+                                outs["interpret"]):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(p), rtol=0, atol=0, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(before)[0], err_msg=f"{name}: row 0 changed")
+  np.testing.assert_array_equal(np.asarray(outs["xla"][0])[1, :, 7], np.asarray(k_new)[1])
+
+
 def test_numpy_and_list_inputs():
   q, k, v = (np.asarray(x) for x in _qkv())
   cfg = _cfg()
