@@ -6,6 +6,7 @@ writes <stem>.md and <stem>_latency.png, <stem>_throughput.png, <stem>_memory.pn
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -19,12 +20,13 @@ _METHOD_ORDER = ("full", "rocketkv", "snapkv", "quest")
 
 
 def _table_order(r):
-  """Context, then batch (1, 8, 32, max), then the methods side by side (full first), then the budget."""
-  spec = str(r.get("batch_spec", r.get("batch")))
-  batch = float("inf") if spec == "max" else int(spec) if spec.isdigit() else r.get("batch", 0)
+  """Context, then batch (1, 8, 32, max), then the budget (full with the first), then the methods side by
+  side (full first)."""
+  batch = float("inf") if r.get("batch_spec") == "max" else r.get("batch", 0)
   m = r["method"]
+  budget = 0 if m == "full" else r.get("token_budget") or 0
   rank = _METHOD_ORDER.index(m) if m in _METHOD_ORDER else len(_METHOD_ORDER)
-  return r["context"], batch, r.get("token_budget") or 0 if m != "full" else 0, rank, m
+  return r["context"], batch, budget, rank, m
 
 
 def render(path: str) -> str:
@@ -45,8 +47,8 @@ def render(path: str) -> str:
       dense_all[r["context"]].append(r["prefill_s"])
   for r, i in zip(recs, runs):
     if r["kind"] == "point" and r.get("prefill_s"):
-      ref = dense_run.get((i, r["context"])) or (sorted(dense_all[r["context"]])[len(dense_all[r["context"]]) // 2]
-                                                if dense_all[r["context"]] else None)
+      alls = dense_all[r["context"]]
+      ref = dense_run.get((i, r["context"])) or (statistics.median_high(alls) if alls else None)
       r["prefill_vs_dense"] = round(r["prefill_s"] / ref, 3) if ref else None
   headers = [r for r in recs if r["kind"] == "header"]
   lines = [f"# Decode benchmark: {header.get('model', '?')} on {header.get('device', '?')}", "",

@@ -121,8 +121,8 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
                  page_size: int = 1, interpret: bool = False, num_warps: int = 1):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
-  slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT pages are given, folds k_new (in float32, stored in the KT dtype) into page
-  slot // page_size, which starts fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max).
+  slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
+  pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max).
 
   A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
   how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages

@@ -132,20 +132,21 @@ def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
     raise ValueError(f"length_B.shape={length_B.shape} must be ({B},)")
 
 
-def _call(kernel, inputs, in_block_shapes, B, K, M, interpret, num_warps, name):
-  """The (B, K) grid, one program per row; compiled, the output is exactly [B, K, M] (no XLA slice after)."""
+def _call(kernel, inputs, length_B, B, K, M, interpret, num_warps, name):
+  """The (B, K) grid, one program per row, over the per-row blocks of `inputs` [B, K, ...] and length_B
+  (clipped in the kernel); compiled, the output is exactly [B, K, M] (no XLA slice after)."""
   width = next_pow2(M) + 1 if interpret else M
   idx = pl.pallas_call(
       kernel,
       grid=(B, K),
       in_specs=[pl.BlockSpec((None, None) + shape, lambda b, h, n=len(shape): (b, h) + (0,) * n)
-                for shape in in_block_shapes] + [pl.BlockSpec((None,), lambda b, h: (b,))],
+                for shape in (x.shape[2:] for x in inputs)] + [pl.BlockSpec((None,), lambda b, h: (b,))],
       out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
       out_shape=jax.ShapeDtypeStruct((B, K, width), jnp.int32),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name=name,
-  )(*inputs)
+  )(*inputs, length_B.astype(jnp.int32))
   return idx[..., :M] if interpret else idx
 
 
@@ -173,8 +174,7 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
     scores = jnp.pad(scores, ((0, 0), (0, 0), (0, next_pow2(P) - P)))
   kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
                              masked_scatter=not interpret)
-  return _call(kernel, (scores, length_B.astype(jnp.int32)), [scores.shape[2:]], B, K, min(k, num_slots), interpret, num_warps,
-               "rocketkv_page_topk")
+  return _call(kernel, (scores,), length_B, B, K, min(k, num_slots), interpret, num_warps, "rocketkv_page_topk")
 
 
 def hsa_page_topk_reference(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int,
@@ -212,5 +212,5 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
     m, l = jnp.pad(m, pad, constant_values=MASK_VALUE), jnp.pad(l, pad)
   kernel = functools.partial(_hsa_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
                              masked_scatter=not interpret)
-  return _call(kernel, (s, m, l, length_B.astype(jnp.int32)), [s.shape[2:], m.shape[2:], l.shape[2:]], B, K, min(k, num_slots),
-               interpret, num_warps, "rocketkv_hsa_page_topk")
+  return _call(kernel, (s, m, l), length_B, B, K, min(k, num_slots), interpret, num_warps,
+               "rocketkv_hsa_page_topk")

@@ -118,8 +118,8 @@ def _h2o_prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, config) -> KVCache:
 
 
 def _append(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, **replace) -> KVCache:
-  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages) its KT page, in one
-  `attention.append_token`; length and pos advance; `replace` sets the method's other leaves."""
+  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT
+  pages) its KT page, in one `attention.append_token`; length and pos advance; `replace` sets the method's other leaves."""
   if config.uses_kt_pages:
     k, v, kt_min, kt_max = attention.append_token(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, cache.kt_min,
                                                   cache.kt_max, page_size=config.page_size, impl=config.impl)
