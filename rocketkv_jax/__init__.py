@@ -1,16 +1,20 @@
 """rocketkv-jax: RocketKV two-stage KV-cache compression (ICML 2025) for JAX, with Pallas GPU kernels.
 
 prefill -> `prefill_compress` (stage 1, per layer) -> `decode_step` (stage 2, per token per layer).
+Each method is one module of `rocketkv_jax.methods`; each op's semantics and kernel meet in `ops`.
 """
 from rocketkv_jax.api import decode_step, prefill_compress
 from rocketkv_jax.budget import BudgetPlan, plan_budget
-from rocketkv_jax.cache import KVCache, cache_nbytes, concat_caches
-from rocketkv_jax.config import (CONFIGS, METHODS, ExactTopKConfig, FullConfig, H2OConfig, HSAConfig,
-                                 MethodConfig, QuestConfig, RocketKVConfig, SnapKVConfig, SparQConfig,
-                                 StreamingLLMConfig, make_config)
+from rocketkv_jax.cache import CacheSpec, KVCache, cache_nbytes, concat_caches
+from rocketkv_jax.methods import (METHODS, REGISTRY, ExactTopKConfig, FullConfig, H2OConfig, HSAConfig,
+                                  MethodConfig, QuestConfig, RocketKVConfig, SnapKVConfig, SparQConfig,
+                                  StreamingLLMConfig, get_method, make_config)
+
+CONFIGS = REGISTRY  # name -> config class (the method)
 
 __all__ = [
-    "BudgetPlan", "CONFIGS", "ExactTopKConfig", "FullConfig", "H2OConfig", "HSAConfig", "KVCache", "METHODS",
-    "MethodConfig", "QuestConfig", "RocketKVConfig", "SnapKVConfig", "SparQConfig", "StreamingLLMConfig",
-    "cache_nbytes", "concat_caches", "decode_step", "make_config", "plan_budget", "prefill_compress",
+    "BudgetPlan", "CONFIGS", "CacheSpec", "ExactTopKConfig", "FullConfig", "H2OConfig", "HSAConfig", "KVCache",
+    "METHODS", "MethodConfig", "QuestConfig", "REGISTRY", "RocketKVConfig", "SnapKVConfig", "SparQConfig",
+    "StreamingLLMConfig", "cache_nbytes", "concat_caches", "decode_step", "get_method", "make_config",
+    "plan_budget", "prefill_compress",
 ]

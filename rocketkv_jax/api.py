@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rocketkv_jax import methods
 from rocketkv_jax.cache import KVCache
-from rocketkv_jax.config import MethodConfig, _NoEvictionConfig
+from rocketkv_jax.methods import MethodConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -44,8 +43,7 @@ def _check_float(name, x, dtype=None) -> None:
 def _check_heads(config, n: int, n_kv: int, h: int) -> None:
   if n_kv < 1 or n % n_kv:
     raise ValueError(f"query heads N={n} must be a positive multiple of KV heads K={n_kv}")
-  if getattr(config, "topr", 1) > h:
-    raise ValueError(f"config.topr={config.topr} must be <= head_dim={h}")
+  config.check_shapes(n, n_kv, h)
 
 
 def _validate_prefill(q, k, v, lengths, config) -> None:
@@ -64,9 +62,7 @@ def _validate_prefill(q, k, v, lengths, config) -> None:
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"lengths must be an int array of shape (B,)=({b},); got shape={lengths.shape}, "
                      f"dtype={lengths.dtype}")
-  if isinstance(config, _NoEvictionConfig) and t > config.capacity:
-    raise ValueError(f"prompt length T={t} exceeds {config.method} capacity={config.capacity} "
-                     "(raise max_len)")
+  config.check_prompt(t)
   if _is_concrete(lengths):
     host = np.asarray(lengths)
     if (host < 1).any() or (host > t).any():
@@ -77,6 +73,9 @@ def _validate_decode(cache, q, k_new, v_new, config) -> None:
   _check_config(config)
   if not isinstance(cache, KVCache):
     raise ValueError(f"cache must be a KVCache from prefill_compress; got {type(cache).__name__}")
+  if cache.spec != config.cache_spec():
+    raise ValueError(f"the cache was built by {cache.spec} but config is {config.cache_spec()}: decode a cache "
+                     "with the config that built it")
   b, n_kv, s, h = cache.k.shape
   if s != config.capacity:
     raise ValueError(f"cache capacity S={s} does not match config.capacity={config.capacity} "
@@ -92,24 +91,19 @@ def _validate_decode(cache, q, k_new, v_new, config) -> None:
   _check_float("v_new", v_new, cache.k.dtype)
   if q.dtype != cache.k.dtype:
     raise ValueError(f"q.dtype={q.dtype} must equal the cache dtype {cache.k.dtype}")
-  if config.method in ("streaming_llm", "h2o") or not _is_concrete(cache.length):
-    return
-  length = np.asarray(cache.length)
-  if (length >= s).any():
-    raise ValueError(f"cache.length={length.tolist()} has reached capacity={s} for {config.method}: "
-                     "no slot left for a new token (plan a larger max_new_tokens / max_len)")
+  config.check_room(cache)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _prefill_jit(q, k, v, lengths, *, config):
-  return methods.prefill(q, k, v, lengths, config)
+  return config.prefill(q, k, v, lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(0,))
 def _decode_jit(cache, q, k_new, v_new, *, config):
   b, n, h = q.shape
   n_kv = k_new.shape[1]
-  out, cache = methods.decode(cache, q.reshape(b, n_kv, n // n_kv, h), k_new, v_new, config)
+  out, cache = config.decode(cache, q.reshape(b, n_kv, n // n_kv, h), k_new, v_new)
   return out.reshape(b, n, h), cache
 
 

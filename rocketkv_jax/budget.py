@@ -7,6 +7,14 @@ import math
 MIN_TOKEN_BUDGET = 16
 
 
+def check_int(name: str, value, low: int = 1) -> None:
+  """ValueError naming the value unless it is an int (not a bool) >= low."""
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise ValueError(f"{name}={value!r} must be an int")
+  if value < low:
+    raise ValueError(f"{name}={value} must be >= {low}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BudgetPlan:
   """RocketKV's split of a token budget `t` between stage 1 (SnapKV) and stage 2 (HSA).
@@ -48,10 +56,7 @@ def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_di
   for name, value, low in (("token_budget", token_budget, MIN_TOKEN_BUDGET), ("prompt_len", prompt_len, 1),
                            ("max_new_tokens", max_new_tokens, 0), ("head_dim", head_dim, 1),
                            ("window_size", window_size, 1)):
-    if not isinstance(value, int) or isinstance(value, bool):
-      raise ValueError(f"{name}={value!r} must be an int")
-    if value < low:
-      raise ValueError(f"{name}={value} must be >= {low}")
+    check_int(name, value, low)
   if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
     raise ValueError(f"max_len={max_len!r} must be a positive int or None")
   t, d = token_budget, head_dim

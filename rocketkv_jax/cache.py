@@ -11,6 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rocketkv_jax import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+  """What built a cache: the method's name and every config field that decides what the cache holds and how
+  a step updates it (all but `impl`). Hashable, so it is static pytree metadata."""
+
+  method: str
+  fields: tuple[tuple[str, object], ...]
+
+  def __str__(self) -> str:
+    return f"{self.method}({', '.join(f'{k}={v!r}' for k, v in self.fields)})"
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,6 +40,8 @@ class KVCache:
   scores: [B, K, S] float32 accumulated attention (H2O).
   positions: [B, K, S] int32 absolute position of each slot's token (H2O).
   v_sum: [B, K, H] float32 sum of the valid values (SparQ's mean-value correction).
+  spec: static (not a leaf): the method and config fields that built the cache; `decode_step` refuses a
+    config whose spec differs.
   """
 
   k: jax.Array
@@ -37,6 +53,7 @@ class KVCache:
   scores: jax.Array | None = None
   positions: jax.Array | None = None
   v_sum: jax.Array | None = None
+  spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
 
   @property
   def capacity(self) -> int:
@@ -51,24 +68,6 @@ def cache_nbytes(cache) -> int:
 def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
   """[B, S] bool: slot s of sequence b holds a token."""
   return jnp.arange(num_slots)[None, :] < length_B[:, None]
-
-
-def write_slot(x_BKSX: jax.Array, new_BKX: jax.Array, slot_BK: jax.Array) -> jax.Array:
-  """x[b, k, slot[b, k]] = new[b, k], in place under donation (one scatter).
-
-  A slot outside [0, S) (past the capacity: possible only when a caller's jit decodes past capacity, which
-  the eager `decode_step` refuses) is dropped, never written out of range; a negative slot does not wrap
-  (as in the Pallas `cache_append`)."""
-  b, k = np.indices(slot_BK.shape, sparse=True)
-  slot_BK = jnp.where(slot_BK < 0, x_BKSX.shape[2], slot_BK)  # .at[] would wrap a negative index
-  # The barrier keeps XLA from fusing the producer of `new` (the K/V projection matmul) into the scatter:
-  # on an H200 that fusion ran each projection as one thread per output element (77 us per layer).
-  new_BKX = jax.lax.optimization_barrier(new_BKX.astype(x_BKSX.dtype))
-  return x_BKSX.at[b, k, slot_BK].set(new_BKX, mode="drop")
-
-
-def kt_dtype(config, k_dtype) -> jnp.dtype:
-  return jnp.dtype(k_dtype if config.kt_cache_dtype is None else config.kt_cache_dtype)
 
 
 def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -88,21 +87,40 @@ def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype
   return (k_min.transpose(0, 1, 3, 2).astype(dtype), k_max.transpose(0, 1, 3, 2).astype(dtype))
 
 
-def append_kt_pages(kt_min_BKHP, kt_max_BKHP, k_new_BKH, slot_B, page_size: int, num_slots: int):
-  """Folds the key appended at slot `slot` into page slot // page_size; a page starts fresh at its first slot.
-  A slot outside [0, num_slots) (dropped by write_slot) touches no page."""
-  num_pages = kt_min_BKHP.shape[-1]
-  page_B = jnp.where((slot_B >= 0) & (slot_B < num_slots), slot_B // page_size, num_pages)
-  fresh_B = (slot_B % page_size == 0)[:, None, None]
-  b = jnp.arange(slot_B.shape[0])
-  kf = jax.lax.optimization_barrier(k_new_BKH).astype(jnp.float32)  # see write_slot
-  old_min = kt_min_BKHP[b, :, :, page_B].astype(jnp.float32)  # [B, K, H]
-  old_max = kt_max_BKHP[b, :, :, page_B].astype(jnp.float32)
-  new_min = jnp.where(fresh_B, kf, jnp.minimum(old_min, kf))
-  new_max = jnp.where(fresh_B, kf, jnp.maximum(old_max, kf))
-  kt_min = kt_min_BKHP.at[b, :, :, page_B].set(new_min.astype(kt_min_BKHP.dtype), mode="drop")
-  kt_max = kt_max_BKHP.at[b, :, :, page_B].set(new_max.astype(kt_max_BKHP.dtype), mode="drop")
-  return kt_min, kt_max
+def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, **extras) -> KVCache:
+  """The cache holding, per KV head, the prompt positions keep[b, k, :count[b]] in slots [0, count) (junk
+  after), at the config's capacity, with KT pages when the method keeps them; `extras` sets other leaves."""
+  capacity = config.capacity
+  m = keep_BKM.shape[-1]
+  valid = slot_valid(count_B, m)[:, None, :, None]
+
+  def place(x_BTKH):
+    x = jnp.take_along_axis(x_BTKH.transpose(0, 2, 1, 3), keep_BKM[..., None], axis=2)  # [B, K, M, H]
+    x = jnp.where(valid, x, jnp.zeros((), x.dtype))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - m), (0, 0)))
+
+  k = place(k_BTKH)
+  length = count_B.astype(jnp.int32)
+  if config.uses_kt_pages:
+    dtype = jnp.dtype(k.dtype if config.kt_cache_dtype is None else config.kt_cache_dtype)
+    extras["kt_min"], extras["kt_max"] = build_kt_pages(k, length, config.page_size, dtype)
+  return KVCache(k=k, v=place(v_BTKH), length=length, pos=lengths_B.astype(jnp.int32),
+                 spec=config.cache_spec(), **extras)
+
+
+def append_token(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
+  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages)
+  its KT page, in one `ops.cache_append`; length (up to the capacity) and pos advance. A slot outside
+  [0, S) writes nothing."""
+  pages = (cache.kt_min, cache.kt_max) if config.uses_kt_pages else ()
+  new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
+                         page_size=config.page_size if pages else 1, impl=config.impl)
+  if pages:
+    k, v, kt_min, kt_max = new
+  else:
+    (k, v), kt_min, kt_max = new, cache.kt_min, cache.kt_max
+  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=cache.pos + 1,
+                             length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32))
 
 
 def concat_caches(caches):
@@ -110,7 +128,7 @@ def concat_caches(caches):
 
   This is how a server prefills prompts in sub-batches and decodes them as one batch: each sub-batch is
   compressed on its own (prefill_compress is per sequence), then the compressed caches are assembled.
-  All parts must come from the same config (same capacity, leaves and dtypes).
+  All parts must come from the same config (same spec, leaves and dtypes).
   """
   caches = list(caches)
   if not caches:

@@ -272,29 +272,3 @@ def test_pallas_impl_matches_xla_gpu(method):
     want, _ = _run(xla, q, k, v, lengths, steps)
     got, _ = _run(pallas, q, k, v, lengths, steps)
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
-
-
-def test_topk_from_pages_two_paths_agree(monkeypatch):
-  """The direct (broadcast) and two-level (best pages first) selections and the Pallas kernel (interpret)
-  pick the same tokens, ties included."""
-  from rocketkv_jax import attention, select
-  rng = np.random.default_rng(0)
-  b, n_kv, page_size, num_slots = 3, 2, 4, 203
-  num_pages = -(-num_slots // page_size)
-  scores = jnp.asarray(rng.integers(0, 5, (b, n_kv, num_pages)).astype(np.float32))  # many ties
-  length = jnp.array([203, 57, 1])
-
-  def chosen(idx, valid):
-    idx, valid = np.asarray(idx), np.asarray(valid)
-    return [sorted(idx[i, j][valid[i, j]].tolist()) for i in range(b) for j in range(n_kv)]
-
-  for k in (1, 7, 64, 300):
-    direct = chosen(*select.topk_tokens_from_pages(scores, length, page_size, k, num_slots))
-    monkeypatch.setattr(select, "DIRECT_TOPK_MAX_SLOTS", 0)
-    paged = chosen(*select.topk_tokens_from_pages(scores, length, page_size, k, num_slots))
-    monkeypatch.undo()
-    assert direct == paged, k
-    kernel = chosen(*attention.page_topk(scores, length, page_size=page_size, k=k, num_slots=num_slots,
-                                         impl="interpret"))
-    assert kernel == direct, k
-    assert [len(x) for x in direct] == [min(k, n) for n in (203, 203, 57, 57, 1, 1)]

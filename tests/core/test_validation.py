@@ -1,4 +1,6 @@
 """Every bad input raises ValueError naming the value, before any device work."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,8 +92,50 @@ def test_decode_rejects(mutate, match):
 def test_decode_with_other_config():
   q, k, v = _qkv()
   cache = rk.prefill_compress(q, k, v, LEN, config=_cfg())
-  with pytest.raises(ValueError, match="does not match config.capacity"):
+  with pytest.raises(ValueError, match=r"built by rocketkv\(.*but config is full\("):
     rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=_cfg("full"))
+
+
+def _same_capacity_pairs():
+  """(built-by, decoded-with) config pairs whose caches have the same capacity and leaves' shapes (so no shape
+  check can catch them) but differ in method or in a field that decides what the cache holds."""
+  base = dict(prompt_budget=40, max_new_tokens=8, topk=16, topr=8, page_size=4, window_size=8, kernel_size=7,
+              impl="xla")
+  rocket = rk.RocketKVConfig(**base)
+  snap = rk.SnapKVConfig(prompt_budget=40, max_new_tokens=8, window_size=8, kernel_size=7, impl="xla")
+  full = rk.FullConfig(max_len=48, impl="xla")
+  hsa = rk.HSAConfig(max_len=48, page_size=4, topr=8, topk=16, impl="xla")
+  quest = rk.QuestConfig(max_len=48, page_size=4, topk=16, impl="xla")
+  stream = rk.StreamingLLMConfig(token_budget=48, impl="xla")
+  h2o = rk.H2OConfig(token_budget=48, impl="xla")
+  return [
+      (rocket, snap), (snap, rocket), (full, hsa), (hsa, full), (hsa, quest), (quest, hsa), (full, stream),
+      (stream, full), (h2o, stream), (stream, h2o), (full, rk.ExactTopKConfig(max_len=48, topk=16, impl="xla")),
+      (rocket, dataclasses.replace(rocket, page_size=2)),  # KT pages of another size
+      (rocket, dataclasses.replace(rocket, page_size=3)),  # same page count (16), other page boundaries
+      (rocket, dataclasses.replace(rocket, prompt_budget=44, max_new_tokens=4)),  # same capacity, other plan
+      (rocket, dataclasses.replace(rocket, kt_cache_dtype="bfloat16")),
+      (rocket, dataclasses.replace(rocket, window_size=16)),
+      (stream, dataclasses.replace(stream, sink_tokens=8)),  # the same ring, other slots
+      (h2o, dataclasses.replace(h2o, recent=10)),
+      (hsa, dataclasses.replace(hsa, topr=4)),
+  ]
+
+
+@pytest.mark.parametrize("built,used", _same_capacity_pairs(), ids=lambda c: str(c.cache_spec()))
+def test_decode_refuses_a_cache_of_another_spec(built, used):
+  q, k, v = _qkv()
+  cache = rk.prefill_compress(q[:, :40], k[:, :40], v[:, :40], jnp.array([40, 30]), config=built)
+  with pytest.raises(ValueError, match=r"the cache was built by .* but config is "):
+    rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=used)
+
+
+def test_decode_accepts_the_same_spec_with_another_impl():
+  q, k, v = _qkv()
+  cfg = _cfg()
+  cache = rk.prefill_compress(q, k, v, LEN, config=cfg)
+  out, _ = rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=dataclasses.replace(cfg, impl="interpret"))
+  assert np.isfinite(np.asarray(out)).all()
 
 
 def test_decode_past_capacity_inside_jit_never_writes_out_of_range():
@@ -112,13 +156,13 @@ def test_decode_past_capacity_inside_jit_never_writes_out_of_range():
 def test_append_outside_the_cache_changes_nothing_on_either_path(bad):
   """A slot outside [0, S) is dropped by the XLA scatters and by the Pallas kernel alike (no wrap-around of a
   negative slot), K/V and KT pages; the in-range row of the same call is written."""
-  from rocketkv_jax import attention
+  from rocketkv_jax import ops
   ks = jax.random.split(jax.random.PRNGKey(3), 6)
   k, v = (jax.random.normal(x, (B, K, T, H)) for x in ks[:2])
   kt_min, kt_max = (jax.random.normal(x, (B, K, H, -(-T // 3))) for x in ks[2:4])
   k_new, v_new = (jax.random.normal(x, (B, K, H)) for x in ks[4:])
   slot = jnp.array([bad, 7], jnp.int32)
-  outs = {impl: attention.append_token(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=3, impl=impl)
+  outs = {impl: ops.cache_append(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=3, impl=impl)
           for impl in ("xla", "interpret")}
   for name, before, x, p in zip(("k", "v", "kt_min", "kt_max"), (k, v, kt_min, kt_max), outs["xla"],
                                 outs["interpret"]):

@@ -1,6 +1,6 @@
-"""Stage 1: SnapKV with group-wise selection (ALGORITHM.md §2), and H2O's prefill scores.
+"""Stage 1: SnapKV with group-wise selection (ALGORITHM.md §2), shared by the snapkv and rocketkv methods.
 
-Both return, per (sequence, KV head), which prompt positions to keep, in ascending position order.
+Per (sequence, KV head): which prompt positions to keep, in ascending position order.
 """
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rocketkv_jax.budget import check_int
+from rocketkv_jax.cache import KVCache, kept_cache
 from rocketkv_jax.select import topk_tokens
 
 
@@ -69,25 +71,36 @@ def snapkv_keep(q_BTNH, k_BTKH, lengths_B, *, prompt_budget: int, window_size: i
   return keep.astype(jnp.int32), jnp.minimum(lengths_B, m).astype(jnp.int32)
 
 
-def h2o_prefill_scores(q_BTNH, k_BTKH, lengths_B, *, block: int = 256) -> jax.Array:
-  """Accumulated causal attention [B, K, T] float32 each prompt key received from every prompt query of its
-  KV head's group. Query blocks are scanned, so [T, T] scores are never materialized."""
-  b, t, n, h = q_BTNH.shape
-  n_kv = k_BTKH.shape[2]
-  g = n // n_kv
-  nb = -(-t // block)
-  qp = jnp.pad(q_BTNH, ((0, 0), (0, nb * block - t), (0, 0), (0, 0)))
-  qp = qp.reshape(b, nb, block, n_kv, g, h).transpose(1, 0, 2, 3, 4, 5)
-  key_pos = jnp.arange(t)
+# ----------------------------------------------------------------------------- the methods' stage 1 (snapkv, rocketkv)
 
-  def body(acc, xs):
-    i, q_blk = xs
-    qpos = i * block + jnp.arange(block)
-    s = jnp.einsum("BQKGH,BTKH->BKGQT", q_blk, k_BTKH, preferred_element_type=jnp.float32) / np.sqrt(h)
-    mask = (key_pos[None, :] <= qpos[:, None])[None] & (qpos[None, :, None] < lengths_B[:, None, None])
-    mask = mask[:, None, None]
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1, where=mask)
-    return acc + jnp.where(mask, p, 0.0).sum(axis=(2, 3)), None
 
-  acc, _ = lax.scan(body, jnp.zeros((b, n_kv, t), jnp.float32), (jnp.arange(nb), qp))
-  return acc
+def check_config(c) -> None:
+  """Checks the stage-1 knobs (prompt_budget, max_new_tokens, window_size, kernel_size, sink_tokens)."""
+  check_int("prompt_budget", c.prompt_budget)
+  check_int("max_new_tokens", c.max_new_tokens, 0)
+  check_int("window_size", c.window_size)
+  check_int("kernel_size", c.kernel_size)
+  check_int("sink_tokens", c.sink_tokens, 0)
+  if c.kernel_size % 2 == 0:
+    raise ValueError(f"kernel_size={c.kernel_size} must be odd (same-length max-pool)")
+  if c.prompt_budget < c.window_size:
+    raise ValueError(f"prompt_budget={c.prompt_budget} must be >= window_size={c.window_size}")
+  if c.sink_tokens > c.prompt_budget - c.window_size:
+    raise ValueError(f"sink_tokens={c.sink_tokens} must be <= prompt_budget - window_size = "
+                     f"{c.prompt_budget - c.window_size}")
+
+
+def keep_for(c, q_BTNH, k_BTKH, lengths_B):
+  """(keep [B, K, M], count [B]): the prompt positions stage 1 keeps with config c's knobs."""
+  return snapkv_keep(q_BTNH, k_BTKH, lengths_B.astype(jnp.int32), prompt_budget=c.prompt_budget,
+                     window_size=c.window_size, kernel_size=c.kernel_size, sink_tokens=c.sink_tokens)
+
+
+def prefill(c, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
+  keep, count = keep_for(c, q_BTNH, k_BTKH, lengths_B)
+  return kept_cache(c, k_BTKH, v_BTKH, keep, count, lengths_B)
+
+
+def kept_positions(c, cache, q_BTNH, k_BTKH, lengths_B):
+  keep, _ = keep_for(c, q_BTNH, k_BTKH, lengths_B)
+  return jnp.pad(keep, ((0, 0), (0, 0), (0, cache.capacity - keep.shape[-1])))

@@ -1,0 +1,52 @@
+"""The methods, one module each, and the registry that maps names to them.
+
+A method is its config class (`methods/base.py` says what every method provides). To add or change a
+method, edit its module; nothing outside this package tests a method's name.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from rocketkv_jax.budget import check_int
+from rocketkv_jax.methods.base import MethodConfig, check_budget
+from rocketkv_jax.methods.exact_topk import ExactTopKConfig
+from rocketkv_jax.methods.full import FullConfig
+from rocketkv_jax.methods.h2o import H2OConfig
+from rocketkv_jax.methods.hsa import HSAConfig
+from rocketkv_jax.methods.quest import QuestConfig
+from rocketkv_jax.methods.rocketkv import RocketKVConfig
+from rocketkv_jax.methods.snapkv import SnapKVConfig
+from rocketkv_jax.methods.sparq import SparQConfig
+from rocketkv_jax.methods.streaming_llm import StreamingLLMConfig
+
+REGISTRY: dict[str, type[MethodConfig]] = {
+    c.method: c for c in (FullConfig, StreamingLLMConfig, H2OConfig, SnapKVConfig, QuestConfig, SparQConfig,
+                          HSAConfig, ExactTopKConfig, RocketKVConfig)}
+METHODS = tuple(REGISTRY)
+
+
+def get_method(name: str) -> type[MethodConfig]:
+  """The config class (the method) registered as `name`."""
+  if name not in REGISTRY:
+    raise ValueError(f"method={name!r} must be one of {METHODS}")
+  return REGISTRY[name]
+
+
+def make_config(method: str, *, token_budget: int, prompt_len: int, max_new_tokens: int, head_dim: int,
+                max_len: int | None = None, **overrides) -> MethodConfig:
+  """The config of `method` for one token budget (ALGORITHM.md §5), then `overrides` (e.g. impl="xla").
+  Overrides that the budget plan itself uses (RocketKV's window_size) are passed to the plan."""
+  cls = get_method(method)
+  check_int("head_dim", head_dim)
+  check_budget(token_budget)
+  unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+  if unknown:
+    raise ValueError(f"{sorted(unknown)} are not fields of {cls.__name__}")
+  plan_kw = {k: overrides.pop(k) for k in cls.plan_fields if k in overrides}
+  config = cls.from_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len, **plan_kw)
+  return dataclasses.replace(config, **overrides)
+
+
+__all__ = ["REGISTRY", "METHODS", "MethodConfig", "get_method", "make_config", "ExactTopKConfig", "FullConfig",
+           "H2OConfig", "HSAConfig", "QuestConfig", "RocketKVConfig", "SnapKVConfig", "SparQConfig",
+           "StreamingLLMConfig"]

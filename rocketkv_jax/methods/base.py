@@ -1,0 +1,232 @@
+"""What a method is: a frozen, hashable config that also carries the method's behaviour.
+
+A method module (`methods/<name>.py`) defines one config class. Its fields are the method's knobs (static
+under jit); its methods are what the rest of the code asks of a method:
+
+  prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache     what it keeps of a layer's prompt (stage 1)
+  decode(cache, q_BKGH, k_new_BKH, v_new_BKH) -> (out, cache)  append, select, attend (stage 2)
+  capacity, evicts, budgeted, uses_kt_pages                  static facts
+  step_read_bytes(length, head_dim=, itemsize=)              the bytes a decode step must read (the floor)
+  write_slot / attended_slots / kept_positions               what the accuracy diagnostic inspects
+  cache_spec()                                               the spec a cache carries (KVCache.spec)
+
+The base classes below hold the behaviour most methods share; a method overrides only what differs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rocketkv_jax import ops
+from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
+from rocketkv_jax.cache import CacheSpec, KVCache, append_token, kept_cache, slot_valid
+
+KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
+
+
+def check_budget(token_budget: int) -> None:
+  check_int("token_budget", token_budget, MIN_TOKEN_BUDGET)
+
+
+def seq_len(prompt_len: int, max_new_tokens: int, max_len: int | None) -> int:
+  """Tokens a sequence can reach: prompt + generated, capped at max_len."""
+  check_int("prompt_len", prompt_len, 1)
+  check_int("max_new_tokens", max_new_tokens, 0)
+  n = prompt_len + max_new_tokens
+  return n if max_len is None else min(n, max_len)
+
+
+def prefix_keep(k_BTKH, n: int):
+  """keep [B, K, min(n, T)]: the first positions, in order."""
+  b, t, n_kv, _ = k_BTKH.shape
+  return jnp.broadcast_to(jnp.arange(min(n, t), dtype=jnp.int32), (b, n_kv, min(n, t)))
+
+
+def kt_itemsize(config, itemsize: int) -> int:
+  return itemsize if config.kt_cache_dtype is None else jnp.dtype(config.kt_cache_dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MethodConfig:
+  """Base of all methods. `impl` picks the decode hot path (`ops`): "xla", "pallas" (GPU kernels),
+  "interpret" (the kernels in Pallas interpret mode, for CPU tests) or "auto" (Pallas on GPU, XLA
+  elsewhere)."""
+
+  method: ClassVar[str]
+  evicts: ClassVar[bool] = False  # the cache never runs out of slots: a decode step may overwrite a token
+  budgeted: ClassVar[bool] = True  # the token budget changes the method (False: full)
+  uses_kt_pages: ClassVar[bool] = False  # the cache keeps per-page key min/max (methods that score pages)
+  plan_fields: ClassVar[tuple[str, ...]] = ()  # fields `from_budget` takes as inputs of the plan
+  impl: str = "auto"
+
+  def __post_init__(self):
+    if self.impl not in ops.IMPLS:
+      raise ValueError(f"impl={self.impl!r} must be one of {ops.IMPLS}")
+
+  @property
+  def capacity(self) -> int:
+    """Cache slots per KV head (static)."""
+    raise NotImplementedError
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    """The config for one token budget (ALGORITHM.md §5)."""
+    raise NotImplementedError
+
+  def cache_spec(self) -> CacheSpec:
+    return CacheSpec(self.method, tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                                        if f.name != "impl"))
+
+  # ------------------------------------------------------------------ checks (before any device work)
+
+  def check_shapes(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """Method-specific checks of the model's head shape."""
+
+  def check_prompt(self, prompt_len: int) -> None:
+    """Method-specific checks of a prefill's padded prompt length T."""
+
+  def check_room(self, cache: KVCache, steps: int = 1) -> None:
+    """Raises ValueError when `steps` more decode steps would not fit (concrete lengths only: skipped
+    inside a caller's jit, where a step past capacity drops its token instead)."""
+    if self.evicts or isinstance(cache.length, jax.core.Tracer):
+      return
+    length = np.asarray(cache.length)
+    if (length + steps > self.capacity).any():
+      raise ValueError(f"cache.length={length.tolist()} has reached capacity={self.capacity} for {self.method}: "
+                       f"no slot left for {steps} more token(s) (plan a larger max_new_tokens / max_len)")
+
+  # ------------------------------------------------------------------ prefill
+
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
+    """Keeps the whole prompt (methods that evict override this)."""
+    del q_BTNH
+    return kept_cache(self, k_BTKH, v_BTKH, prefix_keep(k_BTKH, self.capacity), lengths_B, lengths_B)
+
+  def kept_positions(self, cache: KVCache, q_BTNH, k_BTKH, lengths_B):
+    """[B, K, S] int32: the absolute position each slot holds right after `prefill` (junk past length)."""
+    del q_BTNH, lengths_B
+    b, _, n_kv, _ = k_BTKH.shape
+    return jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, n_kv, cache.capacity))
+
+  # ------------------------------------------------------------------ decode
+
+  def next_slot(self, cache: KVCache):
+    """Slot the next token is written to: [B] (the same for every KV head) or [B, K]."""
+    return cache.length
+
+  def write_slot(self, cache: KVCache):
+    """[B, K] int32: `next_slot` for every KV head."""
+    slot = self.next_slot(cache)
+    return jnp.broadcast_to(slot[:, None], cache.k.shape[:2]) if slot.ndim == 1 else slot
+
+  def append(self, cache: KVCache, k_new_BKH, v_new_BKH) -> KVCache:
+    return append_token(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self)
+
+  def attend(self, cache: KVCache, q_BKGH):
+    """Dense attention over the valid slots (methods that select override this)."""
+    return ops.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=self.impl)
+
+  def decode(self, cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH):
+    cache = self.append(cache, k_new_BKH, v_new_BKH)
+    return self.attend(cache, q_BKGH), cache
+
+  def attended_slots(self, cache: KVCache, q_BKGH):
+    """(idx, valid) [B, K, M]: the slots a step attends, its token already appended."""
+    del q_BKGH
+    b, n_kv, s, _ = cache.k.shape
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, n_kv, s))
+    return idx, idx < cache.length[:, None, None]
+
+  def step_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
+    """Bytes one decode step must read per KV head, sequence and layer at `length` valid slots (K, V, KT
+    pages, indices; ALGORITHM.md §3, §5): every held K/V pair for a dense method."""
+    return min(length, self.capacity) * 2 * head_dim * itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeepAllConfig(MethodConfig):
+  """Methods that keep every token: the cache holds `max_len` tokens (prompt + generated)."""
+
+  max_len: int
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_int("max_len", self.max_len)
+
+  @property
+  def capacity(self) -> int:
+    return self.max_len
+
+  def check_prompt(self, prompt_len: int) -> None:
+    if prompt_len > self.capacity:
+      raise ValueError(f"prompt length T={prompt_len} exceeds {self.method} capacity={self.capacity} "
+                       "(raise max_len)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FixedCacheConfig(MethodConfig):
+  """Methods whose cache never holds more than `token_budget` tokens: they evict during decode."""
+
+  evicts: ClassVar[bool] = True
+  token_budget: int
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_budget(self.token_budget)
+
+  @property
+  def capacity(self) -> int:
+    return self.token_budget
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    seq_len(prompt_len, max_new_tokens, max_len)
+    return cls(token_budget=token_budget, **kw)
+
+
+class SelectingMixin:
+  """Methods that attend exactly to a top-k selection: `select(cache, q)` -> (idx, valid) [B, K, M]."""
+
+  def select(self, cache: KVCache, q_BKGH):
+    raise NotImplementedError
+
+  def attend(self, cache: KVCache, q_BKGH):
+    idx, valid = self.select(cache, q_BKGH)
+    return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl)
+
+  def attended_slots(self, cache: KVCache, q_BKGH):
+    return self.select(cache, q_BKGH)
+
+  def step_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
+    """The scoring reads (`score_read_bytes`) plus K, V and an int32 index per attended token."""
+    attend = min(self.topk, length) * (2 * head_dim * itemsize + 4)
+    return self.score_read_bytes(length, head_dim=head_dim, itemsize=itemsize) + attend
+
+  def score_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
+    raise NotImplementedError
+
+
+def check_sparse(c) -> None:
+  """Checks the top-k knobs a selecting method has (topk; page_size, topr, kt_cache_dtype where present)."""
+  check_int("topk", c.topk)
+  if hasattr(c, "page_size"):
+    check_int("page_size", c.page_size)
+  if hasattr(c, "topr"):
+    check_int("topr", c.topr)
+  if getattr(c, "kt_cache_dtype", None) not in KT_CACHE_DTYPES:
+    raise ValueError(f"kt_cache_dtype={c.kt_cache_dtype!r} must be one of {KT_CACHE_DTYPES} "
+                     "(None: the keys' dtype)")
+
+
+def check_topr(config, head_dim: int) -> None:
+  if config.topr > head_dim:
+    raise ValueError(f"config.topr={config.topr} must be <= head_dim={head_dim}")
+
+
+def valid_slots(cache: KVCache):
+  """[B, S] bool: the cache's valid slots."""
+  return slot_valid(cache.length, cache.capacity)

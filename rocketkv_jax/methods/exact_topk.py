@@ -1,0 +1,31 @@
+"""exact_topk: the oracle. Exact attention scores pick the top-k tokens, then exact attention over them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, check_sparse, seq_len
+from rocketkv_jax.select import attention_probs, topk_tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExactTopKConfig(SelectingMixin, KeepAllConfig):
+  """Oracle: exact attention scores (group mean of per-head softmax), exact attention over the top `topk`."""
+
+  method: ClassVar[str] = "exact_topk"
+  topk: int
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_sparse(self)
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    check_budget(token_budget)
+    return cls(max_len=seq_len(prompt_len, max_new_tokens, max_len), topk=token_budget, **kw)
+
+  def select(self, cache, q_BKGH):
+    return topk_tokens(attention_probs(q_BKGH, cache.k, cache.length).mean(axis=2), cache.length, self.topk)
+
+  def score_read_bytes(self, length, *, head_dim, itemsize):
+    return length * head_dim * itemsize  # every key

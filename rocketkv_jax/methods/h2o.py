@@ -1,0 +1,108 @@
+"""h2o: heavy hitters by accumulated attention plus a recent window, evicting one token per step once full."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rocketkv_jax.cache import KVCache, append_token, kept_cache, slot_valid
+from rocketkv_jax.methods.base import FixedCacheConfig, check_int, prefix_keep
+from rocketkv_jax.select import attention_probs, topk_tokens
+
+
+def h2o_prefill_scores(q_BTNH, k_BTKH, lengths_B, *, block: int = 256) -> jax.Array:
+  """Accumulated causal attention [B, K, T] float32 each prompt key received from every prompt query of its
+  KV head's group. Query blocks are scanned, so [T, T] scores are never materialized."""
+  b, t, n, h = q_BTNH.shape
+  n_kv = k_BTKH.shape[2]
+  g = n // n_kv
+  nb = -(-t // block)
+  qp = jnp.pad(q_BTNH, ((0, 0), (0, nb * block - t), (0, 0), (0, 0)))
+  qp = qp.reshape(b, nb, block, n_kv, g, h).transpose(1, 0, 2, 3, 4, 5)
+  key_pos = jnp.arange(t)
+
+  def body(acc, xs):
+    i, q_blk = xs
+    qpos = i * block + jnp.arange(block)
+    s = jnp.einsum("BQKGH,BTKH->BKGQT", q_blk, k_BTKH, preferred_element_type=jnp.float32) / np.sqrt(h)
+    mask = (key_pos[None, :] <= qpos[:, None])[None] & (qpos[None, :, None] < lengths_B[:, None, None])
+    mask = mask[:, None, None]
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1, where=mask)
+    return acc + jnp.where(mask, p, 0.0).sum(axis=(2, 3)), None
+
+  acc, _ = lax.scan(body, jnp.zeros((b, n_kv, t), jnp.float32), (jnp.arange(nb), qp))
+  return acc
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class H2OConfig(FixedCacheConfig):
+  """Heavy hitters by accumulated attention plus the `recent` most recent tokens; cache of `token_budget`
+  slots, evicting one token per decode step once full. `recent` defaults to token_budget // 2.
+
+  The cache's extra leaves: `scores` [B, K, S] accumulated attention, `positions` [B, K, S] the absolute
+  position of each slot's token."""
+
+  method: ClassVar[str] = "h2o"
+  recent: int | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.recent is not None:
+      check_int("recent", self.recent, 1)
+      if self.recent >= self.token_budget:
+        raise ValueError(f"recent={self.recent} must be < token_budget={self.token_budget}")
+
+  @property
+  def recent_tokens(self) -> int:
+    return self.token_budget // 2 if self.recent is None else self.recent
+
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
+    cap, recent = self.capacity, self.recent_tokens
+    b, t, n_kv, _ = k_BTKH.shape
+    acc_BKT = h2o_prefill_scores(q_BTNH, k_BTKH, lengths_B)
+    m = min(cap, t)
+    if t <= cap:
+      keep = prefix_keep(k_BTKH, cap)
+    else:
+      heavy, _ = topk_tokens(acc_BKT, lengths_B - recent, cap - recent)
+      window = (lengths_B - recent)[:, None, None] + jnp.arange(recent, dtype=jnp.int32)
+      evict_keep = jnp.concatenate([jnp.sort(heavy, -1), jnp.broadcast_to(window, (b, n_kv, recent))], -1)
+      keep = jnp.where((lengths_B > cap)[:, None, None], evict_keep, jnp.arange(m, dtype=jnp.int32))
+    count = jnp.minimum(lengths_B, cap)
+    valid = slot_valid(count, m)[:, None, :]
+    scores = jnp.where(valid, jnp.take_along_axis(acc_BKT, keep, axis=-1), 0.0)
+    positions = jnp.where(valid, keep, 0)
+    pad = ((0, 0), (0, 0), (0, cap - m))
+    return kept_cache(self, k_BTKH, v_BTKH, keep, count, lengths_B, scores=jnp.pad(scores, pad),
+                      positions=jnp.pad(positions, pad))
+
+  def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
+    del q_BTNH, k_BTKH, lengths_B
+    return cache.positions
+
+  def next_slot(self, cache):
+    """Once full, the lowest accumulated score outside the recent window (first minimum: the lower slot);
+    before that, slot `length`. Per KV head: [B, K]."""
+    full = (cache.length >= self.capacity)[:, None]
+    protected = cache.positions > (cache.pos - self.recent_tokens)[:, None, None]  # among the `recent` newest
+    victim = jnp.argmin(jnp.where(protected, jnp.inf, cache.scores), axis=-1).astype(jnp.int32)
+    return jnp.where(full, victim, cache.length[:, None]).astype(jnp.int32)
+
+  def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
+    """Evict (once full), write the new token there, attend densely, and add this step's probabilities
+    (summed over the group) to the scores."""
+    slot_BK = self.next_slot(cache)
+    b, k = np.indices(slot_BK.shape, sparse=True)
+    cache = dataclasses.replace(
+        cache, positions=cache.positions.at[b, k, slot_BK].set(jnp.broadcast_to(cache.pos[:, None], slot_BK.shape)),
+        scores=cache.scores.at[b, k, slot_BK].set(0.0))
+    cache = append_token(cache, k_new_BKH, v_new_BKH, slot_BK, self)
+    probs = attention_probs(q_BKGH, cache.k, cache.length)  # [B, K, G, S]
+    valid = slot_valid(cache.length, self.capacity)[:, None, :, None]
+    v = jnp.where(valid, cache.v, jnp.zeros((), cache.v.dtype))
+    out = jnp.einsum("BKGS,BKSH->BKGH", probs, v.astype(jnp.float32), precision="highest").astype(q_BKGH.dtype)
+    return out, dataclasses.replace(cache, scores=cache.scores + probs.sum(2))

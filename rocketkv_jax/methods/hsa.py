@@ -1,0 +1,42 @@
+"""hsa: RocketKV's stage 2 (hybrid sparse attention) alone, over the full cache."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from rocketkv_jax import hsa
+from rocketkv_jax.budget import stage2_pages
+from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budget, check_sparse, check_topr,
+                                       kt_itemsize, seq_len)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HSAConfig(SelectingMixin, KeepAllConfig):
+  """Hybrid sparse attention (RocketKV's stage 2) alone, over the full cache."""
+
+  method: ClassVar[str] = "hsa"
+  uses_kt_pages: ClassVar[bool] = True
+  page_size: int
+  topr: int
+  topk: int
+  kt_cache_dtype: str | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_sparse(self)
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    check_budget(token_budget)
+    s = seq_len(prompt_len, max_new_tokens, max_len)
+    page_size, topr = stage2_pages(max(1.0, s / token_budget), head_dim)  # no stage-1 share: c2 = c
+    return cls(max_len=s, page_size=page_size, topr=topr, topk=token_budget // 2, **kw)
+
+  def check_shapes(self, n_heads, n_kv_heads, head_dim):
+    check_topr(self, head_dim)
+
+  def select(self, cache, q_BKGH):
+    return hsa.select(self, cache, q_BKGH)
+
+  def score_read_bytes(self, length, *, head_dim, itemsize):
+    return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))

@@ -1,0 +1,51 @@
+"""quest: no eviction; pages scored by the upper bound of q.k over their key min/max, top-k tokens attended."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from rocketkv_jax import ops
+from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budget, check_sparse, kt_itemsize,
+                                       seq_len)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuestConfig(SelectingMixin, KeepAllConfig):
+  """Quest: no eviction; pages of `page_size` slots scored by the upper bound over all channels of the
+  page key min/max, summed over the query heads of a KV group; exact attention over the top `topk` tokens
+  of the best pages."""
+
+  method: ClassVar[str] = "quest"
+  uses_kt_pages: ClassVar[bool] = True
+  page_size: int
+  topk: int
+  kt_cache_dtype: str | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_sparse(self)
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    check_budget(token_budget)
+    s = seq_len(prompt_len, max_new_tokens, max_len)
+    # One page's min+max costs one KV pair of traffic: S / P pages read = half the budget.
+    return cls(max_len=s, page_size=math.ceil(2 * s / token_budget), topk=token_budget // 2, **kw)
+
+  def page_scores(self, cache, q_BKGH):
+    """Quest's upper bound per page, sum_c max(q_c k_min_c, q_c k_max_c), summed over the group's heads."""
+    qf = q_BKGH.astype(jnp.float32)[..., None]  # [B, K, G, H, 1]
+    lo = cache.kt_min.astype(jnp.float32)[:, :, None]
+    hi = cache.kt_max.astype(jnp.float32)[:, :, None]
+    return jnp.maximum(qf * lo, qf * hi).sum(axis=(2, 3))  # [B, K, P]
+
+  def select(self, cache, q_BKGH):
+    idx = ops.page_topk(self.page_scores(cache, q_BKGH), cache.length, page_size=self.page_size, k=self.topk,
+                        num_slots=cache.capacity, impl=self.impl)
+    return idx, ops.prefix_valid(idx, cache.length)
+
+  def score_read_bytes(self, length, *, head_dim, itemsize):
+    return math.ceil(length / self.page_size) * 2 * head_dim * kt_itemsize(self, itemsize)

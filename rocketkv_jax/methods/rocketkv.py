@@ -1,0 +1,77 @@
+"""rocketkv: stage 1 (SnapKV with group-wise selection, at prefill) then stage 2 (HSA, every decode step)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from rocketkv_jax import hsa, stage1
+from rocketkv_jax.budget import plan_budget
+from rocketkv_jax.methods.base import MethodConfig, SelectingMixin, check_sparse, check_topr, kt_itemsize
+
+DEFAULT_WINDOW = 32  # SnapKV's observation window (ALGORITHM.md §2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RocketKVConfig(SelectingMixin, MethodConfig):
+  """RocketKV: stage 1 keeps `prompt_budget` prompt tokens per KV head (SnapKV, window `window_size`,
+  max-pool `kernel_size`, optional `sink_tokens` forced in); stage 2 (HSA) attends to the top `topk`
+  tokens per step, scored from page min/max (`page_size` slots per page) over the top `topr` channels.
+  `kt_cache_dtype`: None (the keys' dtype), "bfloat16", "float8_e5m2" or "float32"."""
+
+  method: ClassVar[str] = "rocketkv"
+  uses_kt_pages: ClassVar[bool] = True
+  plan_fields: ClassVar[tuple[str, ...]] = ("window_size",)
+  prompt_budget: int
+  max_new_tokens: int
+  topk: int
+  topr: int
+  page_size: int
+  window_size: int = DEFAULT_WINDOW
+  kernel_size: int = 63
+  kt_cache_dtype: str | None = None
+  sink_tokens: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    stage1.check_config(self)
+    check_sparse(self)
+
+  @property
+  def capacity(self) -> int:
+    return self.prompt_budget + self.max_new_tokens
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, window_size=None,
+                  **kw):
+    """The plan of ALGORITHM.md §1. The window defaults to 32 tokens, or the whole prompt when it is shorter
+    (the observation window cannot exceed the prompt)."""
+    if window_size is None:
+      window_size = min(DEFAULT_WINDOW, prompt_len) if isinstance(prompt_len, int) and prompt_len >= 1 \
+          else DEFAULT_WINDOW
+    plan = plan_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len,
+                       window_size=window_size)
+    return cls(prompt_budget=plan.prompt_budget, max_new_tokens=max_new_tokens, topk=plan.top_k,
+               topr=plan.top_r, page_size=plan.page_size, window_size=window_size, **kw)
+
+  @classmethod
+  def from_tensorrt_llm(cls, *, prompt_budget, topk, topr, page_size, max_new_tokens, window_size=32,
+                        kernel_size=63, kt_cache_dtype="float8_e5m2", **kw):
+    """TensorRT-LLM's `topk` counts pages of `page_size` tokens; ours counts tokens (topk * page_size)."""
+    return cls(prompt_budget=prompt_budget, max_new_tokens=max_new_tokens, topk=topk * page_size,
+               topr=topr, page_size=page_size, window_size=window_size, kernel_size=kernel_size,
+               kt_cache_dtype=kt_cache_dtype, **kw)
+
+  def check_shapes(self, n_heads, n_kv_heads, head_dim):
+    check_topr(self, head_dim)
+
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
+    return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B)
+
+  def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
+    return stage1.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B)
+
+  def select(self, cache, q_BKGH):
+    return hsa.select(self, cache, q_BKGH)
+
+  def score_read_bytes(self, length, *, head_dim, itemsize):
+    return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))

@@ -1,0 +1,79 @@
+"""sparq: no eviction; the group's top-r query channels approximate every token's score, exact attention
+over the top-k tokens, and SparQ's mean-value correction for the mass left out."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rocketkv_jax import ops
+from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budget, check_sparse, check_topr,
+                                       seq_len, valid_slots)
+from rocketkv_jax.select import topk_tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparQConfig(SelectingMixin, KeepAllConfig):
+  """SparQ: no eviction; the group's top-`topr` channels of sum |q| score every token, exact attention over
+  the top `topk` tokens, plus SparQ's mean-value correction. The cache's extra leaf `v_sum` [B, K, H]
+  float32 is the sum of the valid values."""
+
+  method: ClassVar[str] = "sparq"
+  topr: int
+  topk: int
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_sparse(self)
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    check_budget(token_budget)
+    s = seq_len(prompt_len, max_new_tokens, max_len)
+    topr = min(head_dim, max(1, int(token_budget * head_dim / s)))
+    return cls(max_len=s, topr=topr, topk=token_budget // 2, **kw)
+
+  def check_shapes(self, n_heads, n_kv_heads, head_dim):
+    check_topr(self, head_dim)
+
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
+    cache = super().prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B)
+    v_sum = jnp.where(valid_slots(cache)[:, None, :, None], cache.v.astype(jnp.float32), 0.0).sum(axis=2)
+    return dataclasses.replace(cache, v_sum=v_sum)
+
+  def append(self, cache, k_new_BKH, v_new_BKH):
+    cache = dataclasses.replace(cache, v_sum=cache.v_sum + v_new_BKH.astype(jnp.float32))
+    return super().append(cache, k_new_BKH, v_new_BKH)
+
+  def approx_probs(self, cache, q_BKGH):
+    """SparQ's approximate per-head attention [B, K, G, S]: the group's top-r channels (ties toward the lower
+    channel), temperature tau_g = sqrt(H * |q_g[channels]|_1 / |q_g|_1)."""
+    r = min(self.topr, q_BKGH.shape[-1])
+    qf = q_BKGH.astype(jnp.float32)
+    _, channels_BKR = lax.top_k(jnp.abs(qf).sum(axis=2), r)  # stable: ties keep channel order
+    qr = jnp.take_along_axis(qf, channels_BKR[:, :, None, :], axis=-1)  # [B, K, G, R]
+    k_r = jnp.take_along_axis(cache.k, channels_BKR[:, :, None, :], axis=-1)  # [B, K, S, R]
+    s = jnp.einsum("BKGR,BKSR->BKGS", qr, k_r.astype(jnp.float32), precision="highest")
+    tau = jnp.sqrt(q_BKGH.shape[-1] * jnp.abs(qr).sum(-1) / jnp.abs(qf).sum(-1))  # [B, K, G]
+    valid_S = valid_slots(cache)[:, None, None, :]
+    p = jax.nn.softmax(jnp.where(valid_S, s / tau[..., None], -jnp.inf), axis=-1, where=valid_S)
+    return jnp.where(valid_S, p, 0.0)
+
+  def select(self, cache, q_BKGH):
+    return topk_tokens(self.approx_probs(cache, q_BKGH).mean(axis=2), cache.length, self.topk)
+
+  def attend(self, cache, q_BKGH):
+    """Exact attention over the top-k, blended with the mean value by the approximate mass they hold."""
+    p = self.approx_probs(cache, q_BKGH)
+    idx, valid = topk_tokens(p.mean(axis=2), cache.length, self.topk)
+    out = ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl)
+    alpha = jnp.where(valid[:, :, None, :], jnp.take_along_axis(p, idx[:, :, None, :], axis=-1), 0.0).sum(-1)
+    v_mean = cache.v_sum / cache.length[:, None, None]  # [B, K, H]
+    out = alpha[..., None] * out.astype(jnp.float32) + (1 - alpha[..., None]) * v_mean[:, :, None, :]
+    return out.astype(q_BKGH.dtype)
+
+  def score_read_bytes(self, length, *, head_dim, itemsize):
+    return length * self.topr * itemsize  # the chosen channels of every key

@@ -1,0 +1,219 @@
+"""The one dispatch table: every op of the decode hot path, with its semantics and its kernel.
+
+Each op's semantics is its kernel module's `*_reference` (plain jnp, f32 accumulation). `impl` chooses:
+  "xla"        the reference (or a named faster XLA variant below, tested against the same reference),
+  "pallas"     the Pallas Triton kernel (GPU),
+  "interpret"  the same kernel in Pallas interpret mode (CPU tests run the GPU's kernel bodies),
+  "auto"       "pallas" on a GPU, "xla" elsewhere.
+Every wrapper below takes the kernel's arguments with `impl` instead of `interpret`.
+
+Layouts: q [B, K, G, H] (query heads grouped by KV head), k/v [B, K, S, H], KT pages [B, K, H, P].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rocketkv_jax.kernels import cache_append as cache_append_kernel
+from rocketkv_jax.kernels import dense_decode, hsa_scores, page_topk as page_topk_kernel, qkv_rope as qkv_rope_kernel
+from rocketkv_jax.kernels import rms_norm, sparse_decode
+
+IMPLS = ("auto", "xla", "pallas", "interpret")
+
+# Up to this many cache slots the XLA page top-k is the reference (one top_k over the broadcast slot
+# scores); above it, `page_topk_best_pages` expands only the best pages (same output, less work on long
+# full caches: hsa alone at 128k has 5.7k pages, past the kernel's MAX_PAGES).
+DIRECT_TOPK_MAX_SLOTS = 16384
+
+
+def resolve_impl(impl: str) -> str:
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+  if impl == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  return impl
+
+
+def uses_kernels(impl: str) -> bool:
+  """Whether `impl` runs the Pallas kernels: "pallas", "interpret", or "auto" on a GPU."""
+  return resolve_impl(impl) in ("pallas", "interpret")
+
+
+# ----------------------------------------------------------------------------- faster XLA variants
+
+
+def cache_append_scatter(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
+                         page_size: int = 1):
+  """`cache_append_reference` as XLA scatters (in place under donation). The reference rewrites every slot
+  with a select, reading and writing the whole cache per token and layer; this touches one row each.
+  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would)."""
+  S = k_BKSH.shape[2]
+  slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
+  slot_BK = jnp.where((slot_BK < 0) | (slot_BK >= S), S, slot_BK).astype(jnp.int32)
+  b, k = np.indices(slot_BK.shape, sparse=True)
+
+  def write(x_BKSH, new_BKH):
+    # The barrier keeps XLA from fusing the producer of `new` (the K/V projection matmul) into the scatter:
+    # on an H200 that fusion ran each projection as one thread per output element (77 us per layer).
+    new_BKH = lax.optimization_barrier(new_BKH.astype(x_BKSH.dtype))
+    return x_BKSH.at[b, k, slot_BK].set(new_BKH, mode="drop")
+
+  kv = (write(k_BKSH, k_new_BKH), write(v_BKSH, v_new_BKH))
+  if kt_min_BKHP is None:
+    return kv
+  P = kt_min_BKHP.shape[-1]
+  page_BK = jnp.where(slot_BK < S, slot_BK // page_size, P)
+  fresh = (slot_BK % page_size == 0)[..., None]  # [B, K, 1]: the page starts at this slot
+  kf = lax.optimization_barrier(k_new_BKH).astype(jnp.float32)
+  at = jnp.minimum(page_BK, P - 1)
+  new_min = jnp.where(fresh, kf, jnp.minimum(kt_min_BKHP[b, k, :, at].astype(jnp.float32), kf))
+  new_max = jnp.where(fresh, kf, jnp.maximum(kt_max_BKHP[b, k, :, at].astype(jnp.float32), kf))
+  return kv + (kt_min_BKHP.at[b, k, :, page_BK].set(new_min.astype(kt_min_BKHP.dtype), mode="drop"),
+               kt_max_BKHP.at[b, k, :, page_BK].set(new_max.astype(kt_max_BKHP.dtype), mode="drop"))
+
+
+def page_topk_best_pages(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int):
+  """`page_topk_reference` expanding only the best ceil(k / page_size) + 1 pages to slots (valid slots are
+  a prefix, so at most one chosen page is partial); the same idx [B, K, M], ascending then 0s."""
+  num_pages = scores_BKP.shape[-1]
+  m = min(k, num_slots)
+  length_B = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
+  n_pages = min(num_pages, -(-m // page_size) + 1)
+  page_valid = jnp.arange(num_pages)[None, :] * page_size < length_B[:, None]
+  scores = jnp.where(page_valid[:, None, :], scores_BKP.astype(jnp.float32), -jnp.inf)
+  _, pages = lax.top_k(scores, n_pages)
+  pages = jnp.sort(pages, axis=-1)  # candidates in ascending slot order keep the lower-slot tie-break
+  cand_scores = jnp.take_along_axis(scores, pages, axis=-1)
+  slots = (pages[..., None] * page_size + jnp.arange(page_size)).reshape(*pages.shape[:2], -1)
+  in_range = slots < length_B[:, None, None]
+  cand = jnp.where(in_range, jnp.repeat(cand_scores, page_size, axis=-1), -jnp.inf)
+  _, j = lax.top_k(cand, min(m, cand.shape[-1]))
+  idx = jnp.take_along_axis(slots, j, axis=-1)
+  idx = jnp.pad(idx, ((0, 0), (0, 0), (0, m - idx.shape[-1])))
+  taken = jnp.arange(m)[None, None, :] < length_B[:, None, None]
+  idx = jnp.sort(jnp.where(taken, idx, num_slots), axis=-1)
+  return jnp.where(taken, idx, 0).astype(jnp.int32)
+
+
+def _page_topk_xla(scores_BKP, length_B, *, page_size, k, num_slots):
+  if num_slots <= DIRECT_TOPK_MAX_SLOTS:
+    return page_topk_kernel.page_topk_reference(scores_BKP, length_B, page_size=page_size, k=k,
+                                                num_slots=num_slots)
+  return page_topk_best_pages(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots)
+
+
+def _page_topk_pallas(scores_BKP, length_B, *, page_size, k, num_slots, interpret):
+  if scores_BKP.shape[-1] > page_topk_kernel.MAX_PAGES:  # a row's pages no longer fit in registers
+    return _page_topk_xla(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots)
+  return page_topk_kernel.page_topk(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                                    interpret=interpret)
+
+
+def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots):
+  scores = hsa_scores.hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
+                                                page_size=page_size)
+  return _page_topk_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
+
+
+def _hsa_select_pallas(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, interpret):
+  """Two kernels back to back and nothing between them: the scoring kernel's partials go straight to a
+  selection kernel that normalises and picks. Above the selection kernel's page limit, the scores are
+  normalised in XLA and selected in XLA."""
+  args = (q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
+  if kt_min_BKHP.shape[-1] <= page_topk_kernel.MAX_PAGES:
+    s, m, l = hsa_scores.hsa_page_partials(*args, topr=topr, page_size=page_size, interpret=interpret)
+    return page_topk_kernel.hsa_page_topk(s, m, l, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                                          interpret=interpret)
+  scores = hsa_scores.hsa_page_scores(*args, topr=topr, page_size=page_size, interpret=interpret)
+  return _page_topk_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  xla: Callable  # the reference, or a named variant tested against it
+  kernel: Callable  # takes interpret=
+
+
+OPS = {
+    "dense_decode_attention": Op(dense_decode.dense_decode_attention_reference, dense_decode.dense_decode_attention),
+    "sparse_decode_attention": Op(sparse_decode.sparse_decode_attention_reference,
+                                  sparse_decode.sparse_decode_attention),
+    "hsa_page_scores": Op(hsa_scores.hsa_page_scores_reference, hsa_scores.hsa_page_scores),
+    "page_topk": Op(_page_topk_xla, _page_topk_pallas),
+    "hsa_select": Op(_hsa_select_xla, _hsa_select_pallas),
+    "cache_append": Op(cache_append_scatter, cache_append_kernel.cache_append),
+    "add_rms_norm": Op(rms_norm.add_rms_norm_reference, rms_norm.add_rms_norm),
+    "qkv_rope": Op(qkv_rope_kernel.qkv_rope_reference, qkv_rope_kernel.qkv_rope),
+}
+
+
+def call(op: str, *args, impl: str, **kwargs):
+  """Runs `op` the way `impl` asks."""
+  impl = resolve_impl(impl)
+  if impl == "xla":
+    return OPS[op].xla(*args, **kwargs)
+  return OPS[op].kernel(*args, interpret=impl == "interpret", **kwargs)
+
+
+# ----------------------------------------------------------------------------- named entry points
+
+
+def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, impl):
+  """Exact attention of each query head over its KV head's slots [0, length): out [B, K, G, H]."""
+  return call("dense_decode_attention", q_BKGH, k_BKSH, v_BKSH, length_B, impl=impl)
+
+
+def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl):
+  """Exact attention over the slots idx[b, k, m] where valid: out [B, K, G, H]."""
+  return call("sparse_decode_attention", q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, impl=impl)
+
+
+def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
+  """HSA group page probabilities [B, K, P] float32; -inf on pages with no valid slot."""
+  return call("hsa_page_scores", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
+              impl=impl)
+
+
+def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl):
+  """The k best valid slots when each slot scores its page: idx [B, K, M] ascending, then 0s (M = min(k, S);
+  the first min(length, M) entries are valid); ties toward the lower slot."""
+  return call("page_topk", scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl)
+
+
+def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl):
+  """`page_topk` of `hsa_page_scores`: idx [B, K, M] as page_topk."""
+  return call("hsa_select", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size, k=k,
+              num_slots=num_slots, impl=impl)
+
+
+def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
+                 impl):
+  """The new token's K/V rows at `slot` ([B], or [B, K] per KV head), its key folded into its KT page when
+  pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing."""
+  return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
+              page_size=page_size, impl=impl)
+
+
+def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):
+  """(h, normed): h = x + delta (x when delta is None), normed = RMSNorm(h) * w."""
+  return call("add_rms_norm", x_BD, delta_BD, w_D, eps=eps, impl=impl)
+
+
+def qkv_rope(qkv_BX, pos_B, inv_freq_half, *, n_heads, n_kv_heads, head_dim, impl):
+  """One token's fused projection split into q [B, N, H], k, v [B, K, H], q and k rotated at pos[b]."""
+  return call("qkv_rope", qkv_BX, pos_B, inv_freq_half, n_heads=n_heads, n_kv_heads=n_kv_heads,
+              head_dim=head_dim, impl=impl)
+
+
+def prefix_valid(idx_BKM, length_B):
+  """valid [B, K, M] of an index list whose first min(length, M) entries are the chosen slots."""
+  return jnp.broadcast_to((jnp.arange(idx_BKM.shape[-1])[None, :] < length_B[:, None])[:, None, :],
+                          idx_BKM.shape)
