@@ -43,7 +43,7 @@ import numpy as np
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import rocketkv_jax as rk  # noqa: E402
-from rocketkv_jax import attention, methods  # noqa: E402
+from rocketkv_jax import ops  # noqa: E402
 from rocketkv_jax.cache import KVCache, build_kt_pages  # noqa: E402
 from rocketkv_jax.kernels.hsa_scores import hsa_page_partials  # noqa: E402
 from rocketkv_jax.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
@@ -87,8 +87,8 @@ def make_dense_gqa():
 
 def sparse_step(q, cache, *, config):
   """One layer's stage 2 on a filled cache: top-r channels, page scores, top-k tokens, attention."""
-  idx, valid = methods.select(cache, q, config)
-  return attention.sparse_decode_attention(q, cache.k, cache.v, idx, valid, impl=config.impl)
+  idx, valid = config.select(cache, q)
+  return ops.sparse_decode_attention(q, cache.k, cache.v, idx, valid, impl=config.impl)
 
 
 LAYER_STEPS = 16
@@ -99,7 +99,7 @@ def layer_steps(q, k_new, v_new, cache, *, config):
   output is the next step's query so nothing is dead code. The cache is the loop carry."""
   def body(_, carry):
     q, cache = carry
-    out, cache = methods.decode(cache, q, k_new, v_new, config)
+    out, cache = config.decode(cache, q, k_new, v_new)
     return out, cache
   return jax.lax.fori_loop(0, LAYER_STEPS, body, (q, cache))
 
@@ -110,8 +110,8 @@ def append_steps(k_new, v_new, cache, *, config):
   def body(i, carry):
     slot = jnp.broadcast_to((cache.length + i)[:, None], k_new.shape[:2])
     k, v, kt_min, kt_max = carry
-    return attention.append_token(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=config.page_size,
-                                  impl=config.impl)
+    return ops.cache_append(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=config.page_size,
+                            impl=config.impl)
   return jax.lax.fori_loop(0, LAYER_STEPS, body, (cache.k, cache.v, cache.kt_min, cache.kt_max))
 
 
@@ -123,7 +123,8 @@ def random_cache(key, B: int, config) -> KVCache:
   v = jax.random.normal(ks[1], (B, K_HEADS, cap, H), DT)
   length = jnp.full((B,), cap - LAYER_STEPS - 1, jnp.int32)
   kt_min, kt_max = build_kt_pages(k, length, ps, DT)
-  return KVCache(k=k, v=v, length=length, pos=length + 100_000, kt_min=kt_min, kt_max=kt_max)
+  return KVCache(k=k, v=v, length=length, pos=length + 100_000, kt_min=kt_min, kt_max=kt_max,
+                 spec=config.cache_spec())
 
 
 # ----------------------------------------------------------------------------- timing
@@ -320,9 +321,9 @@ def main():
           q, kn, vn, c = sets[0]
           out_p, out_x = step_p(q, kn, vn, c), step_x(q, kn, vn, c)
           # Same kernels on identical selections (near-ties may select differently across paths).
-          idx, valid = methods.select(c, q, cfg_x)
-          err_a = rel_err(attention.sparse_decode_attention(q, c.k, c.v, idx, valid, impl=pallas_impl),
-                          attention.sparse_decode_attention(q, c.k, c.v, idx, valid, impl="xla"))
+          idx, valid = cfg_x.select(c, q)
+          err_a = rel_err(ops.sparse_decode_attention(q, c.k, c.v, idx, valid, impl=pallas_impl),
+                          ops.sparse_decode_attention(q, c.k, c.v, idx, valid, impl="xla"))
           extra = dict(B=B, L=L, t=t, **plan, M=topk, err_step=rel_err(out_p, out_x),
                        err_attention=err_a)
           run_point("sparse_step", "pallas", step_p, sets, nbytes, extra)
@@ -336,12 +337,12 @@ def main():
                       B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
           # The sparse attention kernel alone on one fixed selection: the default split grid (partials merged
           # by an XLA epilogue) against one block per (b, k) row that normalises itself.
-          idx_s, valid_s = methods.select(c, q, cfg_p)
+          idx_s, valid_s = cfg_p.select(c, q)
           for name, tune in (("default", {}), ("num_splits=1 block_m=128", dict(num_splits=1, block_m=128))):
             attend = jax.jit(lambda q, kn, vn, c, tune=tune: sparse_decode_attention(
                 q, c.k, c.v, idx_s, valid_s, interpret=interpret, **tune))
             run_point("sparse_attn", f"pallas {name}", attend, sets, B * K_HEADS * 2 * topk * H * 2,
-                      dict(extra, err_vs_xla=rel_err(attend(*sets[0]), attention.sparse_decode_attention(
+                      dict(extra, err_vs_xla=rel_err(attend(*sets[0]), ops.sparse_decode_attention(
                           q, c.k, c.v, idx_s, valid_s, impl="xla"))))
 
           def time_loop(kind, impl_fns, total_bytes, err):
@@ -361,7 +362,7 @@ def main():
           loop_p = jax.jit(lambda q, kn, vn, c: layer_steps(q, kn, vn, c, config=cfg_p))
           loop_x = jax.jit(lambda q, kn, vn, c: layer_steps(q, kn, vn, c, config=cfg_x))
           # One step (a loop feeds each output back as the query, so near-ties compound).
-          err_l = rel_err(methods.decode(c, q, kn, vn, cfg_p)[0], methods.decode(c, q, kn, vn, cfg_x)[0])
+          err_l = rel_err(cfg_p.decode(c, q, kn, vn)[0], cfg_x.decode(c, q, kn, vn)[0])
           time_loop("layer_step", (("pallas", loop_p), ("xla", loop_x)), lbytes, err_l)
           # The append alone: K/V rows written, the KT page column read and written.
           abytes = B * K_HEADS * (2 * H * 2 + 4 * H * 2) * LAYER_STEPS

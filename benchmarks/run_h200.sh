@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 decode runs behind benchmarks/results/decode_h200_*.jsonl, in parts so each device call fits its
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
-# Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: diag peak lat128 lat32 lat16_64 methods32 max32 t1024
+# Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
@@ -11,12 +11,6 @@ run() { local secs=$1; shift; timeout "$secs" python3 -m benchmarks.decode --out
 for part in "$@"; do
   echo "== $part $(date -u +%T)" >>"$out/log.txt"
   case $part in
-    diag)  # the Pallas stage-2 path against XLA, piece by piece; the verdict goes to ~/pallas_ok
-      ok=1
-      for a in "--H 32 --N 8 --K 2" "--H 128 --N 32 --K 8 --dtype bfloat16 --T 3000 --budget 256"; do
-        timeout 120 python3 benchmarks/diag_gpu.py $a >>"$out/diag.txt" 2>&1 || ok=0
-      done
-      echo $ok > ~/pallas_ok; grep DIAG "$out/diag.txt" ;;
     peak)      run 170 --contexts "" --peak rocketkv:256:128k,full:256:128k ;;
     lat128)    run 200 --contexts 128k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
     lat32)     run 170 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 --profile /tmp/prof --profile-batches 1,8 ;;

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rocketkv_jax import ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,21 +105,6 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, **extras) -
     extras["kt_min"], extras["kt_max"] = build_kt_pages(k, length, config.page_size, dtype)
   return KVCache(k=k, v=place(v_BTKH), length=length, pos=lengths_B.astype(jnp.int32),
                  spec=config.cache_spec(), **extras)
-
-
-def append_token(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
-  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages)
-  its KT page, in one `ops.cache_append`; length (up to the capacity) and pos advance. A slot outside
-  [0, S) writes nothing."""
-  pages = (cache.kt_min, cache.kt_max) if config.uses_kt_pages else ()
-  new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
-                         page_size=config.page_size if pages else 1, impl=config.impl)
-  if pages:
-    k, v, kt_min, kt_max = new
-  else:
-    (k, v), kt_min, kt_max = new, cache.kt_min, cache.kt_max
-  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=cache.pos + 1,
-                             length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32))
 
 
 def concat_caches(caches):

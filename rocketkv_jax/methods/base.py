@@ -23,7 +23,7 @@ import numpy as np
 
 from rocketkv_jax import ops
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
-from rocketkv_jax.cache import CacheSpec, KVCache, append_token, kept_cache, slot_valid
+from rocketkv_jax.cache import CacheSpec, KVCache, kept_cache, slot_valid
 
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
 
@@ -44,6 +44,21 @@ def prefix_keep(k_BTKH, n: int):
   """keep [B, K, min(n, T)]: the first positions, in order."""
   b, t, n_kv, _ = k_BTKH.shape
   return jnp.broadcast_to(jnp.arange(min(n, t), dtype=jnp.int32), (b, n_kv, min(n, t)))
+
+
+def append_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
+  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages)
+  its KT page, in one `ops.cache_append`; length (up to the capacity) and pos advance. A slot outside
+  [0, S) writes nothing."""
+  pages = (cache.kt_min, cache.kt_max) if config.uses_kt_pages else ()
+  new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
+                         page_size=config.page_size if pages else 1, impl=config.impl)
+  if pages:
+    k, v, kt_min, kt_max = new
+  else:
+    (k, v), kt_min, kt_max = new, cache.kt_min, cache.kt_max
+  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=cache.pos + 1,
+                             length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32))
 
 
 def kt_itemsize(config, itemsize: int) -> int:
@@ -124,7 +139,7 @@ class MethodConfig:
     return jnp.broadcast_to(slot[:, None], cache.k.shape[:2]) if slot.ndim == 1 else slot
 
   def append(self, cache: KVCache, k_new_BKH, v_new_BKH) -> KVCache:
-    return append_token(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self)
+    return append_at(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self)
 
   def attend(self, cache: KVCache, q_BKGH):
     """Dense attention over the valid slots (methods that select override this)."""

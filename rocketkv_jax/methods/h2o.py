@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rocketkv_jax.cache import KVCache, append_token, kept_cache, slot_valid
-from rocketkv_jax.methods.base import FixedCacheConfig, check_int, prefix_keep
+from rocketkv_jax.cache import KVCache, kept_cache, slot_valid
+from rocketkv_jax.methods.base import FixedCacheConfig, append_at, check_int, prefix_keep
 from rocketkv_jax.select import attention_probs, topk_tokens
 
 
@@ -100,7 +100,7 @@ class H2OConfig(FixedCacheConfig):
     cache = dataclasses.replace(
         cache, positions=cache.positions.at[b, k, slot_BK].set(jnp.broadcast_to(cache.pos[:, None], slot_BK.shape)),
         scores=cache.scores.at[b, k, slot_BK].set(0.0))
-    cache = append_token(cache, k_new_BKH, v_new_BKH, slot_BK, self)
+    cache = append_at(cache, k_new_BKH, v_new_BKH, slot_BK, self)
     probs = attention_probs(q_BKGH, cache.k, cache.length)  # [B, K, G, S]
     valid = slot_valid(cache.length, self.capacity)[:, None, :, None]
     v = jnp.where(valid, cache.v, jnp.zeros((), cache.v.dtype))

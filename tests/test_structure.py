@@ -1,0 +1,149 @@
+"""The layering the code promises (docs/ARCHITECTURE.md), checked by reading the source with `ast`:
+
+- no method-name string test (`method == "h2o"`, `x in ("full", ...)`) outside rocketkv_jax/methods/;
+- no import of a private (underscore) name across modules, no `module._name` reach-in;
+- layers in one direction: the core never imports Flax, `models` or `serving`; kernels never import the core;
+- no import cycle among the project's modules.
+"""
+import ast
+import pathlib
+
+import pytest
+
+import rocketkv_jax as rk
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Folder -> the module prefix it is installed as.
+PACKAGES = {"rocketkv_jax": "rocketkv_jax", "kernels": "rocketkv_jax.kernels", "models": "rocketkv_jax.models",
+            "benchmarks": "benchmarks", "tests": "tests"}
+
+
+def _modules():
+  """{module name: (path, ast)} of every project source file."""
+  out = {}
+  for folder, prefix in PACKAGES.items():
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      rel = path.relative_to(ROOT / folder).with_suffix("")
+      parts = [p for p in rel.parts if p != "__init__"]
+      out[".".join([prefix, *parts])] = (path, ast.parse(path.read_text(encoding="utf-8"), str(path)))
+  return out
+
+
+MODULES = _modules()
+
+
+def _layer(name: str) -> str:
+  if name.startswith("rocketkv_jax.kernels"):
+    return "kernels"
+  if name.startswith("rocketkv_jax.models"):
+    return "models"
+  if name.startswith("rocketkv_jax.serving"):
+    return "serving"
+  if name.startswith("rocketkv_jax"):
+    return "core"
+  return name.split(".")[0]
+
+
+def _imports(name: str, tree: ast.AST, *, top_level_only: bool = False):
+  """(imported module, imported names, line) for each import; relative imports resolved."""
+  package = name if (MODULES[name][0].name == "__init__.py") else name.rsplit(".", 1)[0]
+  nodes = tree.body if top_level_only else ast.walk(tree)
+  for node in nodes:
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        yield a.name, [], node.lineno
+    elif isinstance(node, ast.ImportFrom):
+      mod = node.module or ""
+      if node.level:
+        base = package.split(".")
+        base = base[:len(base) - node.level + 1]
+        mod = ".".join(base + ([mod] if mod else []))
+      yield mod, [a.name for a in node.names], node.lineno
+
+
+_PROJECT = ("core", "kernels", "models", "serving", "benchmarks", "tests")
+
+
+def test_no_method_name_tests_outside_methods():
+  names = set(rk.METHODS)
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if name.startswith("rocketkv_jax.methods") or name.startswith("tests."):
+      continue
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.Compare):
+        continue
+      for side in [node.left, *node.comparators]:
+        consts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+        if any(isinstance(c, ast.Constant) and c.value in names for c in consts):
+          found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+  assert not found, "method-name tests outside rocketkv_jax/methods/:\n" + "\n".join(found)
+
+
+def test_no_private_names_across_modules():
+  found = []
+  for name, (path, tree) in MODULES.items():
+    aliases = set()  # local names bound to project modules or project names
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        aliases.update(a.asname or a.name.split(".")[0] for a in node.names if _layer(a.name) in _PROJECT)
+      elif isinstance(node, ast.ImportFrom) and (node.level or _layer(node.module or "") in _PROJECT):
+        aliases.update(a.asname or a.name for a in node.names)
+    for mod, imported, line in _imports(name, tree):
+      if _layer(mod) not in _PROJECT:
+        continue
+      for n in imported:
+        if n.startswith("_") and not n.startswith("__"):
+          found.append(f"{path.relative_to(ROOT)}:{line}: from {mod} import {n}")
+      if any(part.startswith("_") and not part.startswith("__") for part in mod.split(".")):
+        found.append(f"{path.relative_to(ROOT)}:{line}: import of private module {mod}")
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+          and node.attr.startswith("_") and not node.attr.startswith("__")):
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+  assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("layer,forbidden", [
+    ("core", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving")),
+    ("kernels", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving")),
+])
+def test_layers_import_downwards(layer, forbidden):
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if _layer(name) != layer:
+      continue
+    for mod, _, line in _imports(name, tree):
+      bad = any(mod == f or mod.startswith(f + ".") for f in forbidden)
+      if layer == "kernels" and _layer(mod) == "core":
+        bad = True
+      if bad:
+        found.append(f"{path.relative_to(ROOT)}:{line}: imports {mod}")
+  assert not found, f"{layer} imports upwards:\n" + "\n".join(found)
+
+
+def test_no_import_cycles():
+  graph = {}
+  for name, (_, tree) in MODULES.items():
+    deps = set()
+    for mod, imported, _ in _imports(name, tree, top_level_only=True):
+      for cand in [f"{mod}.{n}" for n in imported] + [mod]:
+        if cand in MODULES and cand != name:
+          deps.add(cand)
+          break
+    graph[name] = deps
+  cycles, state = [], {}
+
+  def visit(node, stack):
+    state[node] = "open"
+    for dep in graph[node]:
+      if state.get(dep) == "open":
+        cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+      elif dep not in state:
+        visit(dep, stack + [dep])
+    state[node] = "done"
+
+  for node in graph:
+    if node not in state:
+      visit(node, [node])
+  assert not cycles, "import cycles:\n" + "\n".join(cycles)
