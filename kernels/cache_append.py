@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import FLOAT_DTYPES, cdiv, check_dtype, check_kt_pages
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
+from rocketkv_jax.kernels.triton_util import cdiv
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,

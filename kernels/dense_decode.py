@@ -17,10 +17,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (MIN_DOT_DIM, check_qkv, dot_precision, finish_split_outputs,
-                                          init_partials, load_query_group, masked_attention_reference,
-                                          online_softmax_update, split_grid, split_outputs,
-                                          store_split_outputs)
+from rocketkv_jax.kernels.attention_reference import masked_attention_reference
+from rocketkv_jax.kernels.checks import check_qkv
+from rocketkv_jax.kernels.splitk import (finish_split_outputs, init_partials, online_softmax_update, split_grid,
+                                         split_outputs, store_split_outputs)
+from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, dot_precision, load_query_group
 
 # Programs to aim for: a few waves over the H200's 132 SMs.
 _TARGET_PROGRAMS = 4 * 132

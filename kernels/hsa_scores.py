@@ -21,9 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (FLOAT_DTYPES, MASK_VALUE, MIN_DOT_DIM, cdiv, check_dtype,
-                                          check_kt_pages, dot_precision, load_query_group, next_pow2,
-                                          page_slots)
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
+from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
+                                              next_pow2, page_slots)
 
 _TARGET_PROGRAMS = 2 * 132
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
@@ -100,7 +100,6 @@ def _hsa_scores_kernel(
     blocks_per_program: int,
     page_size: int,
     num_pages: int,
-    masked_gather: bool,
     dot_dtype,
 ):
   H = q_ref.shape[1]
@@ -121,15 +120,12 @@ def _hsa_scores_kernel(
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, page_size)
     p_ok = (n > 0) & (page < num_pages)
-    if masked_gather:
-      # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all.
-      # No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by where.
-      rows_H, cols = jnp.arange(H)[:, None], page[None, :]
-      rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
-      rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
-    else:  # interpret mode cannot mask a gather: load both and select
-      rep_max = kt_max_ref[:, pl.ds(p0, block_p)]
-      rep_min = kt_min_ref[:, pl.ds(p0, block_p)]
+    # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all, and
+    # no page past P is. No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by
+    # the where below.
+    rows_H, cols = jnp.arange(H)[:, None], page[None, :]
+    rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
+    rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
     rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
     # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]: one dot with float32 accumulation
@@ -196,20 +192,15 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   exact_in_bf16 = (jnp.dtype(q_BKGH.dtype) == jnp.dtype(jnp.bfloat16) and
                    jnp.dtype(kt_min_BKHP.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2)))
   kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                             page_size=page_size, num_pages=P, masked_gather=not interpret,
+                             page_size=page_size, num_pages=P,
                              dot_dtype=jnp.bfloat16 if exact_in_bf16 else jnp.float32)
-  length = length_B.astype(jnp.int32)  # clipped to [0, P * page_size] in the kernel
-  kt_min, kt_max = kt_min_BKHP, kt_max_BKHP
-  if interpret:  # interpret mode reads whole blocks: pad instead of masking (the pads are empty pages)
-    pad = ((0, 0), (0, 0), (0, 0), (0, P_pad - P))
-    kt_min, kt_max = jnp.pad(kt_min, pad), jnp.pad(kt_max, pad)
   return pl.pallas_call(
       kernel,
       grid=(B, K, num_blocks // bpp),
       in_specs=[
           pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, H, kt_min.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, H, kt_max.shape[-1]), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
           pl.BlockSpec((None,), lambda b, k, j: (b,)),
       ],
       out_specs=[
@@ -225,7 +216,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_hsa_scores",
-  )(q_BKGH, kt_min, kt_max, length)
+  )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B.astype(jnp.int32))  # length clipped in the kernel
 
 
 def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int):

@@ -6,10 +6,11 @@ whole row (about 16 us per layer on an H200 at any size); this kernel needs no s
 per (b, k) row holds the row's page scores and:
 
 1. maps each score to an int32 key with the same order (sign-magnitude flip of the float bits);
-2.-3. takes the m best slots with `_common.best_units_take` (each page holds its valid-slot count of
+2.-3. takes the m best slots with `topk_select.best_units_take` (each page holds its valid-slot count of
    units at its key: bisection over the key bits for the m-th best key, then the lowest tied pages);
 4. writes the taken slots in ascending slot order: page p's slots go to positions
-   offset[p] + j (an exclusive cumsum of the per-page take), a masked scatter of page_size stores.
+   offset[p] + j (an exclusive cumsum of the per-page take), page_size masked scatters
+   (`triton_util.masked_scatter`).
 
 Output idx [B, K, M], M = min(k, num_slots): the first min(m, M) entries are the chosen slots in
 ascending order, the rest 0. `page_topk_reference` gives the same array with lax.top_k and a sort.
@@ -24,7 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import MASK_VALUE, best_units_take, next_pow2, order_key, page_slots
+from rocketkv_jax.kernels.hsa_scores import normalize_partials
+from rocketkv_jax.kernels.topk_select import best_units_take, order_key
+from rocketkv_jax.kernels.triton_util import MASK_VALUE, masked_scatter, next_pow2, page_slots
 
 # A row's page scores live in registers: up to this many pages per row (4096 pages of 3 slots is a
 # 12k-token cache, above RocketKV's capacity at t = 2048).
@@ -45,27 +48,31 @@ def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slo
   return jnp.where(taken, idx, 0).astype(jnp.int32)
 
 
-def _write_top_slots(key, cnt, length, idx_ref, *, k: int, page_size: int, masked_scatter: bool):
-  """Writes the m = min(k, length, M) best slots (every valid slot of a page scores its page's key) in
-  ascending slot order, then 0s. idx_ref is the row [M]; in interpret mode [next_pow2(M) + 1], whose last
-  entry (index M here) is a dump slot for the unmasked scatter."""
-  M = idx_ref.shape[0] if masked_scatter else idx_ref.shape[0] - 1
+def hsa_page_topk_reference(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int,
+                            **unused_tuning):
+  """`page_topk_reference` of the scores that `hsa_scores.normalize_partials` makes from the partials."""
+  del unused_tuning
+  P = -(-num_slots // page_size)
+  length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
+  scores = normalize_partials(s_BKGP[..., :P], m_BKGN, l_BKGN, length, page_size=page_size)
+  return page_topk_reference(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
+
+
+def _write_top_slots(key, cnt, length, idx_ref, *, k: int, page_size: int, interpret: bool):
+  """Writes the m = min(k, length, M) best slots of the row idx_ref [M] (every valid slot of a page scores
+  its page's key) in ascending slot order, then 0s."""
+  M = idx_ref.shape[0]
   m = jnp.minimum(length, min(k, M))
   page = jnp.arange(key.shape[0], dtype=jnp.int32)
   take = best_units_take(key, cnt, m)
   offset = jnp.cumsum(take) - take
-  if masked_scatter:  # zeros past m: disjoint from the scatter below, so no ordering is needed
-    pos = jnp.arange(next_pow2(M), dtype=jnp.int32)
-    pltriton.store(idx_ref.at[pos], jnp.zeros(pos.shape, jnp.int32), mask=(pos >= m) & (pos < M))
-  else:
-    idx_ref[pl.ds(0, M)] = jnp.zeros((M,), jnp.int32)
+  # Zeros past m: disjoint from the scatter below, so no ordering is needed.
+  pos = jnp.arange(next_pow2(M), dtype=jnp.int32)
+  masked_scatter(idx_ref, pos, jnp.zeros(pos.shape, jnp.int32), (pos >= m) & (pos < M), interpret=interpret)
   for j in range(page_size):
     ok = j < take
     slot = page * page_size + j
-    if masked_scatter:
-      pltriton.store(idx_ref.at[offset + j], slot, mask=ok)
-    else:  # interpret mode cannot mask a scatter: send the untaken lanes to the dump slot
-      idx_ref[jnp.where(ok, offset + j, M)] = slot  # M: the dump slot
+    masked_scatter(idx_ref, offset + j, slot, ok, interpret=interpret)
 
 
 def _page_counts(length, Pp: int, num_pages: int, page_size: int):
@@ -73,14 +80,24 @@ def _page_counts(length, Pp: int, num_pages: int, page_size: int):
   return page, jnp.where(page < num_pages, page_slots(length, page, page_size), 0)
 
 
-def _page_topk_kernel(scores_ref, length_ref, idx_ref, *, page_size: int, k: int, num_pages: int,
-                      num_slots: int, masked_scatter: bool):
+def _page_topk_kernel(
+    # inputs
+    scores_ref,  # [P] float32
+    length_ref,  # []
+    # outputs
+    idx_ref,  # [M] int32
+    *,
+    page_size: int,
+    k: int,
+    num_pages: int,
+    num_slots: int,
+    interpret: bool,
+):
   Pp = next_pow2(num_pages)
   length = jnp.clip(length_ref[...], 0, num_slots)
   page, cnt = _page_counts(length, Pp, num_pages, page_size)
-  s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0) if masked_scatter \
-      else scores_ref[pl.ds(0, Pp)]
-  _write_top_slots(order_key(s), cnt, length, idx_ref, k=k, page_size=page_size, masked_scatter=masked_scatter)
+  s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0)
+  _write_top_slots(order_key(s), cnt, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
 
 
 def _hsa_page_topk_kernel(
@@ -90,13 +107,13 @@ def _hsa_page_topk_kernel(
     l_ref,  # [G, NB] float32: per page block, sum of n[p] * exp(s/tau - max)
     length_ref,  # []
     # outputs
-    idx_ref,  # [M] int32 ([next_pow2(M) + 1] in interpret mode)
+    idx_ref,  # [M] int32
     *,
     page_size: int,
     k: int,
     num_pages: int,
     num_slots: int,
-    masked_scatter: bool,
+    interpret: bool,
 ):
   G, NB = m_ref.shape
   Pp, NBp = next_pow2(num_pages), next_pow2(NB)
@@ -107,18 +124,14 @@ def _hsa_page_topk_kernel(
   prob = jnp.zeros((Pp,), jnp.float32)
   for g in range(G):
     gi = jnp.int32(g)
-    if masked_scatter:
-      m_g = pltriton.load(m_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=MASK_VALUE)
-      l_g = pltriton.load(l_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=0.0)
-      s_g = pltriton.load(s_ref.at[gi, pl.ds(0, Pp)], mask=page < num_pages, other=MASK_VALUE)
-    else:  # interpret mode: the wrapper padded these (MASK_VALUE / 0) to whole power-of-two rows
-      m_g, l_g, s_g = m_ref[gi, pl.ds(0, NBp)], l_ref[gi, pl.ds(0, NBp)], s_ref[gi, pl.ds(0, Pp)]
+    m_g = pltriton.load(m_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=MASK_VALUE)
+    l_g = pltriton.load(l_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=0.0)
+    s_g = pltriton.load(s_ref.at[gi, pl.ds(0, Pp)], mask=page < num_pages, other=MASK_VALUE)
     top = m_g.max()
     denom = (l_g * jnp.exp(m_g - top)).sum()
     inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
     prob = prob + jnp.exp(s_g - top) * inv
-  _write_top_slots(order_key(prob / G), cnt, length, idx_ref, k=k, page_size=page_size,
-                   masked_scatter=masked_scatter)
+  _write_top_slots(order_key(prob / G), cnt, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
 
 
 def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
@@ -134,20 +147,18 @@ def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
 
 def _call(kernel, inputs, length_B, B, K, M, interpret, num_warps, name):
   """The (B, K) grid, one program per row, over the per-row blocks of `inputs` [B, K, ...] and length_B
-  (clipped in the kernel); compiled, the output is exactly [B, K, M] (no XLA slice after)."""
-  width = next_pow2(M) + 1 if interpret else M
-  idx = pl.pallas_call(
-      kernel,
+  (clipped in the kernel); the output is exactly [B, K, M] (no XLA slice after)."""
+  return pl.pallas_call(
+      functools.partial(kernel, interpret=interpret),
       grid=(B, K),
       in_specs=[pl.BlockSpec((None, None) + shape, lambda b, h, n=len(shape): (b, h) + (0,) * n)
                 for shape in (x.shape[2:] for x in inputs)] + [pl.BlockSpec((None,), lambda b, h: (b,))],
-      out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, K, width), jnp.int32),
+      out_specs=pl.BlockSpec((None, None, M), lambda b, h: (b, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, K, M), jnp.int32),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name=name,
   )(*inputs, length_B.astype(jnp.int32))
-  return idx[..., :M] if interpret else idx
 
 
 @functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
@@ -169,22 +180,9 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
   if jnp.dtype(scores_BKP.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"scores_BKP.dtype={scores_BKP.dtype} must be float32 or bfloat16")
-  scores = scores_BKP.astype(jnp.float32)
-  if interpret:  # interpret mode reads whole power-of-two blocks: pad instead of masking
-    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, next_pow2(P) - P)))
-  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
-                             masked_scatter=not interpret)
-  return _call(kernel, (scores,), length_B, B, K, min(k, num_slots), interpret, num_warps, "rocketkv_page_topk")
-
-
-def hsa_page_topk_reference(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int,
-                            **unused_tuning):
-  """`page_topk_reference` of the scores that `hsa_scores.normalize_partials` makes from the partials."""
-  from rocketkv_jax.kernels.hsa_scores import normalize_partials
-  P = -(-num_slots // page_size)
-  length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
-  scores = normalize_partials(s_BKGP[..., :P], m_BKGN, l_BKGN, length, page_size=page_size)
-  return page_topk_reference(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
+  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
+  return _call(kernel, (scores_BKP.astype(jnp.float32),), length_B, B, K, min(k, num_slots), interpret,
+               num_warps, "rocketkv_page_topk")
 
 
 @functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
@@ -205,12 +203,6 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
     raise ValueError(f"pages P={P} (num_slots={num_slots}, page_size={page_size}) must lie in "
                      f"[NB={NB}, P_pad={P_pad}]")
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
-  s, m, l = (x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN))
-  if interpret:  # interpret mode reads whole power-of-two rows: pad instead of masking
-    s = jnp.pad(s[..., :P], ((0, 0), (0, 0), (0, 0), (0, next_pow2(P) - P)), constant_values=MASK_VALUE)
-    pad = ((0, 0), (0, 0), (0, 0), (0, next_pow2(NB) - NB))
-    m, l = jnp.pad(m, pad, constant_values=MASK_VALUE), jnp.pad(l, pad)
-  kernel = functools.partial(_hsa_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
-                             masked_scatter=not interpret)
-  return _call(kernel, (s, m, l), length_B, B, K, min(k, num_slots), interpret, num_warps,
-               "rocketkv_hsa_page_topk")
+  kernel = functools.partial(_hsa_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
+  return _call(kernel, tuple(x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN)), length_B, B, K,
+               min(k, num_slots), interpret, num_warps, "rocketkv_hsa_page_topk")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import FLOAT_DTYPES, check_dtype
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype
 
 
 def qkv_rope_reference(qkv_BX, pos_B, inv_freq_half, *, n_heads: int, n_kv_heads: int, head_dim: int,

@@ -17,7 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import FLOAT_DTYPES, check_dtype, next_pow2
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype
+from rocketkv_jax.kernels.triton_util import next_pow2
 
 
 def add_rms_norm_reference(x_BD, delta_BD, w_D, *, eps: float, **unused_tuning):

@@ -20,10 +20,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels._common import (MIN_DOT_DIM, check_qkv, dot_precision, finish_split_outputs,
-                                          init_partials, load_query_group, masked_attention_reference,
-                                          online_softmax_update, split_grid, split_outputs,
-                                          store_split_outputs)
+from rocketkv_jax.kernels.attention_reference import masked_attention_reference
+from rocketkv_jax.kernels.checks import check_qkv
+from rocketkv_jax.kernels.splitk import (finish_split_outputs, init_partials, online_softmax_update, split_grid,
+                                         split_outputs, store_split_outputs)
+from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, dot_precision, load_query_group
 
 _TARGET_PROGRAMS = 2 * 132
 
@@ -47,7 +48,6 @@ def _sparse_decode_kernel(
     block_m: int,
     split_m: int,
     sm_scale: float,
-    masked_gather: bool,
 ):
   H = q_ref.shape[1]
   S = k_ref.shape[0]
@@ -63,13 +63,11 @@ def _sparse_decode_kernel(
     idx = pltriton.load(idx_ref.at[pl.ds(base, block_m)], mask=in_range, other=0)
     ok = pltriton.load(valid_ref.at[pl.ds(base, block_m)], mask=in_range, other=False)
     ok = ok & in_range
-    idx = jnp.clip(idx, 0, S - 1)
-    if masked_gather:  # GPU: invalid rows are not fetched at all
-      k = pltriton.load(k_ref.at[idx, :], mask=ok[:, None], other=0)
-      v = pltriton.load(v_ref.at[idx, :], mask=ok[:, None], other=0)
-    else:  # interpret mode cannot mask a gather; select after the (in-bounds) load instead
-      k = k_ref[idx, :]
-      v = v_ref[idx, :]
+    rows, cols = jnp.clip(idx, 0, S - 1)[:, None], jnp.arange(H)[None, :]
+    # Invalid rows are not fetched. Two broadcasting index arrays rather than `k_ref.at[idx, :]`: the same
+    # Triton gather, and one that interpret mode can mask (it cannot mix an index array with a slice).
+    k = pltriton.load(k_ref.at[rows, cols], mask=ok[:, None], other=0)
+    v = pltriton.load(v_ref.at[rows, cols], mask=ok[:, None], other=0)
     k = jnp.where(ok[:, None], k, jnp.zeros_like(k))
     v = jnp.where(ok[:, None], v, jnp.zeros_like(v))
     return online_softmax_update(carry, q, k, v, ok, sm_scale, prec)
@@ -113,7 +111,7 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
   split_m, num_splits = split_grid(M, block_m, num_splits, _TARGET_PROGRAMS, B * K)
 
   kernel = functools.partial(_sparse_decode_kernel, block_m=block_m, split_m=split_m,
-                             sm_scale=1.0 / math.sqrt(H), masked_gather=not interpret)
+                             sm_scale=1.0 / math.sqrt(H))
   out_specs, out_shape = split_outputs(B, K, num_splits, G, H, q_BKGH.dtype)
   outs = pl.pallas_call(
       kernel,

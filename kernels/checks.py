@@ -1,0 +1,45 @@
+"""Shape and dtype validation shared by the kernel wrappers: errors name the offending value."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+KT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2))
+
+
+def check_dtype(name: str, dtype, allowed) -> None:
+  if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in allowed):
+    raise ValueError(f"{name}.dtype={jnp.dtype(dtype)} must be one of {[str(jnp.dtype(d)) for d in allowed]}")
+
+
+def check_qkv(q_BKGH, k_BKSH, v_BKSH) -> tuple[int, int, int, int, int]:
+  """Validates a decode-attention call's q [B, K, G, H] and cache k/v [B, K, S, H]; returns (B, K, G, H, S)."""
+  if q_BKGH.ndim != 4 or k_BKSH.ndim != 4:
+    raise ValueError(f"q_BKGH.shape={q_BKGH.shape} and k_BKSH.shape={k_BKSH.shape} must be 4-D")
+  B, K, G, H = q_BKGH.shape
+  S = k_BKSH.shape[2]
+  if k_BKSH.shape != (B, K, S, H) or v_BKSH.shape != k_BKSH.shape:
+    raise ValueError(f"k_BKSH.shape={k_BKSH.shape} and v_BKSH.shape={v_BKSH.shape} must both be "
+                     f"(B, K, S, H) = ({B}, {K}, S, {H}) to match q_BKGH.shape={q_BKGH.shape}")
+  if H & (H - 1):
+    raise ValueError(f"head dim H={H} must be a power of two (64 or 128 supported)")
+  if S < 1:
+    raise ValueError(f"cache slots S={S} must be >= 1")
+  check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
+  if k_BKSH.dtype != q_BKGH.dtype or v_BKSH.dtype != q_BKGH.dtype:
+    raise ValueError(f"k/v dtypes {k_BKSH.dtype}/{v_BKSH.dtype} must equal q dtype {q_BKGH.dtype}")
+  return B, K, G, H, S
+
+
+def check_kt_pages(kt_min_BKHP, kt_max_BKHP) -> tuple[int, int, int, int]:
+  """Validates the channel-major KT min/max pages [B, K, H, P]; returns (B, K, H, P)."""
+  if kt_min_BKHP.ndim != 4 or kt_max_BKHP.shape != kt_min_BKHP.shape:
+    raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} and kt_max_BKHP.shape="
+                     f"{kt_max_BKHP.shape} must be equal (B, K, H, P)")
+  B, K, H, P = kt_min_BKHP.shape
+  if H & (H - 1):
+    raise ValueError(f"head dim H={H} must be a power of two (64 or 128 supported)")
+  check_dtype("kt_min_BKHP", kt_min_BKHP.dtype, KT_DTYPES)
+  if kt_max_BKHP.dtype != kt_min_BKHP.dtype:
+    raise ValueError(f"kt_max dtype {kt_max_BKHP.dtype} must equal kt_min dtype {kt_min_BKHP.dtype}")
+  return B, K, H, P

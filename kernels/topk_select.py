@@ -1,0 +1,40 @@
+"""Sort-free top-m selection inside a kernel (Triton has no in-kernel sort): order-preserving int32 keys and
+a bisection over their bits. Used by `page_topk`."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+_INT_MIN = -(2 ** 31)
+
+
+def order_key(x):
+  """int32 keys ordered as the float32 values x (-0 just below +0); NaN is not expected."""
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+
+
+def best_units_take(key, weight, m):
+  """Sort-free top-m inside a kernel. Entry i holds weight[i] >= 0 units that all score key[i] (an
+  `order_key`); the m best units are taken, best key first, ties toward the lower index. Returns take[i]
+  in [0, weight[i]] with sum(take) = min(m, sum(weight)).
+
+  The m-th best key tau (the largest t with weight(key >= t) >= m) is found by bisection over the key
+  bits (the sign bit, then bits 30..0: 32 masked sums); every unit above tau is taken, and of the units
+  at tau the lowest entries, by an exclusive cumsum, until m are taken.
+  """
+  def weight_at_least(t):
+    return jnp.sum(jnp.where(key >= t, weight, 0))
+
+  tau = jnp.where(weight_at_least(jnp.int32(0)) >= m, jnp.int32(0), jnp.int32(_INT_MIN))
+
+  def bit_step(i, t):
+    cand = t | lax.shift_left(jnp.int32(1), jnp.int32(30) - i)
+    return jnp.where(weight_at_least(cand) >= m, cand, t)
+
+  tau = lax.fori_loop(0, 31, bit_step, tau)
+  gt = key > tau
+  eq_w = jnp.where(key == tau, weight, 0)
+  need = m - jnp.sum(jnp.where(gt, weight, 0))
+  eq_before = jnp.cumsum(eq_w) - eq_w
+  return jnp.where(gt, weight, jnp.clip(need - eq_before, 0, eq_w))

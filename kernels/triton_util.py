@@ -1,0 +1,58 @@
+"""Triton-level helpers shared by the kernel bodies: the mask value, Triton's size rules, the padded query
+group of a decode kernel, and `masked_scatter`, the one place where interpret mode and compiled Triton code
+differ (its docstring says why). No dependency on the rocketkv_jax core."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Scores of masked entries before the softmax. A large finite negative keeps exp() at exactly 0
+# without producing inf - inf = NaN in the online-softmax correction.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# Triton's dot needs every dimension >= 16.
+MIN_DOT_DIM = 16
+
+
+def next_pow2(n: int) -> int:
+  """Smallest power of two >= n (n >= 1)."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def dot_precision(dtype):
+  """float32 operands: full precision (no TF32); bf16: the native tensor-core path."""
+  return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def page_slots(length, page, page_size: int):
+  """Valid slots of page `page` for a sequence of `length` valid slots (page_size at most, 0 past it)."""
+  return jnp.clip(length - page * page_size, 0, page_size)
+
+
+def load_query_group(q_ref):
+  """The group's G query rows [G, H], padded to Gp >= 16 rows for Triton's dot (pads are 0), and the
+  [Gp] mask of real rows."""
+  G, _ = q_ref.shape
+  Gp = max(MIN_DOT_DIM, next_pow2(G))
+  row_ok = jnp.arange(Gp) < G
+  return pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0), row_ok
+
+
+def masked_scatter(ref, idx, value, mask, *, interpret: bool) -> None:
+  """ref[idx[i]] = value[i] for every lane i where mask[i]; lanes where mask is False write nothing, so
+  their index may be out of range or equal to a written lane's. ref is 1-D.
+
+  Compiled, this is Triton's masked store, which drops the masked lanes. Interpret mode discharges a masked
+  store as one XLA scatter of every lane (the old value where masked), so a masked lane that shares its
+  index with a written lane may win (XLA leaves the order of duplicate updates open): there the masked lanes
+  are sent out of range, where the scatter drops them. Masked loads, gathers by two broadcasting index
+  arrays, and masked stores of contiguous blocks behave the same in both modes and need no helper.
+  """
+  if interpret:
+    idx = jnp.where(mask, idx, ref.shape[0])
+  pltriton.store(ref.at[idx], value, mask=mask)
