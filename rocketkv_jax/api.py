@@ -7,6 +7,7 @@ arrays are concrete (eager calls); inside a caller's jit they are skipped, and t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -69,6 +70,31 @@ def _validate_prefill(q, k, v, lengths, config) -> None:
       raise ValueError(f"lengths={host.tolist()} must all lie in [1, T={t}]")
 
 
+def _check_leaves(cache, shapes, config) -> None:
+  """Every leaf the method keeps is there with its shape and dtype, and no other leaf is set."""
+  for f in dataclasses.fields(cache):
+    x = getattr(cache, f.name)
+    if f.name == "spec" or (x is None and f.name not in shapes):
+      continue
+    if f.name not in shapes:
+      raise ValueError(f"cache.{f.name} is set, but {config.method} keeps no {f.name}")
+    if x is None or tuple(x.shape) != shapes[f.name]:
+      got = None if x is None else tuple(x.shape)
+      raise ValueError(f"cache.{f.name}.shape={got} must be {shapes[f.name]} for {config.cache_spec()}")
+  int_leaves = [n for n in ("length", "pos", "positions") if n in shapes]
+  for name in int_leaves:
+    if getattr(cache, name).dtype != jnp.int32:
+      raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be int32")
+  if cache.v.dtype != cache.k.dtype:
+    raise ValueError(f"cache.v.dtype={cache.v.dtype} must equal cache.k.dtype={cache.k.dtype}")
+  if config.uses_kt_pages:
+    want = config.kt_dtype(cache.k.dtype)
+    for name in ("kt_min", "kt_max"):
+      if getattr(cache, name).dtype != want:
+        raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be {want} (kt_cache_dtype="
+                         f"{config.kt_cache_dtype!r}, keys {cache.k.dtype})")
+
+
 def _validate_decode(cache, q, k_new, v_new, config) -> None:
   _check_config(config)
   if not isinstance(cache, KVCache):
@@ -80,6 +106,7 @@ def _validate_decode(cache, q, k_new, v_new, config) -> None:
   if s != config.capacity:
     raise ValueError(f"cache capacity S={s} does not match config.capacity={config.capacity} "
                      f"({config.method}); was the cache built with this config?")
+  _check_leaves(cache, config.cache_shapes(b, n_kv, h), config)
   if q.ndim != 3 or q.shape[0] != b or q.shape[2] != h:
     raise ValueError(f"q.shape={q.shape} must be [B={b}, N, H={h}]")
   for name, x in (("k_new", k_new), ("v_new", v_new)):

@@ -101,8 +101,7 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, **extras) -
   k = place(k_BTKH)
   length = count_B.astype(jnp.int32)
   if config.uses_kt_pages:
-    dtype = jnp.dtype(k.dtype if config.kt_cache_dtype is None else config.kt_cache_dtype)
-    extras["kt_min"], extras["kt_max"] = build_kt_pages(k, length, config.page_size, dtype)
+    extras["kt_min"], extras["kt_max"] = build_kt_pages(k, length, config.page_size, config.kt_dtype(k.dtype))
   return KVCache(k=k, v=place(v_BTKH), length=length, pos=lengths_B.astype(jnp.int32),
                  spec=config.cache_spec(), **extras)
 

@@ -27,7 +27,8 @@ IMPLS = ("auto", "xla", "pallas", "interpret")
 
 # Up to this many cache slots the XLA page top-k is the reference (one top_k over the broadcast slot
 # scores); above it, `page_topk_best_pages` expands only the best pages (same output, less work on long
-# full caches: hsa alone at 128k has 5.7k pages, past the kernel's MAX_PAGES).
+# full caches: hsa alone at 128k has 5.7k pages, past the kernel's MAX_PAGES; CPU, B=1 K=8 S=131072
+# page 23, k=128: 2.83 ms for the reference, 0.11 ms for the best pages).
 DIRECT_TOPK_MAX_SLOTS = 16384
 
 
@@ -50,7 +51,8 @@ def uses_kernels(impl: str) -> bool:
 def cache_append_scatter(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
                          page_size: int = 1):
   """`cache_append_reference` as XLA scatters (in place under donation). The reference rewrites every slot
-  with a select, reading and writing the whole cache per token and layer; this touches one row each.
+  with a select, reading and writing the whole cache per token and layer; this touches one row each
+  (CPU, B=8 K=3 S=8192 H=64 f32, 64 appends in a loop: 0.13 ms per append against 0.0005 ms).
   A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would)."""
   S = k_BKSH.shape[2]
   slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK

@@ -92,6 +92,19 @@ class MethodConfig:
     """The config for one token budget (ALGORITHM.md §5)."""
     raise NotImplementedError
 
+  def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every array leaf this method's cache holds (leaves not named here are None)."""
+    s = self.capacity
+    shapes = dict(k=(batch, n_kv_heads, s, head_dim), v=(batch, n_kv_heads, s, head_dim), length=(batch,),
+                  pos=(batch,))
+    if self.uses_kt_pages:
+      shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, -(-s // self.page_size))
+    return shapes
+
+  def kt_dtype(self, key_dtype) -> jnp.dtype:
+    """dtype of the KT pages (methods with `uses_kt_pages`): kt_cache_dtype, or the keys' dtype."""
+    return jnp.dtype(key_dtype if self.kt_cache_dtype is None else self.kt_cache_dtype)
+
   def cache_spec(self) -> CacheSpec:
     return CacheSpec(self.method, tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
                                         if f.name != "impl"))

@@ -60,6 +60,11 @@ class H2OConfig(FixedCacheConfig):
   def recent_tokens(self) -> int:
     return self.token_budget // 2 if self.recent is None else self.recent
 
+  def cache_shapes(self, batch, n_kv_heads, head_dim):
+    shapes = super().cache_shapes(batch, n_kv_heads, head_dim)
+    shapes["scores"] = shapes["positions"] = (batch, n_kv_heads, self.capacity)
+    return shapes
+
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
     cap, recent = self.capacity, self.recent_tokens
     b, t, n_kv, _ = k_BTKH.shape

@@ -39,6 +39,9 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
   def check_shapes(self, n_heads, n_kv_heads, head_dim):
     check_topr(self, head_dim)
 
+  def cache_shapes(self, batch, n_kv_heads, head_dim):
+    return dict(super().cache_shapes(batch, n_kv_heads, head_dim), v_sum=(batch, n_kv_heads, head_dim))
+
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
     cache = super().prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B)
     v_sum = jnp.where(valid_slots(cache)[:, None, :, None], cache.v.astype(jnp.float32), 0.0).sum(axis=2)

@@ -130,6 +130,24 @@ def test_decode_refuses_a_cache_of_another_spec(built, used):
     rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=used)
 
 
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: dataclasses.replace(c, kt_min=None), r"cache.kt_min.shape=None must be"),
+    (lambda c: dataclasses.replace(c, kt_max=c.kt_max[..., :-1]), r"cache.kt_max.shape=\(2, 2, 16, \d+\) must be"),
+    (lambda c: dataclasses.replace(c, scores=jnp.zeros(c.k.shape[:3])), r"cache.scores is set, but rocketkv"),
+    (lambda c: dataclasses.replace(c, kt_min=c.kt_min.astype(jnp.bfloat16), kt_max=c.kt_max.astype(jnp.bfloat16)),
+     r"cache.kt_min.dtype=bfloat16 must be float32"),
+    (lambda c: dataclasses.replace(c, length=c.length.astype(jnp.int16)), r"cache.length.dtype=int16"),
+    (lambda c: dataclasses.replace(c, v=c.v.astype(jnp.bfloat16)), r"cache.v.dtype=bfloat16"),
+])
+def test_decode_refuses_a_cache_of_another_layout(edit, match):
+  """A cache whose leaves do not match its spec (edited by hand) is refused before any work."""
+  q, k, v = _qkv()
+  cfg = _cfg()
+  cache = edit(rk.prefill_compress(q, k, v, LEN, config=cfg))
+  with pytest.raises(ValueError, match=match):
+    rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+
+
 def test_decode_accepts_the_same_spec_with_another_impl():
   q, k, v = _qkv()
   cfg = _cfg()
