@@ -2,10 +2,11 @@
 
 For each method, token budget, context and batch: a real prefill of random-token prompts (sub-batches,
 compressed per layer, assembled with `concat_caches`), then timed decode of the whole model: one jitted
-chunk of `--chunk` greedy steps (a fori_loop over tokens, caches donated, per-layer buffers, unrolled layers),
-median over `--reps` chunks. Each point is reported against its bandwidth floor: the weight bytes plus the
-KV / KT / index bytes the method must read per step, at the device-to-device copy bandwidth measured in the
-same run. Peak device memory (`memory_stats()` peak over prefill + decode, batch 1) is measured in a fresh
+chunk of `--chunk` greedy steps through the one decode loop (`models.loop`, the loop `generate` and the
+accuracy suite run; no stop ids, so a loop of static trip count; caches donated, per-layer buffers,
+unrolled layers), median over `--reps` chunks. Each point is reported against its bandwidth floor: the
+weight bytes plus the KV / KT / index bytes the method must read per step (its `step_read_bytes`), at the
+device-to-device copy bandwidth measured in the same run. Peak device memory (`memory_stats()` peak over prefill + decode, batch 1) is measured in a fresh
 subprocess per point, since the peak counter cannot be reset.
 
   python -m benchmarks.decode --out benchmarks/results/decode_h200.jsonl            # default grid
@@ -15,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from flax import nnx
 
 import rocketkv_jax as rk
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.loop import LoopConfig, decode_loop_jit
 
 LLAMA_31_8B = llama.LlamaConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
@@ -41,7 +41,7 @@ TINY = llama.LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_he
 NEW_TOKENS = 256  # max_new_tokens every plan is made for (capacity holds warm-up + timed steps)
 
 
-def _parse_tokens(s: str) -> int:
+def parse_tokens(s: str) -> int:
   s = s.strip().lower()
   return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
 
@@ -74,39 +74,23 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_needed(config, cfg: llama.LlamaConfig, length: int, batch: int, itemsize: int = 2) -> int:
-  """KV, KT-page and index bytes a step must read at `length` valid slots, all layers (ALGORITHM.md §3, §5)."""
-  h, n_kv = cfg.head_dim, cfg.n_kv_heads
-  kv_pair = 2 * h * itemsize
-  m = config.method
-  if m in ("full", "snapkv", "streaming_llm", "h2o"):
-    per_head = min(length, config.capacity) * kv_pair
-  else:
-    topk = config.topk
-    attend = min(topk, length) * (kv_pair + 4)  # K and V rows plus an int32 index
-    kt_item = jnp.dtype(config.kt_cache_dtype or "bfloat16").itemsize
-    if m in ("hsa", "rocketkv"):
-      score = math.ceil(length / config.page_size) * config.topr * kt_item
-    elif m == "quest":
-      score = math.ceil(length / config.page_size) * 2 * h * kt_item
-    elif m == "sparq":
-      score = length * config.topr * itemsize
-    else:  # exact_topk reads every key for its scores
-      score = length * h * itemsize
-    per_head = score + attend
-  return int(per_head * n_kv * batch * cfg.n_layers)
+  """KV, KT-page and index bytes a step must read at `length` valid slots, all layers: the method's
+  `step_read_bytes` (ALGORITHM.md §3, §5) for every KV head, sequence and layer."""
+  per_head = config.step_read_bytes(length, head_dim=cfg.head_dim, itemsize=itemsize)
+  return int(per_head * cfg.n_kv_heads * batch * cfg.n_layers)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config", "n"), donate_argnames=("caches",))
-def decode_chunk(graphdef, state, tokens_B, caches, *, config, n):
-  """n greedy decode steps of the whole model in one jit (fori_loop over tokens, caches carried in place)."""
-  model = nnx.merge(graphdef, state)
+def chunk_loop(chunk: int) -> LoopConfig:
+  """`chunk` greedy decode steps per call: the loop's first token comes from the given logits (no step),
+  so it makes chunk + 1 tokens."""
+  return LoopConfig(max_new_tokens=chunk + 1)
 
-  def body(_, carry):
-    tokens, caches = carry
-    logits, caches = llama.decode_body(model, tokens, caches, config)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
 
-  return jax.lax.fori_loop(0, n, body, (tokens_B, caches))
+def decode_chunk(model, logits_BV, caches, config, *, n):
+  """n greedy decode steps of the whole model through the decode loop (caches donated): LoopOutput."""
+  graphdef, state = nnx.split(model)
+  return decode_loop_jit(graphdef, state, logits_BV, caches, jax.random.key(0), None, None, config=config,
+                         loop=chunk_loop(n))
 
 
 def build_model(cfg, seed=0):
@@ -123,7 +107,7 @@ def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed
   vocab = model.config.vocab_size
   tokens = jax.random.randint(jax.random.PRNGKey(seed), (sub_batch, context), 0, vocab, jnp.int32)
   lengths = jnp.full((sub_batch,), context, jnp.int32)
-  compiled = llama._prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
+  compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
   t0 = time.perf_counter()
   logits, caches = compiled(state, tokens, lengths)
   jax.block_until_ready((logits, caches))
@@ -137,18 +121,25 @@ def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed
 
 
 def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: str | None = None):
+  """Median seconds per step of `chunk`-step calls of the decode loop. Each call starts from the same logits
+  (the values do not change the speed) and carries the caches on (donated), so the cache keeps growing."""
   graphdef, state = nnx.split(model)
   b = caches[0].k.shape[0]
-  tokens = jnp.zeros((b,), jnp.int32)
-  compiled = decode_chunk.lower(graphdef, state, tokens, caches, config=config, n=chunk).compile()
-  tokens, caches = compiled(state, tokens, caches)  # warm-up
-  tokens.block_until_ready()
+  logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+  key = jax.random.key(0)
+  compiled = decode_loop_jit.lower(graphdef, state, logits, caches, key, None, None, config=config,
+                                   loop=chunk_loop(chunk)).compile()
+  run = lambda caches: compiled(state, logits, caches, key, None, None)  # noqa: E731
+  out = run(caches)  # warm-up
+  out.tokens.block_until_ready()
+  caches = out.caches
   per_step = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    tokens, caches = compiled(state, tokens, caches)
-    tokens.block_until_ready()
+    out = run(caches)
+    out.tokens.block_until_ready()
     per_step.append((time.perf_counter() - t0) / chunk)
+    caches = out.caches
   top = None
   if profile_dir:
     from benchmarks.profile_util import top_ops
@@ -156,11 +147,12 @@ def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: st
     with open(os.path.join(profile_dir, "decode_chunk.hlo.txt"), "w") as f:  # names the ops of the trace
       f.write(compiled.as_text())
     with jax.profiler.trace(profile_dir):
-      tokens, caches = compiled(state, tokens, caches)
-      tokens.block_until_ready()
+      out = run(caches)
+      out.tokens.block_until_ready()
+      caches = out.caches
     top = top_ops(profile_dir, 40, steps=chunk)
   length = int(np.asarray(caches[0].length).max())
-  del caches
+  del caches, out
   return float(np.median(per_step)), per_step, length, top
 
 
@@ -176,13 +168,12 @@ def peak_point(cfg, method, budget, context, steps, impl):
                           head_dim=cfg.head_dim, impl=impl)
   before = jax.devices()[0].memory_stats() or {}
   caches, _ = prefill_caches(model, config, context, 1, 1, seed=1)
-  graphdef, state = nnx.split(model)
-  tokens, caches = decode_chunk(graphdef, state, jnp.zeros((1,), jnp.int32), caches, config=config, n=steps)
-  tokens.block_until_ready()
+  out = decode_chunk(model, jnp.zeros((1, cfg.vocab_size), jnp.float32), caches, config, n=steps)
+  out.tokens.block_until_ready()
   stats = jax.devices()[0].memory_stats() or {}
   print(json.dumps(dict(kind="peak", method=method, token_budget=budget, context=context,
                         peak_bytes=stats.get("peak_bytes_in_use"), weights_bytes=before.get("bytes_in_use"),
-                        cache_bytes=rk.cache_nbytes(caches))), flush=True)
+                        cache_bytes=rk.cache_nbytes(out.caches))), flush=True)
 
 
 def _free_bytes() -> int | None:
@@ -221,7 +212,7 @@ def main(argv=None):
 
   if args.peak_point:
     m, t, c = args.peak_point.split(":")
-    peak_point(cfg, m, int(t), _parse_tokens(c), args.chunk, args.impl)
+    peak_point(cfg, m, int(t), parse_tokens(c), args.chunk, args.impl)
     return
 
   points = [p for p in args.peak.split(",") if p]
@@ -255,15 +246,16 @@ def main(argv=None):
   reps = max(1, -(-args.steps // args.chunk))
   methods = args.methods.split(",")
   budgets = [int(b) for b in args.budgets.split(",")]
-  contexts = [_parse_tokens(c) for c in args.contexts.split(",") if c]
+  contexts = [parse_tokens(c) for c in args.contexts.split(",") if c]
   batches = args.batches.split(",")
   dense_prefill_s = {}
   for context in contexts:
     for method in methods:
-      for budget in (budgets[:1] if method == "full" else budgets):
+      budgeted = rk.get_method(method).budgeted  # full: the budget changes nothing, run once
+      for budget in (budgets if budgeted else budgets[:1]):
         config = rk.make_config(method, token_budget=budget, prompt_len=context, max_new_tokens=NEW_TOKENS,
                                 head_dim=cfg.head_dim, impl=args.impl)
-        base = dict(kind="point", method=method, token_budget=None if method == "full" else budget,
+        base = dict(kind="point", method=method, token_budget=budget if budgeted else None,
                     context=context, capacity=config.capacity)
         try:
           caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context)
@@ -271,7 +263,7 @@ def main(argv=None):
           emit(dict(base, batch=1, status="OOM in prefill" if _is_oom(e) else "error in prefill",
                     error=f"{type(e).__name__}: {str(e)[:400]}"))
           continue
-        if method == "full":
+        if not budgeted:  # keeps the whole prompt: its prefill is the dense one
           dense_prefill_s[context] = prefill_s
         per_seq = rk.cache_nbytes(caches1)
         for bspec in batches:

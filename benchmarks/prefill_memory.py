@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import rocketkv_jax as rk
-from benchmarks.decode import LLAMA_31_8B, _parse_tokens
+from benchmarks.decode import LLAMA_31_8B, parse_tokens
 from rocketkv_jax.models import llama
 
-_MODULE_CHUNKS = llama._over_token_chunks  # what models/llama.py does: the MLP block over unrolled slices
+_MODULE_CHUNKS = llama.over_token_chunks  # what models/llama.py does: the MLP block over unrolled slices
 
 
 def _lax_map_chunks(fn, *xs):
@@ -44,7 +44,7 @@ def _qkv_too(chunks):
   return patched_qkv
 
 
-_ORIG_QKV = llama._qkv
+_ORIG_QKV = llama.prefill_qkv
 # name: (how the MLP block is chunked, whether q/k/v are chunked the same way)
 VARIANTS = {"whole": (lambda fn, *xs: fn(*xs), False), "chunk_all": (_lax_map_chunks, True),
             "chunk_mlp": (_lax_map_chunks, False), "unrolled_mlp": (_MODULE_CHUNKS, False)}
@@ -53,8 +53,8 @@ VARIANTS = {"whole": (lambda fn, *xs: fn(*xs), False), "chunk_all": (_lax_map_ch
 def temp_bytes(n_layers: int, context: int, variant: str) -> int:
   cfg = dataclasses.replace(LLAMA_31_8B, n_layers=n_layers)
   chunks, qkv_too = VARIANTS[variant]
-  llama._over_token_chunks = chunks
-  llama._qkv = _qkv_too(chunks) if qkv_too else _ORIG_QKV
+  llama.over_token_chunks = chunks
+  llama.prefill_qkv = _qkv_too(chunks) if qkv_too else _ORIG_QKV
   jax.clear_caches()  # the jitted prefill would otherwise reuse the last variant's trace
   try:
     model = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -62,10 +62,10 @@ def temp_bytes(n_layers: int, context: int, variant: str) -> int:
     config = rk.make_config("rocketkv", token_budget=256, prompt_len=context, max_new_tokens=256, head_dim=128)
     tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-    compiled = llama._prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
+    compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
     return compiled.memory_analysis().temp_size_in_bytes
   finally:
-    llama._over_token_chunks, llama._qkv = _MODULE_CHUNKS, _ORIG_QKV
+    llama.over_token_chunks, llama.prefill_qkv = _MODULE_CHUNKS, _ORIG_QKV
 
 
 def main():
@@ -73,7 +73,7 @@ def main():
   ap.add_argument("--context", default="128k")
   ap.add_argument("--variants", default=",".join(VARIANTS))
   a = ap.parse_args()
-  context = _parse_tokens(a.context)
+  context = parse_tokens(a.context)
   for v in a.variants.split(","):
     t2, t4 = temp_bytes(2, context, v), temp_bytes(4, context, v)
     print(f"PREFILL_MEM {v}: temp {t2 / 1e9:.2f} GB at 2 layers, {t4 / 1e9:.2f} GB at 4 layers, "

@@ -11,9 +11,16 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import rocketkv_jax as rk
+
+
+def _budgeted(r) -> bool:
+  """Whether the record's method has a token budget (full KV's does not: its points have token_budget None)."""
+  return r.get("token_budget") is not None and rk.get_method(r["method"]).budgeted
+
 
 def _label(r):
-  return r["method"] if r.get("token_budget") is None or r["method"] == "full" else f'{r["method"]} t={r["token_budget"]}'
+  return f'{r["method"]} t={r["token_budget"]}' if _budgeted(r) else r["method"]
 
 
 _METHOD_ORDER = ("full", "rocketkv", "snapkv", "quest")
@@ -24,7 +31,7 @@ def _table_order(r):
   side (full first)."""
   batch = float("inf") if r.get("batch_spec") == "max" else r.get("batch", 0)
   m = r["method"]
-  budget = 0 if m == "full" else r.get("token_budget") or 0
+  budget = r["token_budget"] if _budgeted(r) else 0
   rank = _METHOD_ORDER.index(m) if m in _METHOD_ORDER else len(_METHOD_ORDER)
   return r["context"], batch, budget, rank, m
 
@@ -42,7 +49,7 @@ def render(path: str) -> str:
     runs.append(run)
   dense_run, dense_all = {}, defaultdict(list)
   for r, i in zip(recs, runs):
-    if r["kind"] == "point" and r["method"] == "full" and r.get("prefill_s"):
+    if r["kind"] == "point" and not _budgeted(r) and r.get("prefill_s"):  # full KV
       dense_run.setdefault((i, r["context"]), r["prefill_s"])
       dense_all[r["context"]].append(r["prefill_s"])
   for r, i in zip(recs, runs):

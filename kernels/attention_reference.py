@@ -9,19 +9,22 @@ from jax import lax
 
 
 def masked_attention_reference(q_BKGH, k_BKMH, v_BKMH, valid_BKM):
-  """Exact softmax attention (scale 1/sqrt(H), f32, full precision) of each query head of a KV group over
-  the rows where `valid`; rows that are not valid never enter (NaN there is safe); no valid row gives 0."""
-  H = q_BKGH.shape[-1]
+  """Exact softmax attention of each query head of a KV group over the rows where `valid`: scores q.k in
+  float32 (full precision) times 1/sqrt(H); the probabilities enter the value product in v's dtype, as in the
+  kernels (float32 accumulation), and are normalised after it. Rows that are not valid never enter (NaN there
+  is safe); no valid row gives 0."""
+  scale = 1.0 / math.sqrt(q_BKGH.shape[-1])
   mask = valid_BKM[:, :, None, :]
-  k = jnp.where(valid_BKM[..., None], k_BKMH.astype(jnp.float32), 0.0)
-  v = jnp.where(valid_BKM[..., None], v_BKMH.astype(jnp.float32), 0.0)
-  s = jnp.einsum("BKGH,BKMH->BKGM", q_BKGH.astype(jnp.float32), k,
-                 precision=lax.Precision.HIGHEST) / math.sqrt(H)
+  k = jnp.where(valid_BKM[..., None], k_BKMH, jnp.zeros((), k_BKMH.dtype))
+  v = jnp.where(valid_BKM[..., None], v_BKMH, jnp.zeros((), v_BKMH.dtype))
+  s = jnp.einsum("BKGH,BKMH->BKGM", q_BKGH, k, preferred_element_type=jnp.float32,
+                 precision=lax.Precision.HIGHEST) * scale
   s = jnp.where(mask, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.where(mask, jnp.exp(s - m), 0.0)
   l = p.sum(-1, keepdims=True)
-  o = jnp.einsum("BKGM,BKMH->BKGH", p, v, precision=lax.Precision.HIGHEST)
+  o = jnp.einsum("BKGM,BKMH->BKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                 precision=lax.Precision.HIGHEST)
   o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
   return o.astype(q_BKGH.dtype)

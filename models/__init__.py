@@ -1,14 +1,18 @@
-"""Flax NNX Llama models wired to the RocketKV core (installed as rocketkv_jax.models)."""
+"""Flax NNX Llama models wired to the RocketKV core (installed as rocketkv_jax.models).
 
+llama.py (the model: prefill, the decode step and its per-layer pieces), loop.py (the one decode loop),
+generate.py (text in, text out), weights.py / tokenizer.py (loaders), demo.py and cli.py (`rocketkv`).
+"""
+
+from .generate import GenerateResult, GenerateStats, generate
 from .llama import (Llama, LlamaConfig, compress_layers, decode, forward_full, prefill,
                     prefill_dense)
+from .loop import LoopConfig, LoopOutput, decode_loop
 from .tokenizer import TextTokenizer
 from .weights import CheckpointError, gguf_permute, gguf_unpermute, load
 
 __all__ = [
     "Llama", "LlamaConfig", "prefill", "decode", "forward_full", "prefill_dense", "compress_layers",
+    "LoopConfig", "LoopOutput", "decode_loop", "GenerateResult", "GenerateStats", "generate",
     "TextTokenizer", "CheckpointError", "gguf_permute", "gguf_unpermute", "load",
 ]
-from .generate import GenerateResult, GenerateStats, generate  # noqa: E402
-
-__all__ += ["GenerateResult", "GenerateStats", "generate"]

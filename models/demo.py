@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .generate import _compiled, decode_to_result, stop_ids
-from .llama import _prefill_dense_jit, compress_layers, make_config
+from rocketkv_jax import make_config
+
+from .generate import Prefilled, decode_prefilled, stop_ids
+from .llama import compress_layers, prefill_dense_jit
+from .loop import LoopConfig, compile_once
 from .weights import load
 
 DOCUMENT = "alice_chapter1.txt"
@@ -51,21 +54,20 @@ def run_demo(*, model: str = "smollm2", methods=("full", "rocketkv"), token_budg
   graphdef, state = nnx.split(llm)
   t0 = time.perf_counter()
   log("compiling prefill")
-  pre = _compiled("prefill_dense", _prefill_dense_jit, graphdef, state, tokens, lengths)
+  pre = compile_once(prefill_dense_jit, graphdef, state, tokens, lengths)
   t1 = time.perf_counter()
   log(f"prefill {T} tokens (dense attention; each method then compresses it)")
   logits, layer_qkv = pre(state, tokens, lengths)
   jax.block_until_ready((logits, layer_qkv))
   prefill_s = time.perf_counter() - t1
+  loop = LoopConfig(max_new_tokens=max_new_tokens, stop_ids=stop_ids(llm, tok, chat=True))
   results = {}
   for method in methods:
     config = make_config(method, token_budget=token_budget, prompt_len=T, max_new_tokens=max_new_tokens,
                          head_dim=llm.config.head_dim, max_len=llm.config.max_len)
     log(f"{method}: compress the prefill KV (budget {token_budget}) and decode")
-    caches = compress_layers(layer_qkv, lengths, config)
-    results[method] = decode_to_result(
-        llm, tok, logits, caches, config, lengths=[T], eos=stop_ids(llm, tok, chat=True),
-        max_new_tokens=max_new_tokens, prefill_s=prefill_s, compile_s=t1 - t0, token_budget=token_budget,
-        progress=log)
+    prefilled = Prefilled(logits_BV=logits, caches=compress_layers(layer_qkv, lengths, config), lengths=[T],
+                          prefill_s=prefill_s, compile_s=t1 - t0)
+    results[method] = decode_prefilled(llm, tok, prefilled, config, loop, token_budget=token_budget, progress=log)
   return dict(prompt_tokens=T, prefill_s=prefill_s, results=results, question=QUESTION, answer=ANSWER,
               wall_s=time.perf_counter() - t_start)

@@ -6,12 +6,18 @@ H head dim, D model dim, F MLP hidden, V vocab, S cache slots, L layers.
 Every layer owns separate weight buffers and the layer loop is a Python loop, unrolled under jit:
 stacking layers and scanning made a whole decode step ~3x slower on an H200 (PLATFORM.md).
 
-Public functions (the accuracy helpers depend on these names):
+Public functions:
   logits_BV, caches = prefill(model, tokens_BT, lengths_B, config)
-  logits_BV, caches = decode(model, tokens_B, caches, config)          # caches donated
+  logits_BV, caches = decode(model, tokens_B, caches, config)          # one step; caches donated
   logits_BTV = forward_full(model, tokens_BT)
   logits_BV, layer_qkv = prefill_dense(model, tokens_BT, lengths_B)
   caches = compress_layers(layer_qkv, lengths_B, config)
+  prefill_jit / prefill_dense_jit: the jitted forms over nnx.split(model), for AOT lowering.
+The decode step's pieces, which `decode_body` composes (and the accuracy suite's diagnostic reuses):
+  x_BD = embed_tokens(model, tokens_B)
+  step = decode_layer(blk, cfg, x_B1D, delta_B1D, cache, config)      # one layer: LayerStep
+  logits_BV = final_logits(model, x_B1D, delta_B1D, impl)
+The one multi-token decode loop (sampling, stop ids, teacher forcing) is `models/loop.py`.
 """
 
 from __future__ import annotations
@@ -20,20 +26,20 @@ import dataclasses
 import functools
 import json
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rocketkv_jax import cache_nbytes, decode_step, make_config, prefill_compress
-from rocketkv_jax.attention import uses_kernels
-from rocketkv_jax.kernels.qkv_rope import qkv_rope
-from rocketkv_jax.kernels.rms_norm import add_rms_norm
+from rocketkv_jax import decode_step, ops, prefill_compress
 
 __all__ = [
-    "LlamaConfig", "Llama", "prefill", "decode", "forward_full", "prefill_dense",
-    "compress_layers", "make_config", "cache_nbytes", "rope_inv_freq", "causal_attention",
+    "LlamaConfig", "Llama", "LayerStep", "prefill", "prefill_jit", "decode", "decode_body", "forward_full",
+    "prefill_dense", "prefill_dense_jit", "compress_layers", "embed_tokens", "decode_layer", "final_logits",
+    "add_norm", "rope_heads", "prefill_qkv", "over_token_chunks", "rope_inv_freq", "apply_rope", "rms_norm",
+    "causal_attention", "blocked_causal_attention", "from_params", "fuse_params",
 ]
 
 # Prompts longer than this use the query-block (flash-style) path on CPU, so no [T, T] scores.
@@ -273,19 +279,21 @@ def _unflatten(flat: dict) -> dict:
 # ----------------------------------------------------------------------------- layer pieces
 
 
-def _embed(model: Llama, tokens) -> jax.Array:
+def embed_tokens(model: Llama, tokens) -> jax.Array:
+  """The embedding rows of `tokens` (any shape): [..., D] in the model's dtype."""
   return jnp.take(model.embed[...], tokens, axis=0)
 
 
-def _add_norm(x, delta, w, eps: float, impl: str = "xla"):
-  """(h, normed) [..., D]: the residual h = x + delta (h = x when delta is None) and rms_norm(h, w, eps);
-  one `add_rms_norm` kernel over the rows when `uses_kernels(impl)`, else XLA."""
-  if uses_kernels(impl):
+def add_norm(x, delta, w, eps: float, impl: str = "xla"):
+  """(h, normed) [..., D]: the residual h = x + delta (h = x when delta is None) and rms_norm(h, w, eps),
+  through the core's `ops.add_rms_norm`. With kernels (`ops.uses_kernels(impl)`) one kernel runs over the
+  rows; otherwise the op's reference runs on the arrays' own shapes (the decode step's [B, 1, D]: in bf16,
+  XLA's excess-precision rewrites depend on the shapes, and the XLA path keeps the numbers it always had)."""
+  if ops.uses_kernels(impl):
     rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
-    h, normed = add_rms_norm(rows(x), rows(delta), w, eps=eps, interpret=impl == "interpret")
+    h, normed = ops.add_rms_norm(rows(x), rows(delta), w, eps=eps, impl=impl)
     return h.reshape(x.shape), normed.reshape(x.shape)
-  h = x if delta is None else x + delta
-  return h, rms_norm(h, w, eps)
+  return ops.add_rms_norm(x, delta, w, eps=eps, impl="xla")
 
 
 def _logits(model: Llama, normed_BD: jax.Array) -> jax.Array:
@@ -298,7 +306,7 @@ def _head(model: Llama, x_BD: jax.Array) -> jax.Array:
   return _logits(model, rms_norm(x_BD, model.norm[...], model.config.norm_eps))
 
 
-def _rope_heads(cfg: LlamaConfig, qkv_BTX, pos_BT):
+def rope_heads(cfg: LlamaConfig, qkv_BTX, pos_BT):
   """The fused projection [B, T, (N + 2K) * H] split into q [B, T, N, H], k and v [B, T, K, H], q and k
   rotated (XLA)."""
   B, T, _ = qkv_BTX.shape
@@ -311,21 +319,20 @@ def _rope_heads(cfg: LlamaConfig, qkv_BTX, pos_BT):
   return apply_rope(q, pos_BT, inv), apply_rope(k, pos_BT, inv), v
 
 
-def _qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
+def prefill_qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
+  """q [B, T, N, H], k and v [B, T, K, H] of a layer's input x [B, T, D] at positions pos [B, T] (XLA)."""
   h = rms_norm(x_BTD, blk.attn_norm[...], cfg.norm_eps)
-  return _rope_heads(cfg, h @ blk.wqkv[...], pos_BT)
+  return rope_heads(cfg, h @ blk.wqkv[...], pos_BT)
 
 
 def _decode_qkv(blk: Block, cfg: LlamaConfig, normed_B1D, pos_B, impl: str):
-  """q [B, N, H], k and v [B, K, H] of one token per row from the attention-normed input: one `qkv_rope`
-  kernel after the projection when `uses_kernels(impl)`, else `_rope_heads`."""
-  qkv_B1X = normed_B1D @ blk.wqkv[...]
-  if uses_kernels(impl):
-    inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
-    return qkv_rope(qkv_B1X[:, 0], pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                    head_dim=cfg.head_dim, interpret=impl == "interpret")
-  q, k, v = _rope_heads(cfg, qkv_B1X, pos_B[:, None])
-  return q[:, 0], k[:, 0], v[:, 0]
+  """q [B, N, H], k and v [B, K, H] of one token per row from the attention-normed input [B, 1, D]: the
+  projection, then the core's `ops.qkv_rope` (one kernel with kernels; else its reference, which computes
+  exactly `rope_heads`' numbers: tests/models/test_decode_kernels.py)."""
+  qkv_BX = (normed_B1D @ blk.wqkv[...])[:, 0]
+  inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
+  return ops.qkv_rope(qkv_BX, pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                      impl=impl)
 
 
 def _attn_out(blk: Block, attn_XNH, dtype):
@@ -339,7 +346,7 @@ def _mlp(blk: Block, normed):
 
 
 def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
-  x, h = _add_norm(x_BTD, _attn_out(blk, attn_BTNH, x_BTD.dtype), blk.mlp_norm[...], cfg.norm_eps)
+  x, h = add_norm(x_BTD, _attn_out(blk, attn_BTNH, x_BTD.dtype), blk.mlp_norm[...], cfg.norm_eps)
   return x + _mlp(blk, h)
 
 
@@ -351,7 +358,7 @@ def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
 PREFILL_CHUNK_TOKENS = 8192
 
 
-def _over_token_chunks(fn, *xs_BT):
+def over_token_chunks(fn, *xs_BT):
   """fn(*xs) for arrays [B, T, ...] whose rows are independent tokens, computed over slices of the T axis
   (B * slice about PREFILL_CHUNK_TOKENS tokens) and joined back; equal to fn(*xs)."""
   B, T = xs_BT[0].shape[:2]
@@ -365,7 +372,7 @@ def _over_token_chunks(fn, *xs_BT):
 # ----------------------------------------------------------------------------- attention
 
 
-def _blocked_causal_attention(q_BTNH, k_BTKH, v_BTKH, block: int):
+def blocked_causal_attention(q_BTNH, k_BTKH, v_BTKH, block: int):
   """Flash-style causal attention: a loop over query blocks, each an online-softmax loop over the
   key blocks at or before it. Holds [B, N, block, block] scores at a time, never [T, T]."""
   B, T, N, H = q_BTNH.shape
@@ -426,11 +433,11 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto"):
     return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
                                         implementation="cudnn" if cudnn else None)
   if impl == "blocked":
-    return _blocked_causal_attention(q_BTNH, k_BTKH, v_BTKH, min(ATTENTION_BLOCK, T))
+    return blocked_causal_attention(q_BTNH, k_BTKH, v_BTKH, min(ATTENTION_BLOCK, T))
   raise ValueError(f"{impl=} must be 'auto', 'dense' or 'blocked'")
 
 
-# ----------------------------------------------------------------------------- jitted entry points
+# ----------------------------------------------------------------------------- prefill
 
 
 def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
@@ -438,23 +445,24 @@ def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
   attention, so a compressing callback leaves only one layer's full KV alive."""
   cfg = model.config
   B, T = tokens_BT.shape
-  x = _embed(model, tokens_BT)
+  x = embed_tokens(model, tokens_BT)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   outs = []
   for blk in model.layers:
-    q, k, v = _qkv(blk, cfg, x, pos)
+    q, k, v = prefill_qkv(blk, cfg, x, pos)
     o = causal_attention(q, k, v, impl=impl)
     # The barrier makes the next layer wait for this layer's compression, so XLA cannot postpone it
     # and keep every layer's full q/k/v alive (on an H200 at 128k that raised the peak by ~20 GB).
     o, compressed = jax.lax.optimization_barrier((o, on_layer(q, k, v)))
     outs.append(compressed)
-    x = _over_token_chunks(functools.partial(_finish, blk, cfg), x, o)
+    x = over_token_chunks(functools.partial(_finish, blk, cfg), x, o)
   last = x[jnp.arange(B), lengths_B - 1]
   return _head(model, last), tuple(outs)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"))
-def _prefill_jit(graphdef, state, tokens_BT, lengths_B, config):
+def prefill_jit(graphdef, state, tokens_BT, lengths_B, config):
+  """`prefill` over nnx.split(model): lower and compile it to time compilation apart."""
   model = nnx.merge(graphdef, state)
   lengths_B = lengths_B.astype(jnp.int32)
   return _layers_prefill(
@@ -465,12 +473,13 @@ def _prefill_jit(graphdef, state, tokens_BT, lengths_B, config):
 def prefill(model: Llama, tokens_BT, lengths_B, config):
   """Prefill + per-layer compression. Returns (logits [B, V] of each last valid token, caches)."""
   graphdef, state = nnx.split(model)
-  return _prefill_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32),
-                      jnp.asarray(lengths_B, jnp.int32), config)
+  return prefill_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), jnp.asarray(lengths_B, jnp.int32),
+                     config)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill_dense_jit(graphdef, state, tokens_BT, lengths_B):
+def prefill_dense_jit(graphdef, state, tokens_BT, lengths_B):
+  """`prefill_dense` over nnx.split(model)."""
   model = nnx.merge(graphdef, state)
   return _layers_prefill(model, tokens_BT, lengths_B.astype(jnp.int32), lambda q, k, v: (q, k, v))
 
@@ -479,8 +488,7 @@ def prefill_dense(model: Llama, tokens_BT, lengths_B):
   """Dense prefill that keeps every layer's post-RoPE (q, k, v); pair with compress_layers to
   compress one prefill several ways (costs all layers' full KV in memory)."""
   graphdef, state = nnx.split(model)
-  return _prefill_dense_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32),
-                            jnp.asarray(lengths_B, jnp.int32))
+  return prefill_dense_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), jnp.asarray(lengths_B, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -490,30 +498,59 @@ def compress_layers(layer_qkv, lengths_B, config):
   return tuple(prefill_compress(q, k, v, lengths_B, config=config) for q, k, v in layer_qkv)
 
 
+# ----------------------------------------------------------------------------- decode
+
+
+class LayerStep(NamedTuple):
+  """What one layer of a decode step returns.
+
+  x, delta: [B, 1, D] the residual stream after the attention block and what the MLP adds to it (the add
+    is left to the next layer, fused with its norm: `add_norm`).
+  cache: the layer's updated cache.
+  q: [B, N, H] the step's post-RoPE query; k: [B, K, H] its post-RoPE key (what the cache appended).
+  """
+
+  x: jax.Array
+  delta: jax.Array
+  cache: object
+  q: jax.Array
+  k: jax.Array
+
+
+def decode_layer(blk: Block, cfg: LlamaConfig, x_B1D, delta_B1D, cache, config) -> LayerStep:
+  """One layer of one decode step (traceable): the residual add of the previous layer's MLP (`delta`, None
+  in the first layer) fused with attn_norm, q/k/v + RoPE at cache.pos, the core's `decode_step` (append,
+  select, attend), the attention's residual add fused with mlp_norm, the MLP. With config.impl running
+  kernels (`ops.uses_kernels`) each (add, norm) pair and the RoPE + head split are one kernel each."""
+  impl, eps = config.impl, cfg.norm_eps
+  x, h = add_norm(x_B1D, delta_B1D, blk.attn_norm[...], eps, impl)
+  q, k, v = _decode_qkv(blk, cfg, h, cache.pos, impl)
+  o, cache = decode_step(cache, q, k, v, config=config)
+  x, h = add_norm(x, _attn_out(blk, o[:, None], x.dtype), blk.mlp_norm[...], eps, impl)
+  return LayerStep(x=x, delta=_mlp(blk, h), cache=cache, q=q, k=k)
+
+
+def final_logits(model: Llama, x_B1D, delta_B1D, impl: str) -> jax.Array:
+  """Logits [B, V] (float32) after the last layer: its residual add fused with the final norm, the head."""
+  _, h = add_norm(x_B1D, delta_B1D, model.norm[...], model.config.norm_eps, impl)
+  return _logits(model, h[:, 0])
+
+
 def decode_body(model: Llama, tokens_B, caches, config):
-  """One decode step (traceable): new token at each sequence's cache.pos.
+  """One decode step of the whole model (traceable): new token at each sequence's cache.pos ->
+  (logits [B, V], caches). The decode loop (`models/loop.py`) runs this.
 
   Each residual add is fused with the norm that follows it: the MLP's output with the next layer's
-  attn_norm (the last layer's with the final norm), the attention's with mlp_norm. With config.impl
-  resolving to "pallas" or "interpret", each (add, norm) pair and each layer's RoPE + head split are one
-  kernel; otherwise XLA computes the same expressions as prefill does. Activations stay [B, 1, D]: in
-  bf16, XLA's excess-precision rewrites (which may skip the rounding of x + delta) depend on the shapes.
+  attn_norm (the last layer's with the final norm), the attention's with mlp_norm. Activations stay
+  [B, 1, D] (see `add_norm`).
   """
-  cfg = model.config
-  impl = config.impl
-  eps = cfg.norm_eps
-  x = _embed(model, tokens_B)[:, None, :]  # [B, 1, D]
+  x = embed_tokens(model, tokens_B)[:, None, :]  # [B, 1, D]
   delta = None  # what the previous layer's MLP adds to x
   new = []
   for blk, cache in zip(model.layers, caches):
-    x, h = _add_norm(x, delta, blk.attn_norm[...], eps, impl)
-    q, k, v = _decode_qkv(blk, cfg, h, cache.pos, impl)
-    o, cache = decode_step(cache, q, k, v, config=config)
-    x, h = _add_norm(x, _attn_out(blk, o[:, None], x.dtype), blk.mlp_norm[...], eps, impl)
-    delta = _mlp(blk, h)
+    x, delta, cache, _, _ = decode_layer(blk, model.config, x, delta, cache, config)
     new.append(cache)
-  _, h = _add_norm(x, delta, model.norm[...], eps, impl)
-  return _logits(model, h[:, 0]), tuple(new)
+  return final_logits(model, x, delta, config.impl), tuple(new)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("caches",))
@@ -527,16 +564,19 @@ def decode(model: Llama, tokens_B, caches, config):
   return _decode_jit(graphdef, state, jnp.asarray(tokens_B, jnp.int32), caches, config)
 
 
+# ----------------------------------------------------------------------------- dense forward
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
 def _forward_full_jit(graphdef, state, tokens_BT, impl):
   model = nnx.merge(graphdef, state)
   cfg = model.config
   B, T = tokens_BT.shape
-  x = _embed(model, tokens_BT)
+  x = embed_tokens(model, tokens_BT)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   for blk in model.layers:
-    q, k, v = _qkv(blk, cfg, x, pos)
-    x = _over_token_chunks(functools.partial(_finish, blk, cfg), x, causal_attention(q, k, v, impl=impl))
+    q, k, v = prefill_qkv(blk, cfg, x, pos)
+    x = over_token_chunks(functools.partial(_finish, blk, cfg), x, causal_attention(q, k, v, impl=impl))
   h = rms_norm(x, model.norm[...], cfg.norm_eps)
   w = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
   return jnp.dot(h, w, preferred_element_type=jnp.float32)

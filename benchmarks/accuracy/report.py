@@ -7,6 +7,67 @@ import os
 import numpy as np
 
 
+def summarize(res) -> dict:
+  """Per (context, method, budget): task accuracy (mean over tasks of the mean sample score), its ratio to
+  full KV's on the same prompts (same tasks and seeds: merged runs may hold more samples of full than of a
+  method), and the fidelity figures. Full KV's records are those with budget None (the method the budget
+  does not change)."""
+  acc: dict = {}
+  seeds: dict = {}
+  full_score = {}
+  for r in res["tasks"]:
+    key = (r["context"], r["method"], r["budget"])
+    acc.setdefault(key, {}).setdefault(r["task"], []).append(r["score"])
+    seeds.setdefault(key, {}).setdefault(r["task"], []).append(r["seed"])
+    if r["budget"] is None:
+      full_score[(r["context"], r["task"], r["seed"])] = r["score"]
+  out = []
+  full = {c: np.mean([np.mean(v) for v in t.values()]) for (c, m, b), t in acc.items() if b is None}
+
+  def full_on_same_prompts(c, task_seeds):
+    per_task = [[full_score.get((c, t, s_)) for s_ in ss] for t, ss in task_seeds.items()]
+    if any(v is None for vs in per_task for v in vs):
+      return None
+    return float(np.mean([np.mean(vs) for vs in per_task]))
+
+  full_task = {(c, k): np.mean(v) for (c, m, b), t in acc.items() if b is None for k, v in t.items()}
+  fid = {(r["context"], r["method"], r["budget"]): r for r in res["fidelity"]}
+  keys = sorted(set(acc) | set(fid), key=lambda k: (k[0], k[1], k[2] or 0))
+  for k in keys:
+    c, m, b = k
+    row = {"context": c, "method": m, "budget": b}
+    if k in acc:
+      per_task = {t: float(np.mean(v)) for t, v in acc[k].items()}
+      row["per_task"] = per_task
+      row["accuracy"] = float(np.mean(list(per_task.values())))
+      base = full_on_same_prompts(c, seeds[k])
+      if base:
+        row["relative_accuracy"] = row["accuracy"] / base
+      row["accuracy_on_full_solved"] = _on_solved(res, c, m, b)
+    if k in fid:
+      for f in ("top1", "top1_confident", "kl", "nll", "mass", "oracle"):
+        if f in fid[k]:
+          row[f] = fid[k][f]
+    out.append(row)
+  return {"rows": out, "full_accuracy": {str(c): float(v) for c, v in full.items()},
+          "full_per_task": {f"{c}/{t}": float(v) for (c, t), v in full_task.items()}}
+
+
+def _on_solved(res, c, m, b):
+  """Mean score of the method on the samples that full KV solved completely (None when there are none):
+  the share of full KV's successes that the method keeps."""
+  solved = {(r["task"], r["seed"]) for r in res["tasks"] if r["context"] == c and r["budget"] is None
+            and r["score"] == 1.0}
+  s = [r["score"] for r in res["tasks"] if r["context"] == c and r["method"] == m and r["budget"] == b
+       and (r["task"], r["seed"]) in solved]
+  return float(np.mean(s)) if s else None
+
+
+def _reference_methods(rows) -> set:
+  """Methods run without a budget (full KV): the reference of every comparison."""
+  return {r["method"] for r in rows if r["budget"] is None}
+
+
 def _fmt(x, pct=False, digits=3):
   if x is None:
     return "-"
@@ -17,6 +78,7 @@ def headline(res, budget: int = 256) -> str:
   """One table at one budget: every method x context, accuracy relative to full KV and fidelity."""
   g, rows = res["meta"]["grid"], res["summary"]["rows"]
   by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  reference = _reference_methods(rows)
   if budget not in g["budgets"]:
     budget = g["budgets"][len(g["budgets"]) // 2]
   out = [f"## Headline at t={budget}", "",
@@ -24,7 +86,7 @@ def headline(res, budget: int = 256) -> str:
          "|---|---|---|---|---|---|---|---|"]
   for c in g["contexts"]:
     for m in g["methods"]:
-      r = by.get((c, m, None if m == "full" else budget))
+      r = by.get((c, m, None if m in reference else budget))
       if r is None:
         continue
       acc = f"{_fmt(r.get('accuracy'), True)} ({_fmt(r.get('relative_accuracy'), True)})" if "accuracy" in r else "-"
@@ -48,11 +110,13 @@ def markdown(res) -> str:
   if meta.get("note"):
     lines[-1:-1] = [f"- note: {meta['note']}"]
   budgets = list(g["budgets"])
-  methods = [m for m in g["methods"] if m != "full"]
+  reference = _reference_methods(rows)
+  methods = [m for m in g["methods"] if m not in reference]
   by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  full_by_context = {r["context"]: r for r in rows if r["budget"] is None}
   lines += headline(res), ""
   for c in g["contexts"]:
-    full = by.get((c, "full", None), {})
+    full = full_by_context.get(c, {})
     lines += [f"## Context {c} tokens", ""]
     if "accuracy" in full:
       pt = ", ".join(f"{t} {_fmt(v, True)}" for t, v in full.get("per_task", {}).items())
@@ -93,11 +157,14 @@ def plots(res, prefix) -> list[str]:
   g = res["meta"]["grid"]
   rows = res["summary"]["rows"]
   by = {(r["context"], r["method"], r["budget"]): r for r in rows}
-  methods = [m for m in g["methods"] if m != "full"]
+  reference = _reference_methods(rows)
+  methods = [m for m in g["methods"] if m not in reference]
+  full_by_context = {r["context"]: r for r in rows if r["budget"] is None}
   budgets = list(g["budgets"])
   contexts = list(g["contexts"])
   paths = []
   colors = {m: f"C{i}" for i, m in enumerate(methods)}
+  width = {m: 2.5 if i == 0 else 1.2 for i, m in enumerate(methods)}  # the grid's first method (RocketKV) stands out
 
   def panel(key, ylabel, fname, title, ylim=None, logy=False):
     if not any(by.get((c, m, b), {}).get(key) is not None for c in contexts for m in methods for b in budgets):
@@ -107,9 +174,8 @@ def plots(res, prefix) -> list[str]:
       for m in methods:
         ys = [by.get((c, m, b), {}).get(key) for b in budgets]
         if any(y is not None for y in ys):
-          ax.plot(budgets, [np.nan if y is None else y for y in ys], "o-", color=colors[m], label=m,
-                  lw=2.5 if m == "rocketkv" else 1.2)
-      ref = by.get((c, "full", None), {}).get(key)
+          ax.plot(budgets, [np.nan if y is None else y for y in ys], "o-", color=colors[m], label=m, lw=width[m])
+      ref = full_by_context.get(c, {}).get(key)
       if ref is not None:
         ax.axhline(ref, color="k", ls="--", lw=1, label=f"full KV ({ref:.2f})")
       ax.set_xscale("log", base=2)
@@ -142,8 +208,7 @@ def plots(res, prefix) -> list[str]:
     for ax, c in zip(axes[0], contexts):
       for r in fid:
         if r["context"] == c and r["budget"] == b_show:
-          ax.plot(r["mass_per_layer"], "-", color=colors[r["method"]], label=r["method"],
-                  lw=2.5 if r["method"] == "rocketkv" else 1.2)
+          ax.plot(r["mass_per_layer"], "-", color=colors[r["method"]], label=r["method"], lw=width[r["method"]])
           ax.plot(r["oracle_per_layer"], ":", color=colors[r["method"]], lw=0.8)
       ax.set_title(f"{c} tok, t={b_show}; dotted: same-size oracle", fontsize=9)
       ax.set_xlabel("layer")
@@ -175,8 +240,6 @@ def merge(results: list[dict], note: str | None = None) -> dict:
   """One results dict from several runs (other contexts, methods or budgets; same settings otherwise). A record
   that an earlier input already holds (same context, method, budget, task and seed; for fidelity, same
   context, method and budget) is dropped, so runs that each recomputed `full` on the same prompts count once."""
-  from benchmarks.accuracy.runner import summarize
-
   first = results[0]
   out = {"meta": json.loads(json.dumps(first["meta"])), "tasks": [], "fidelity": [], "skipped": []}
   out["meta"]["command"] = " && ".join(r["meta"]["command"] for r in results)

@@ -16,6 +16,11 @@ import time
 
 import numpy as np
 
+import rocketkv_jax
+from benchmarks.accuracy import tasks as T
+from benchmarks.accuracy.engine import Runner, make_config
+from benchmarks.accuracy.report import summarize, write_outputs
+
 DEFAULT_METHODS = ("full", "rocketkv", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa", "exact_topk")
 GRIDS = {
     # the issue's default grid for SmolLM2 (8k = the model's max length, so 8k contexts are 8k - max_new)
@@ -75,11 +80,11 @@ def _machine() -> dict:
 
 
 def _configs(methods, budgets, context, max_new, model_cfg, impl="auto"):
-  """(method, budget, config or error string); full runs once (budget None)."""
-  from benchmarks.accuracy.engine import make_config
+  """(method, budget, config or error string); a method the budget does not change (full) runs once, with
+  budget None: the reference every figure is compared with."""
   out = []
   for m in methods:
-    for b in ([None] if m == "full" else budgets):
+    for b in (budgets if rocketkv_jax.get_method(m).budgeted else [None]):
       try:
         out.append((m, b, make_config(m, b or max(budgets), context, max_new, model_cfg, impl=impl)))
       except ValueError as e:
@@ -93,16 +98,15 @@ def run(args, progress=None, log=print, checkpoint=None) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from benchmarks.accuracy import tasks as T
-  from benchmarks.accuracy.engine import Runner
   from rocketkv_jax.models import load
+  from rocketkv_jax.models.generate import stop_ids
 
   t_start = time.time()
   model, tok = load(args.model, dtype=getattr(jnp, args.dtype), log=log) if isinstance(args.model, str) else args.model
   runner = Runner(model)
   cfg = model.config
   chat = args.chat == "on"
-  eos = sorted({i for i in (cfg.eos_id, tok.eos_id, tok.chat_eos_id if chat else None) if i is not None})
+  eos = stop_ids(model, tok, chat)
   res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                   "machine": _machine(), "model": args.model if isinstance(args.model, str) else "given",
@@ -164,7 +168,6 @@ def run(args, progress=None, log=print, checkpoint=None) -> dict:
 def _fidelity(args, runner, tok, C, confs, res, prog):
   import jax
 
-  from benchmarks.accuracy import tasks as T
   F = args.fid_tail
   prefix = C - F
   seqs = [T.fidelity_text(tok, C, s)[0] for s in range(args.fid_samples)]
@@ -178,7 +181,7 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
   for m, b, c in confs:
     if isinstance(c, str):
       res["skipped"].append({"context": C, "method": m, "budget": b, "why": f"fidelity {c}"})
-  order = sorted(confs, key=lambda x: x[0] != "full")  # the reference first
+  order = sorted(confs, key=lambda x: x[1] is not None)  # the reference (budget None: full KV) first
   ref = None
   target = ids[:, prefix:]
   for m, b, config in order:
@@ -187,9 +190,9 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
       continue
     if prog: prog.describe(f"{C} tok: fidelity {m} t={b}")
     t0 = time.time()
-    diag = (not args.no_diag) and m != "full"
+    diag = (not args.no_diag) and b is not None  # the reference attends everything: mass 1
     lp, d = runner.teacher_forced(qkv, logits, ids, prefix, config, diag=diag)
-    if m == "full":
+    if b is None:
       ref = lp
     nll = float(-np.take_along_axis(lp, target[..., None], -1).mean())
     row = {"context": C, "method": m, "budget": b, "sequences": len(seqs), "tail": F, "nll": nll,
@@ -213,61 +216,6 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
       row["selected_tokens"] = float(d["n_sel"].mean())
     res["fidelity"].append(row)
     if prog: prog.advance()
-
-
-def summarize(res) -> dict:
-  """Per (context, method, budget): task accuracy (mean over tasks of the mean sample score), its ratio to
-  full KV's on the same prompts (same tasks and seeds: merged runs may hold more samples of full than of a
-  method), and the fidelity figures."""
-  acc: dict = {}
-  seeds: dict = {}
-  full_score = {}
-  for r in res["tasks"]:
-    key = (r["context"], r["method"], r["budget"])
-    acc.setdefault(key, {}).setdefault(r["task"], []).append(r["score"])
-    seeds.setdefault(key, {}).setdefault(r["task"], []).append(r["seed"])
-    if r["method"] == "full":
-      full_score[(r["context"], r["task"], r["seed"])] = r["score"]
-  out = []
-  full = {c: np.mean([np.mean(v) for v in t.values()]) for (c, m, b), t in acc.items() if m == "full"}
-
-  def full_on_same_prompts(c, task_seeds):
-    per_task = [[full_score.get((c, t, s_)) for s_ in ss] for t, ss in task_seeds.items()]
-    if any(v is None for vs in per_task for v in vs):
-      return None
-    return float(np.mean([np.mean(vs) for vs in per_task]))
-
-  full_task = {(c, k): np.mean(v) for (c, m, b), t in acc.items() if m == "full" for k, v in t.items()}
-  fid = {(r["context"], r["method"], r["budget"]): r for r in res["fidelity"]}
-  keys = sorted(set(acc) | set(fid), key=lambda k: (k[0], k[1], k[2] or 0))
-  for k in keys:
-    c, m, b = k
-    row = {"context": c, "method": m, "budget": b}
-    if k in acc:
-      per_task = {t: float(np.mean(v)) for t, v in acc[k].items()}
-      row["per_task"] = per_task
-      row["accuracy"] = float(np.mean(list(per_task.values())))
-      base = full_on_same_prompts(c, seeds[k])
-      if base:
-        row["relative_accuracy"] = row["accuracy"] / base
-      row["accuracy_on_full_solved"] = _on_solved(res, c, m, b)
-    if k in fid:
-      for f in ("top1", "top1_confident", "kl", "nll", "mass", "oracle"):
-        if f in fid[k]:
-          row[f] = fid[k][f]
-    out.append(row)
-  return {"rows": out, "full_accuracy": {str(c): float(v) for c, v in full.items()},
-          "full_per_task": {f"{c}/{t}": float(v) for (c, t), v in full_task.items()}}
-
-
-def _on_solved(res, c, m, b):
-  """Mean score of the method on the samples that full KV solved completely (None when there are none):
-  the share of full KV's successes that the method keeps."""
-  solved = {(r["task"], r["seed"]) for r in res["tasks"] if r["context"] == c and r["method"] == "full"
-            and r["score"] == 1.0}
-  s = [r["score"] for r in res["tasks"] if r["context"] == c and r["method"] == m and r["budget"] == b
-       and (r["task"], r["seed"]) in solved]
-  return float(np.mean(s)) if s else None
 
 
 class _RichProgress:
@@ -298,8 +246,6 @@ class _RichProgress:
 
 def main(argv=None):
   args = parse_args(argv)
-  from benchmarks.accuracy.report import write_outputs
-
   log = lambda msg: print(msg, file=sys.stderr)
 
   def checkpoint(res):  # partial JSON (no summary yet); report.py re-renders it

@@ -2,7 +2,7 @@
 
 import json
 
-from rocketkv_jax.cli import main
+from rocketkv_jax.models.cli import main
 
 from .test_loaders import write_gguf
 

@@ -1,6 +1,7 @@
 """The decode step's fused kernels (residual add + RMSNorm, q/k/v split + RoPE) against the XLA path: the
-kernel references are the model's own expressions, and a tiny random Llama decodes the same with
-impl="interpret" as with impl="xla"."""
+kernel references (which the decode step's XLA path runs, through `rocketkv_jax.ops`) compute exactly the
+model's own prefill expressions (`rms_norm`, `rope_heads`), eagerly and under jit, and a tiny random Llama
+decodes the same with impl="interpret" as with impl="xla"."""
 
 import dataclasses
 
@@ -9,29 +10,43 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .conftest import tiny_config, tiny_params
+from rocketkv_jax import make_config
 from rocketkv_jax.kernels.qkv_rope import qkv_rope_reference
 from rocketkv_jax.kernels.rms_norm import add_rms_norm_reference
 from rocketkv_jax.models import decode, prefill
-from rocketkv_jax.models.llama import _add_norm, _rope_heads, from_params, make_config, rope_inv_freq
+from rocketkv_jax.models.llama import add_norm, from_params, rms_norm, rope_heads, rope_inv_freq
+
+from .conftest import tiny_config, tiny_params
 
 
+def _model_add_norm(x, delta, w, eps):
+  h = x + delta
+  return h, rms_norm(h, w, eps)
+
+
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_references_are_the_model_expressions(dtype):
+def test_kernel_references_are_the_model_expressions(dtype, jit):
   cfg = tiny_config(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                                   ("original_max_position_embeddings", 64), ("rope_type", "llama3")))
   ks = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(ks[0], (3, cfg.dim)).astype(dtype)
   delta = jax.random.normal(ks[1], (3, cfg.dim)).astype(dtype)
   w = (1 + 0.1 * jax.random.normal(ks[2], (cfg.dim,))).astype(dtype)
-  for got, want in zip(add_rms_norm_reference(x, delta, w, eps=cfg.norm_eps), _add_norm(x, delta, w, cfg.norm_eps)):
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  maybe_jit = jax.jit if jit else (lambda f: f)
+  eps = cfg.norm_eps
+  want = maybe_jit(lambda x, d, w: _model_add_norm(x, d, w, eps))(x, delta, w)
+  for got in (maybe_jit(lambda x, d, w: add_rms_norm_reference(x, d, w, eps=eps))(x, delta, w),
+              maybe_jit(lambda x, d, w: add_norm(x, d, w, eps))(x, delta, w),  # what decode_layer runs
+              maybe_jit(lambda x, d, w: add_norm(x[:, None], d[:, None], w, eps))(x, delta, w)):
+    for g, wt in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g, np.float32).reshape(wt.shape), np.asarray(wt, np.float32))
   N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   qkv = jax.random.normal(ks[3], (3, (N + 2 * K) * H)).astype(dtype)
   pos = jnp.array([0, 17, 5000], jnp.int32)
   inv = jnp.asarray(rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
-  got = qkv_rope_reference(qkv, pos, inv, n_heads=N, n_kv_heads=K, head_dim=H)
-  want = [a[:, 0] for a in _rope_heads(cfg, qkv[:, None], pos[:, None])]
+  got = maybe_jit(lambda a, p: qkv_rope_reference(a, p, inv, n_heads=N, n_kv_heads=K, head_dim=H))(qkv, pos)
+  want = maybe_jit(lambda a, p: [r[:, 0] for r in rope_heads(cfg, a[:, None], p[:, None])])(qkv, pos)
   for g, wt in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(wt, np.float32))
 

@@ -8,7 +8,8 @@ import pytest
 
 from rocketkv_jax import METHODS
 from rocketkv_jax.models import decode, forward_full, generate, prefill
-from rocketkv_jax.models.llama import _blocked_causal_attention, causal_attention, make_config
+from rocketkv_jax import make_config
+from rocketkv_jax.models.llama import blocked_causal_attention, causal_attention
 from rocketkv_jax.models.tokenizer import TextTokenizer
 
 
@@ -35,7 +36,7 @@ def test_blocked_attention_equals_dense(impl_T):
   k = jax.random.normal(ks[1], (2, T, 2, 16))
   v = jax.random.normal(ks[2], (2, T, 2, 16))
   want = causal_attention(q, k, v, impl="dense")
-  got = _blocked_causal_attention(q, k, v, block)
+  got = blocked_causal_attention(q, k, v, block)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 

@@ -1,0 +1,186 @@
+"""The one decode loop: tokens in, tokens out, in one jit (caches donated, no host round trip per token).
+
+From the prefill's last logits [B, V] and the per-layer caches, `decode_loop` samples the first new token,
+then runs the model's decode step (`llama.decode_body`) once per further token. `generate`, the demo, the
+decode benchmark (`benchmarks/decode.py`: n greedy steps, no stop ids) and the accuracy suite (greedy
+generation and teacher-forced log-probs) all run this loop, so every figure measures the code users run,
+fused kernels included.
+
+Per row: out[b, 0] is sampled from the prefill logits; out[b, i] from the logits of step i, whose input is
+out[b, i - 1] (or forced[b, i - 1] when teacher-forced). A row ends after it emits a stop id (the stop id is
+kept); later entries are -1. With stop ids the loop is a while loop that ends once every row has ended; without
+them it always runs max_new_tokens - 1 steps (a loop of static trip count, which XLA runs without reading a
+predicate back per step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .llama import Llama, decode_body
+
+__all__ = ["LoopConfig", "LoopOutput", "check_loop_args", "compile_once", "decode_loop", "decode_loop_jit",
+           "sample_token"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+  """What the loop does; frozen and hashable (a static jit argument: a new value recompiles).
+
+  max_new_tokens: tokens produced per row (the first from the prefill logits), so max_new_tokens - 1 steps.
+  temperature: 0 is greedy (argmax); else softmax(logits / temperature) sampling, cut to the nucleus top_p.
+  stop_ids: token ids that end a row (EOS, end of turn); () runs every step.
+  return_logprobs: also return log_softmax of each token's logits [B, max_new_tokens, V] (float32).
+  """
+
+  max_new_tokens: int
+  temperature: float = 0.0
+  top_p: float = 1.0
+  stop_ids: tuple[int, ...] = ()
+  return_logprobs: bool = False
+
+  def __post_init__(self):
+    n = self.max_new_tokens
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+      raise ValueError(f"max_new_tokens={n!r} must be an int >= 1")
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_p", float(self.top_p))
+    stop = tuple(int(i) for i in self.stop_ids)
+    if any(i < 0 for i in stop):
+      raise ValueError(f"stop_ids={stop} must be token ids >= 0")
+    object.__setattr__(self, "stop_ids", tuple(sorted(set(stop))))
+
+
+class LoopOutput(NamedTuple):
+  """tokens: [B, max_new_tokens] int32, -1 after a row's stop id. steps: [] int32, decode steps run (model
+  calls; the first token needs none). caches: the final per-layer caches. logprobs: [B, max_new_tokens, V]
+  float32 with return_logprobs, else None; rows that ended hold their logits' log-probs all the same."""
+
+  tokens: jax.Array
+  steps: jax.Array
+  caches: tuple
+  logprobs: jax.Array | None
+
+
+def sample_token(logits_BV, key, temperature: float, top_p: float):
+  """Greedy when temperature == 0; else temperature + nucleus (top_p) sampling."""
+  if temperature == 0.0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits = logits_BV.astype(jnp.float32) / temperature
+  if top_p < 1.0:
+    sorted_ = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    # the smallest prefix whose mass reaches top_p; its last logit is the cut-off
+    n_keep = jnp.sum(cum - probs < top_p, axis=-1, keepdims=True)
+    cutoff = jnp.take_along_axis(sorted_, n_keep - 1, axis=-1)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "loop"), donate_argnames=("caches",))
+def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, *, config,
+                    loop: LoopConfig) -> LoopOutput:
+  """`decode_loop` over nnx.split(model), every argument given (forced_BT and finished_B may be None): lower
+  and compile it to time compilation apart. The caches are donated."""
+  model = nnx.merge(graphdef, state)
+  B = logits_BV.shape[0]
+  n = loop.max_new_tokens
+  stop_S = jnp.asarray(loop.stop_ids or (-1,), jnp.int32)  # -1 never matches a sampled token
+
+  def pick(logits, key, done):
+    """The next token of each row (-1 where the row has ended) and whether the row ends with it."""
+    sub = None
+    if loop.temperature > 0:  # greedy needs no key (and no threefry kernel per step)
+      key, sub = jax.random.split(key)
+    tok = jnp.where(done, -1, sample_token(logits, sub, loop.temperature, loop.top_p))
+    return tok, done | jnp.isin(tok, stop_S), key
+
+  def logprobs(logits):
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+  done = jnp.zeros((B,), bool) if finished_B is None else finished_B.astype(bool)
+  tok, done, key = pick(logits_BV, key, done)
+  out = jnp.full((B, n), -1, jnp.int32).at[:, 0].set(tok)
+  lp = jnp.zeros((B, n, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logprobs(logits_BV)) \
+      if loop.return_logprobs else None
+
+  def body(i, carry):
+    tok, caches, done, out, lp, key = carry
+    fed = jnp.maximum(tok, 0) if forced_BT is None else forced_BT[:, i - 1]
+    logits, caches = decode_body(model, fed, caches, config)
+    tok, done, key = pick(logits, key, done)
+    out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
+    if lp is not None:
+      lp = jax.lax.dynamic_update_slice(lp, logprobs(logits)[:, None], (0, i, 0))
+    return tok, caches, done, out, lp, key
+
+  carry = (tok, caches, done, out, lp, key)
+  if loop.stop_ids:
+    def cond(c):
+      i, (_, _, done, *_) = c
+      return (i < n) & ~jnp.all(done)
+
+    i, carry = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(1), carry))
+    steps = i - 1
+  else:
+    carry = jax.lax.fori_loop(1, n, body, carry)
+    steps = jnp.int32(n - 1)
+  _, caches, _, out, lp, _ = carry
+  return LoopOutput(tokens=out, steps=steps, caches=caches, logprobs=lp)
+
+
+def check_loop_args(logits_BV, caches, config, loop: LoopConfig, forced_BT=None) -> None:
+  """Host-side checks before a run (inside the jit a step past a cache's capacity would drop its token)."""
+  B = logits_BV.shape[0]
+  config.check_room(caches[0], loop.max_new_tokens - 1)
+  if forced_BT is not None:
+    if loop.stop_ids:
+      raise ValueError(f"teacher forcing runs every step: give no stop_ids (got {loop.stop_ids})")
+    if forced_BT.ndim != 2 or forced_BT.shape[0] != B or forced_BT.shape[1] < loop.max_new_tokens - 1:
+      raise ValueError(f"forced_BT.shape={tuple(forced_BT.shape)} must be ({B}, >= max_new_tokens - 1 = "
+                       f"{loop.max_new_tokens - 1})")
+
+
+def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, key=None, forced_BT=None,
+                finished_B=None) -> LoopOutput:
+  """Runs the loop (module doc) from the prefill's last logits [B, V] and the per-layer caches (donated).
+
+  config: the method config the caches were built with. key: the sampling key (jax.random.key(0) when None;
+  unused when greedy). forced_BT: [B, F >= max_new_tokens - 1] int32 teacher forcing: step i feeds
+  forced[:, i - 1] instead of the row's last token (out[:, i] is still the model's own choice; pair with
+  return_logprobs to score forced[:, :max_new_tokens] under the model); needs stop_ids=(). finished_B: [B]
+  bool rows that have already ended (padding rows of a batch): they emit -1 only.
+  """
+  check_loop_args(logits_BV, caches, config, loop, forced_BT)
+  key = jax.random.key(0) if key is None else key
+  forced_BT = None if forced_BT is None else jnp.asarray(forced_BT, jnp.int32)
+  finished_B = None if finished_B is None else jnp.asarray(finished_B, bool)
+  graphdef, state = nnx.split(model)
+  return decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, config=config,
+                         loop=loop)
+
+
+_COMPILED: dict = {}
+
+
+def compile_once(fn, *args, **static):
+  """fn (a jax.jit function) AOT-compiled for these arguments' shapes and these static arguments, cached, so
+  that compile time can be measured apart: call the result with the non-static arguments after the first
+  (args[0] is the static graphdef)."""
+  key = (fn, args[0], jax.tree.structure(args[1:]),
+         tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args[1:])), tuple(sorted(static.items())))
+  if key not in _COMPILED:
+    if len(_COMPILED) >= 64:  # many distinct prompt shapes: drop old executables
+      _COMPILED.clear()
+    _COMPILED[key] = fn.lower(*args, **static).compile()
+  return _COMPILED[key]
