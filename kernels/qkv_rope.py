@@ -21,21 +21,26 @@ from jax.experimental.pallas import triton as pltriton
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype
 
 
+def rope_reference(x_XH, pos, inv_freq_half):
+  """Rotate-half RoPE of heads x [..., X, H] at positions pos [...] (x's leading axes): with angle = pos *
+  inv_freq[i] in float32, out[i] = x[i] cos - x[i + H/2] sin, out[i + H/2] = x[i + H/2] cos + x[i] sin,
+  computed in float32 and rounded to x's dtype. The model's prefill rotates with this too."""
+  ang = pos.astype(jnp.float32)[..., None] * inv_freq_half.astype(jnp.float32)  # [..., H/2]
+  cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
+  x1, x2 = jnp.split(x_XH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_XH.dtype)
+
+
 def qkv_rope_reference(qkv_BX, pos_B, inv_freq_half, *, n_heads: int, n_kv_heads: int, head_dim: int,
                        **unused_tuning):
-  """(q [B, N, H], k [B, K, H], v [B, K, H]) in qkv's dtype: q and k rotated at position pos[b], v as is."""
+  """(q [B, N, H], k [B, K, H], v [B, K, H]) in qkv's dtype: q and k rotated at position pos[b]
+  (`rope_reference`), v as is."""
   del unused_tuning
   B = qkv_BX.shape[0]
   N, K, H = n_heads, n_kv_heads, head_dim
   heads_BXH = qkv_BX.reshape(B, N + 2 * K, H)
-  ang_BH = pos_B.astype(jnp.float32)[:, None] * inv_freq_half.astype(jnp.float32)[None, :]
-  cos, sin = jnp.cos(ang_BH)[:, None, :], jnp.sin(ang_BH)[:, None, :]
-
-  def rope(x_BXH):
-    x1, x2 = jnp.split(x_BXH.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(qkv_BX.dtype)
-
-  return rope(heads_BXH[:, :N]), rope(heads_BXH[:, N:N + K]), heads_BXH[:, N + K:]
+  return (rope_reference(heads_BXH[:, :N], pos_B, inv_freq_half),
+          rope_reference(heads_BXH[:, N:N + K], pos_B, inv_freq_half), heads_BXH[:, N + K:])
 
 
 def _qkv_rope_kernel(

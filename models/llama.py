@@ -126,20 +126,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
 
 
 def apply_rope(x_BTXH: jax.Array, pos_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotate-half RoPE (HF convention): pairs channel i with channel i + H/2."""
-  ang = pos_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B,T,H/2]
-  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(ang), jnp.sin(ang)
-  xf = x_BTXH.astype(jnp.float32)
-  half = x_BTXH.shape[-1] // 2
-  rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-  return (xf * cos + rot * sin).astype(x_BTXH.dtype)
+  """Rotate-half RoPE (HF convention): pairs channel i with channel i + H/2 (the core's `ops.rope`, the
+  semantics the decode step's fused `qkv_rope` kernel computes)."""
+  return ops.rope(x_BTXH, pos_BT, jnp.asarray(inv_freq, jnp.float32))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-  xf = x.astype(jnp.float32)
-  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return w * xf.astype(x.dtype)
+  """RMSNorm(x) * w over the last axis (the core's `ops.rms_norm`: `add_rms_norm`'s semantics)."""
+  return ops.rms_norm(x, w, eps=eps)
 
 
 class Block(nnx.Module):

@@ -21,7 +21,7 @@ from jax import lax
 
 from rocketkv_jax.kernels import cache_append as cache_append_kernel
 from rocketkv_jax.kernels import dense_decode, hsa_scores, page_topk as page_topk_kernel, qkv_rope as qkv_rope_kernel
-from rocketkv_jax.kernels import rms_norm, sparse_decode
+from rocketkv_jax.kernels import rms_norm as rms_norm_kernel, sparse_decode
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 
@@ -152,7 +152,7 @@ OPS = {
     "page_topk": Op(_page_topk_xla, _page_topk_pallas),
     "hsa_select": Op(_hsa_select_xla, _hsa_select_pallas),
     "cache_append": Op(cache_append_scatter, cache_append_kernel.cache_append),
-    "add_rms_norm": Op(rms_norm.add_rms_norm_reference, rms_norm.add_rms_norm),
+    "add_rms_norm": Op(rms_norm_kernel.add_rms_norm_reference, rms_norm_kernel.add_rms_norm),
     "qkv_rope": Op(qkv_rope_kernel.qkv_rope_reference, qkv_rope_kernel.qkv_rope),
 }
 
@@ -213,6 +213,17 @@ def qkv_rope(qkv_BX, pos_B, inv_freq_half, *, n_heads, n_kv_heads, head_dim, imp
   """One token's fused projection split into q [B, N, H], k, v [B, K, H], q and k rotated at pos[b]."""
   return call("qkv_rope", qkv_BX, pos_B, inv_freq_half, n_heads=n_heads, n_kv_heads=n_kv_heads,
               head_dim=head_dim, impl=impl)
+
+
+def rope(x_XH, pos, inv_freq_half):
+  """Rotate-half RoPE of heads x [..., X, H] at positions pos [...] (XLA: the semantics `qkv_rope` fuses; the
+  model's prefill rotates whole prompts with it)."""
+  return qkv_rope_kernel.rope_reference(x_XH, pos, inv_freq_half)
+
+
+def rms_norm(x_D, w_D, *, eps):
+  """RMSNorm(x) * w over the last axis (XLA: `add_rms_norm`'s semantics with no residual add)."""
+  return rms_norm_kernel.add_rms_norm_reference(x_D, None, w_D, eps=eps)[1]
 
 
 def prefix_valid(idx_BKM, length_B):
