@@ -99,3 +99,13 @@ def test_bad_config_knobs(bad, match):
 def test_unknown_method():
   with pytest.raises(ValueError, match="method='foo'"):
     rk.make_config("foo", token_budget=64, prompt_len=10, max_new_tokens=1, head_dim=64)
+
+
+def test_rocketkv_window_shrinks_to_a_short_prompt():
+  """SnapKV's observation window cannot exceed the prompt: the plan uses the whole prompt as the window when
+  it is shorter than 32 tokens (generate used to special-case this); an explicit window_size is kept."""
+  c = rk.make_config("rocketkv", token_budget=64, prompt_len=20, max_new_tokens=8, head_dim=64)
+  assert c.window_size == 20 and c.prompt_budget >= 20
+  assert rk.make_config("rocketkv", token_budget=64, prompt_len=500, max_new_tokens=8, head_dim=64).window_size == 32
+  c = rk.make_config("rocketkv", token_budget=256, prompt_len=500, max_new_tokens=8, head_dim=64, window_size=16)
+  assert c.window_size == 16
