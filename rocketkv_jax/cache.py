@@ -1,7 +1,8 @@
-"""The static-shape, per-layer KV cache pytree and the updates every method shares.
+"""The static-shape, per-layer KV cache pytree, its spec, and how a prefill's kept positions become one.
 
 Slots at or past `length` are junk: nothing may depend on their contents. Every leaf's shape is fixed by
-the config, so a decode step never grows anything or recompiles.
+the config, so a decode step never grows anything or recompiles. How a step updates a cache is the
+method's business (`methods/`).
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 
 
 @dataclasses.dataclass(frozen=True)
