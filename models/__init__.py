@@ -1,7 +1,8 @@
 """Flax NNX Llama models wired to the RocketKV core (installed as rocketkv_jax.models).
 
 llama.py (the model: prefill, the decode step and its per-layer pieces), loop.py (the one decode loop),
-generate.py (text in, text out), weights.py / tokenizer.py (loaders), demo.py and cli.py (`rocketkv`).
+generate.py (text in, text out), weights.py / tokenizer.py (loaders), demo.py. The `rocketkv` CLI lives in
+rocketkv_jax.serving (the top layer).
 """
 
 from .generate import GenerateResult, GenerateStats, generate

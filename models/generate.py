@@ -86,12 +86,20 @@ class Prefilled:
 def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, method: str = "full",
              token_budget: int = 256, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, chat: bool = False,
-             progress: Callable[[str], None] | None = None, **config_overrides) -> GenerateResult:
+             progress: Callable[[str], None] | None = None, plan_prompt_len: int | None = None,
+             **config_overrides) -> GenerateResult:
   """Generates for a batch of prompts (strings or token-id lists) of different lengths.
 
   method/token_budget pick the KV cache (any method of the core; "full" ignores the budget).
   temperature 0 is greedy; otherwise temperature + top_p sampling from `seed`. Each sequence stops
   at its EOS (the chat end-of-turn token with chat=True) or after max_new_tokens.
+
+  The method's plan (its capacity and, for budgeted methods, what stage 1 keeps and stage 2 attends) depends
+  on (method, token_budget, plan_prompt_len, max_new_tokens, the model's head_dim and max_len, overrides) and
+  never on the prompts of the batch, so a prompt's greedy answer is the same alone or next to any others.
+  plan_prompt_len: the longest prompt the plan is made for (prompts may not exceed it); default the model's
+  max_len - max_new_tokens (every prompt the model can take). A smaller value gives a tighter cache, e.g. the
+  CLI plans one prompt from its own length.
   """
   progress = progress or (lambda msg: None)
   loop = LoopConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -103,11 +111,15 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   T = int(lengths.max())
   if T + max_new_tokens > cfg.max_len:
     raise ValueError(f"prompt of {T} tokens + {max_new_tokens=} exceeds the model's max_len={cfg.max_len}")
+  if plan_prompt_len is None:
+    plan_prompt_len = cfg.max_len - max_new_tokens
+  if T > plan_prompt_len:
+    raise ValueError(f"prompt of {T} tokens exceeds {plan_prompt_len=}")
   tokens = np.zeros((B, T), np.int32)
   for b, x in enumerate(ids):
     tokens[b, :len(x)] = x
-  config = make_config(method, token_budget=token_budget, prompt_len=T, max_new_tokens=max_new_tokens,
-                       head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
+  config = make_config(method, token_budget=token_budget, prompt_len=plan_prompt_len,
+                       max_new_tokens=max_new_tokens, head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
 
   graphdef, state = nnx.split(model)
   tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)

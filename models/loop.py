@@ -24,8 +24,8 @@ from flax import nnx
 
 from .llama import Llama, decode_body
 
-__all__ = ["LoopConfig", "LoopOutput", "check_loop_args", "compile_once", "decode_loop", "decode_loop_jit",
-           "sample_token"]
+__all__ = ["LoopConfig", "LoopOutput", "RowSampling", "check_loop_args", "compile_once", "decode_loop",
+           "decode_loop_jit", "sample_rows", "sample_token"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +36,8 @@ class LoopConfig:
   temperature: 0 is greedy (argmax); else softmax(logits / temperature) sampling, cut to the nucleus top_p.
   stop_ids: token ids that end a row (EOS, end of turn); () runs every step.
   return_logprobs: also return log_softmax of each token's logits [B, max_new_tokens, V] (float32).
+  carry_logits: also feed the last token (one more model step: max_new_tokens steps in all) and return the
+    logits it gives (`LoopOutput.logits_BV`), so that a next call continues from them.
   """
 
   max_new_tokens: int
@@ -43,6 +45,7 @@ class LoopConfig:
   top_p: float = 1.0
   stop_ids: tuple[int, ...] = ()
   return_logprobs: bool = False
+  carry_logits: bool = False
 
   def __post_init__(self):
     n = self.max_new_tokens
@@ -63,12 +66,30 @@ class LoopConfig:
 class LoopOutput(NamedTuple):
   """tokens: [B, max_new_tokens] int32, -1 after a row's stop id. steps: [] int32, decode steps run (model
   calls; the first token needs none). caches: the final per-layer caches. logprobs: [B, max_new_tokens, V]
-  float32 with return_logprobs, else None; rows that ended hold their logits' log-probs all the same."""
+  float32 with return_logprobs, else None; rows that ended hold their logits' log-probs all the same.
+  logits_BV: with carry_logits, the logits [B, V] after the last token was fed (where the next call starts)."""
 
   tokens: jax.Array
   steps: jax.Array
   caches: tuple
   logprobs: jax.Array | None
+  logits_BV: jax.Array | None = None
+
+
+class RowSampling(NamedTuple):
+  """Per-row sampling, every field an array [B] (values never recompile).
+
+  temperature: float32, 0 is greedy (argmax). top_p: float32 in (0, 1], 1 is off. top_k: int32, 0 is off.
+  seed: uint32, the row's key is jax.random.key(seed). index: int32, the row's token index of out[:, 0]: token j
+  of the call is sampled with fold_in(key, index + j), so a row's samples depend only on its own seed, logits
+  and token index.
+  """
+
+  temperature: jax.Array
+  top_p: jax.Array
+  top_k: jax.Array
+  seed: jax.Array
+  index: jax.Array
 
 
 def sample_token(logits_BV, key, temperature: float, top_p: float):
@@ -87,62 +108,106 @@ def sample_token(logits_BV, key, temperature: float, top_p: float):
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def sample_rows(logits_BV, rows: RowSampling, offset):
+  """Token [B] int32 of each row under its own sampling (`RowSampling`), for its token index rows.index + offset.
+
+  A row with temperature 0 takes the argmax. Otherwise softmax(logits / temperature), cut to the top_k most
+  likely tokens (top_k > 0) and to the smallest set whose mass reaches top_p (top_p < 1), both by the logit at
+  the cut-off (ties with it are kept), then sampled with fold_in(key(seed), index + offset). What a row gets
+  never depends on the other rows: the cut applies to rows that ask for it only, and the whole sampling branch
+  (skipped when every row is greedy) gives greedy rows their argmax either way.
+  """
+  greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  hot = rows.temperature > 0
+
+  def sampled(_):
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed, rows.index + offset)
+    logits = logits_BV.astype(jnp.float32) / jnp.where(hot, rows.temperature, 1.0)[:, None]
+    cut_B = hot & ((rows.top_p < 1) | (rows.top_k > 0))
+
+    def cut(logits):
+      sorted_ = -jnp.sort(-logits, axis=-1)  # descending
+      probs = jax.nn.softmax(sorted_, axis=-1)
+      cum = jnp.cumsum(probs, axis=-1)
+      n_keep = jnp.sum(cum - probs < rows.top_p[:, None], axis=-1)  # smallest prefix reaching top_p
+      n_keep = jnp.where(rows.top_k > 0, jnp.minimum(n_keep, rows.top_k), n_keep)
+      n_keep = jnp.clip(n_keep, 1, logits.shape[-1])
+      cutoff = jnp.take_along_axis(sorted_, n_keep[:, None] - 1, axis=-1)
+      return jnp.where(cut_B[:, None] & (logits < cutoff), -jnp.inf, logits)
+
+    logits = jax.lax.cond(jnp.any(cut_B), cut, lambda x: x, logits)
+    tok = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    return jnp.where(hot, tok, greedy)
+
+  return jax.lax.cond(jnp.any(hot), sampled, lambda _: greedy, None)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "loop"), donate_argnames=("caches",))
-def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, *, config,
+def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows=None, *, config,
                     loop: LoopConfig) -> LoopOutput:
-  """`decode_loop` over nnx.split(model), every argument given (forced_BT and finished_B may be None): lower
-  and compile it to time compilation apart. The caches are donated."""
+  """`decode_loop` over nnx.split(model), every argument given (forced_BT, finished_B and rows may be None):
+  lower and compile it to time compilation apart. The caches are donated."""
   model = nnx.merge(graphdef, state)
   B = logits_BV.shape[0]
   n = loop.max_new_tokens
   stop_S = jnp.asarray(loop.stop_ids or (-1,), jnp.int32)  # -1 never matches a sampled token
+  # with carry_logits, one more step feeds the last token; what it samples (column n) is dropped
+  last = n + 1 if loop.carry_logits else n
 
-  def pick(logits, key, done):
+  def pick(logits, key, done, i):
     """The next token of each row (-1 where the row has ended) and whether the row ends with it."""
     sub = None
-    if loop.temperature > 0:  # greedy needs no key (and no threefry kernel per step)
-      key, sub = jax.random.split(key)
-    tok = jnp.where(done, -1, sample_token(logits, sub, loop.temperature, loop.top_p))
+    if rows is not None:
+      tok = sample_rows(logits, rows, i)
+    else:
+      if loop.temperature > 0:  # greedy needs no key (and no threefry kernel per step)
+        key, sub = jax.random.split(key)
+      tok = sample_token(logits, sub, loop.temperature, loop.top_p)
+    tok = jnp.where(done, -1, tok)
     return tok, done | jnp.isin(tok, stop_S), key
 
   def logprobs(logits):
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
   done = jnp.zeros((B,), bool) if finished_B is None else finished_B.astype(bool)
-  tok, done, key = pick(logits_BV, key, done)
-  out = jnp.full((B, n), -1, jnp.int32).at[:, 0].set(tok)
-  lp = jnp.zeros((B, n, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logprobs(logits_BV)) \
+  tok, done, key = pick(logits_BV, key, done, 0)
+  out = jnp.full((B, last), -1, jnp.int32).at[:, 0].set(tok)
+  lp = jnp.zeros((B, last, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logprobs(logits_BV)) \
       if loop.return_logprobs else None
+  carried = logits_BV if loop.carry_logits else None
 
   def body(i, carry):
-    tok, caches, done, out, lp, key = carry
+    tok, caches, done, out, lp, key, carried = carry
     fed = jnp.maximum(tok, 0) if forced_BT is None else forced_BT[:, i - 1]
     logits, caches = decode_body(model, fed, caches, config)
-    tok, done, key = pick(logits, key, done)
+    tok, done, key = pick(logits, key, done, i)
     out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
     if lp is not None:
       lp = jax.lax.dynamic_update_slice(lp, logprobs(logits)[:, None], (0, i, 0))
-    return tok, caches, done, out, lp, key
+    return tok, caches, done, out, lp, key, (logits if carried is not None else None)
 
-  carry = (tok, caches, done, out, lp, key)
+  carry = (tok, caches, done, out, lp, key, carried)
   if loop.stop_ids:
     def cond(c):
       i, (_, _, done, *_) = c
-      return (i < n) & ~jnp.all(done)
+      return (i < last) & ~jnp.all(done)
 
     i, carry = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(1), carry))
     steps = i - 1
   else:
-    carry = jax.lax.fori_loop(1, n, body, carry)
-    steps = jnp.int32(n - 1)
-  _, caches, _, out, lp, _ = carry
-  return LoopOutput(tokens=out, steps=steps, caches=caches, logprobs=lp)
+    carry = jax.lax.fori_loop(1, last, body, carry)
+    steps = jnp.int32(last - 1)
+  _, caches, _, out, lp, _, carried = carry
+  if loop.carry_logits:
+    out = out[:, :n]
+    lp = None if lp is None else lp[:, :n]
+  return LoopOutput(tokens=out, steps=steps, caches=caches, logprobs=lp, logits_BV=carried)
 
 
 def check_loop_args(logits_BV, caches, config, loop: LoopConfig, forced_BT=None) -> None:
   """Host-side checks before a run (inside the jit a step past a cache's capacity would drop its token)."""
   B = logits_BV.shape[0]
-  config.check_room(caches[0], loop.max_new_tokens - 1)
+  config.check_room(caches[0], loop.max_new_tokens - (0 if loop.carry_logits else 1))
   if forced_BT is not None:
     if loop.stop_ids:
       raise ValueError(f"teacher forcing runs every step: give no stop_ids (got {loop.stop_ids})")
@@ -152,21 +217,22 @@ def check_loop_args(logits_BV, caches, config, loop: LoopConfig, forced_BT=None)
 
 
 def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, key=None, forced_BT=None,
-                finished_B=None) -> LoopOutput:
+                finished_B=None, rows: RowSampling | None = None) -> LoopOutput:
   """Runs the loop (module doc) from the prefill's last logits [B, V] and the per-layer caches (donated).
 
   config: the method config the caches were built with. key: the sampling key (jax.random.key(0) when None;
   unused when greedy). forced_BT: [B, F >= max_new_tokens - 1] int32 teacher forcing: step i feeds
   forced[:, i - 1] instead of the row's last token (out[:, i] is still the model's own choice; pair with
   return_logprobs to score forced[:, :max_new_tokens] under the model); needs stop_ids=(). finished_B: [B]
-  bool rows that have already ended (padding rows of a batch): they emit -1 only.
+  bool rows that have already ended (padding rows of a batch): they emit -1 only. rows: per-row sampling
+  (`RowSampling`); when given it replaces loop.temperature / top_p and `key`.
   """
   check_loop_args(logits_BV, caches, config, loop, forced_BT)
   key = jax.random.key(0) if key is None else key
   forced_BT = None if forced_BT is None else jnp.asarray(forced_BT, jnp.int32)
   finished_B = None if finished_B is None else jnp.asarray(finished_B, bool)
   graphdef, state = nnx.split(model)
-  return decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, config=config,
+  return decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows, config=config,
                          loop=loop)
 
 

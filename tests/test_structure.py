@@ -3,6 +3,7 @@
 - no method-name string test (`method == "h2o"`, `x in ("full", ...)`) outside rocketkv_jax/methods/;
 - no import of a private (underscore) name across modules, no `module._name` reach-in;
 - layers in one direction: the core never imports Flax, `models` or `serving`; kernels never import the core;
+  `models` never imports `serving` (the top layer);
 - no import cycle among the project's modules.
 """
 import ast
@@ -107,6 +108,7 @@ def test_no_private_names_across_modules():
 @pytest.mark.parametrize("layer,forbidden", [
     ("core", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving")),
     ("kernels", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving")),
+    ("models", ("rocketkv_jax.serving",)),
 ])
 def test_layers_import_downwards(layer, forbidden):
   found = []

@@ -77,14 +77,19 @@ def test_covering_budget_equals_full(tiny_model, full_cover, method):
 
 @pytest.mark.parametrize("method", ["full", "rocketkv"])
 def test_ragged_batch_equals_each_alone(tiny_model, method):
-  ps = prompts([37, 12], seed=4)
-  # rocketkv plans its budget from the padded prompt length: give every call the same plan by
-  # making the budget cover the sequence (the core tests ragged compression at small budgets).
-  kw = dict(method=method, token_budget=256, max_new_tokens=10)
+  """generate plans from plan_prompt_len (default: the model's max_len - max_new_tokens), never from the batch's
+  prompts, so a prompt's greedy answer is the same alone or next to prompts of other lengths, also at a budget
+  where stage 1 evicts (the 300-token prompt is longer than rocketkv's prompt budget here)."""
+  ps = prompts([37, 12, 300], seed=4)
+  kw = dict(method=method, token_budget=32, max_new_tokens=10)
   batch = generate(tiny_model, IdTokenizer(), ps, **kw)
+  pair = generate(tiny_model, IdTokenizer(), ps[:2], **kw)
   for i, p in enumerate(ps):
     alone = generate(tiny_model, IdTokenizer(), [p], **kw)
     assert batch.token_ids[i] == alone.token_ids[0], i
+    if i < 2:
+      assert pair.token_ids[i] == alone.token_ids[0], i
+  assert batch.stats.capacity == alone.stats.capacity
 
 
 def test_eos_stops_each_sequence(tiny_model):
@@ -116,8 +121,10 @@ def test_sampling_is_seeded(tiny_model):
 
 def test_stats_report_compression(tiny_model):
   ps = prompts([300], seed=7)
-  full = generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=8)
-  rk = generate(tiny_model, IdTokenizer(), ps, method="rocketkv", token_budget=32, max_new_tokens=8)
+  # plan for this prompt's length (the default plans for the model's max_len, where full holds 512 slots)
+  full = generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=8, plan_prompt_len=300)
+  rk = generate(tiny_model, IdTokenizer(), ps, method="rocketkv", token_budget=32, max_new_tokens=8,
+                plan_prompt_len=300)
   assert full.stats.compression == pytest.approx(1.0, rel=0.02)
   assert rk.stats.kv_bytes < full.stats.kv_bytes and rk.stats.compression > 1.5
   assert rk.stats.capacity < 308

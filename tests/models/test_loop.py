@@ -8,6 +8,7 @@ import pytest
 
 from rocketkv_jax import make_config
 from rocketkv_jax.models import LoopConfig, decode, decode_loop, forward_full, prefill
+from rocketkv_jax.models.loop import RowSampling
 
 P = 24  # prompt tokens
 
@@ -77,6 +78,34 @@ def test_finished_rows_emit_nothing(tiny_model):
                     finished_B=np.array([False, True]))
   tokens = np.asarray(out.tokens)
   assert (tokens[1] == -1).all() and (tokens[0] >= 0).all()
+
+
+def _rows(temperature, seed, index=0):
+  return RowSampling(temperature=np.array(temperature, np.float32), top_p=np.array([0.9, 1.0], np.float32),
+                     top_k=np.array([0, 5], np.int32), seed=np.array(seed, np.uint32),
+                     index=np.full(2, index, np.int32))
+
+
+def test_row_sampling_and_carried_logits(tiny_model):
+  """Per-row sampling (what the serving engine runs): two calls of 3 tokens that carry the logits equal one call
+  of 6; a greedy row equals the greedy loop; a row's tokens do not depend on the other row's sampling."""
+  _, config, logits, caches = _start(tiny_model)
+  greedy = np.asarray(decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=6)).tokens)
+  _, _, logits, caches = _start(tiny_model)
+  one = np.asarray(decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=6),
+                               rows=_rows([0.0, 0.9], [1, 2])).tokens)
+  np.testing.assert_array_equal(one[0], greedy[0])
+  assert (one[1] != greedy[1]).any()  # row 1 samples
+  _, _, logits, caches = _start(tiny_model)
+  carry = LoopConfig(max_new_tokens=3, carry_logits=True)
+  a = decode_loop(tiny_model, logits, caches, config, carry, rows=_rows([0.0, 0.9], [1, 2]))
+  assert int(a.steps) == 3 and a.logits_BV.shape == logits.shape
+  b = decode_loop(tiny_model, a.logits_BV, a.caches, config, carry, rows=_rows([0.0, 0.9], [1, 2], index=3))
+  np.testing.assert_array_equal(np.concatenate([a.tokens, b.tokens], 1), one)
+  _, _, logits, caches = _start(tiny_model)
+  other = np.asarray(decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=6),
+                                 rows=_rows([1.3, 0.9], [7, 2])).tokens)
+  np.testing.assert_array_equal(other[1], one[1])
 
 
 @pytest.mark.parametrize("kernel_impl", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])

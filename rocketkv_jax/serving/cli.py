@@ -1,11 +1,13 @@
-"""`rocketkv` command line (installed as `rocketkv_jax.models.cli`): generate text with a compressed KV cache,
-or run the demo.
+"""`rocketkv` command line: generate text with a compressed KV cache, run the demo, or serve an
+OpenAI-compatible API. It lives in the serving layer, the top one, since `serve` needs it.
 
   rocketkv generate --model smollm2 --method rocketkv --token-budget 256 --max-new-tokens 64 \
       (--prompt TEXT | --prompt-file FILE) [--chat] [--json]
   rocketkv demo [--token-budget 256] [--methods full,rocketkv]
+  rocketkv serve --model smollm2 --method rocketkv --token-budget 256 --port 8000 --max-slots 8 \
+      [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64]
 
-Results go to stdout; progress (loading, prefill, decode) goes to stderr.
+Results go to stdout; progress (loading, prefill, decode) and the server's log go to stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -49,9 +52,11 @@ def _cmd_generate(args) -> int:
   log(f"loading {args.model}")
   model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log,
                     dtype=args.dtype)
-  res = generate(model, tok, [prompt], method=args.method, token_budget=args.token_budget,
+  ids = tok.encode(prompt, chat=args.chat)
+  # one prompt, no companions: plan the cache for this prompt's own length (the tightest cache)
+  res = generate(model, tok, [ids], method=args.method, token_budget=args.token_budget,
                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                 seed=args.seed, chat=args.chat, progress=log)
+                 seed=args.seed, chat=args.chat, progress=log, plan_prompt_len=max(len(ids), 1))
   s = res.stats
   if args.json:
     print(json.dumps(dict(text=res.texts[0], token_ids=res.token_ids[0], stats=s.as_dict())))
@@ -89,6 +94,57 @@ def _cmd_demo(args) -> int:
   return 0
 
 
+def _cmd_serve(args) -> int:
+  import uvicorn
+
+  from rocketkv_jax.models import load
+
+  from .engine import Engine, EngineConfig
+  from .server import ServerConfig, UvicornServer, create_app
+  err = _console(True)
+  log = lambda msg: err.log(msg)  # noqa: E731
+  buckets = None
+  if args.prefill_buckets:
+    try:
+      buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
+    except ValueError:
+      raise ValueError(f"--prefill-buckets={args.prefill_buckets!r} must be comma-separated integers") from None
+  engine_config = EngineConfig(method=args.method, token_budget=args.token_budget, max_slots=args.max_slots,
+                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                               steps_per_call=args.steps_per_call, prefill_buckets=buckets, max_queue=args.max_queue)
+  log(f"loading {args.model}")
+  model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
+  engine = Engine(model, tok, engine_config)
+  name = args.served_model_name or _model_name(args.model)
+  app = create_app(engine, model, tok, ServerConfig(model_name=name, drain_s=args.drain_s,
+                                                               warmup=not args.no_warmup))
+  config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=args.drain_s + 5)
+  server = UvicornServer(config, app.state.runner, drain_s=args.drain_s)
+  if not args.no_warmup:
+    log(f"warming up: compiling {len(engine_config.prefill_buckets)} prefill buckets and the decode step")
+  log(f"serving {name!r} ({args.method}, budget {args.token_budget}, {args.max_slots} slots) "
+      f"on http://{args.host}:{args.port}/v1")
+  # uvicorn drains, shuts down, then re-raises the signal it caught: Ctrl-C and SIGTERM end here, exit 0.
+  signal.signal(signal.SIGTERM, _interrupt)
+  try:
+    server.run()
+  except KeyboardInterrupt:
+    pass
+  log("server stopped")
+  return 0
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
+def _model_name(model: str) -> str:
+  """The id clients name: 'smollm2', or a checkpoint's file / folder name."""
+  base = os.path.basename(os.path.normpath(model))
+  return base[:-5] if base.endswith(".gguf") else base
+
+
 def build_parser() -> argparse.ArgumentParser:
   from rocketkv_jax import METHODS
   p = argparse.ArgumentParser(prog="rocketkv", description="RocketKV KV-cache compression for JAX Llama models")
@@ -121,6 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
   common(d)
   d.add_argument("--methods", default="full,rocketkv", help="comma-separated methods to compare")
   d.set_defaults(func=_cmd_demo, max_new_tokens=24)
+
+  s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+  common(s)
+  s.add_argument("--method", default="rocketkv", choices=list(METHODS), help="KV-cache method (default rocketkv)")
+  s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+  s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+  s.add_argument("--max-slots", type=int, default=8, help="requests decoded at once (default 8)")
+  s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted (default 2048)")
+  s.add_argument("--max-queue", type=int, default=64,
+                 help="requests waiting for a slot before new ones get 429 (default 64)")
+  s.add_argument("--steps-per-call", type=int, default=4, help="decode steps per engine call (default 4)")
+  s.add_argument("--prefill-buckets", default=None,
+                 help="comma-separated prefill lengths compiled at most (default: the engine's choice)")
+  s.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
+  s.add_argument("--drain-s", type=float, default=10.0,
+                 help="on shutdown, seconds requests in flight may finish before they are aborted (default 10)")
+  s.add_argument("--no-warmup", action="store_true",
+                 help="skip compiling every prefill bucket before accepting requests (the first ones then wait)")
+  s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+  s.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
+  s.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")
+  s.set_defaults(func=_cmd_serve, max_new_tokens=256)
   return p
 
 

@@ -2,9 +2,9 @@
 
 import json
 
-from rocketkv_jax.models.cli import main
+from rocketkv_jax.serving.cli import main
 
-from .test_loaders import write_gguf
+from tests.models.test_loaders import write_gguf
 
 
 def test_generate_json(tmp_path, capsys):

@@ -1,0 +1,580 @@
+"""OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn): `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (each with `stream: true` as server-sent events), `/health`, `/metrics`.
+
+Text exists only here and in the engine's detokenizer: a request is parsed and checked, its prompt encoded
+(chat through the tokenizer's chat template), and handed to the engine thread (`runner.py`) as token ids;
+events come back through an asyncio queue per HTTP request.
+
+OpenAI semantics kept: `temperature` and `top_p` default to 1, `n` must be 1, `stop` is a string or a list,
+errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx status (429 when the engine's queue
+is full, 503 while shutting down). Extensions: `top_k` (0 = off). Departure: `seed` defaults to 0, so the
+same request gets the same answer (OpenAI draws a fresh seed); pass a seed to vary samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rocketkv_jax.models.generate import stop_ids as model_stop_ids
+
+from .engine import QueueFull, Request, SamplingParams
+from .runner import Aborted, EngineRunner, Failed, ShuttingDown
+
+__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "warm_up"]
+
+log = logging.getLogger("rocketkv_jax.serving")
+
+DEFAULT_SEED = 0               # see the module docstring
+COMPLETIONS_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 16
+# Fields we accept only at their neutral value (anything else is a 400 naming the field).
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+               "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+               "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+               "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"})}
+
+
+class APIError(Exception):
+  """An error the client gets as OpenAI's error object."""
+
+  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None, headers: dict | None = None):
+    super().__init__(message)
+    self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+    self.headers = headers
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+  def response(self) -> JSONResponse:
+    return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+  """model_name: the id `/v1/models` lists and requests must name. drain_s: on shutdown, how long requests in
+  flight may run to their end before they are aborted. warmup: before accepting requests, run one request
+  per prefill bucket so no client waits for a compile (`warm_up`)."""
+
+  model_name: str
+  drain_s: float = 10.0
+  warmup: bool = False
+
+
+def warm_up(engine, log=None) -> float:
+  """Compiles the engine's pieces before serving: one 1-token request per prefill bucket, each with a prompt
+  of the bucket's length, run to its end. Call before the engine thread starts. Returns the seconds taken."""
+  t0 = time.perf_counter()
+  buckets = getattr(engine.config, "prefill_buckets", None) or (1,)
+  for b in buckets:
+    engine.submit(Request(request_id=f"warmup-{b}", prompt_ids=[0] * b, sampling=SamplingParams(max_tokens=1)))
+    while engine.has_work():
+      engine.step()
+    if log:
+      log(f"warm-up: prompt bucket {b} compiled ({time.perf_counter() - t0:.1f}s)")
+  return time.perf_counter() - t0
+
+
+# --- parsing -------------------------------------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _field(body: dict, name: str, kind: str, default):
+  v = body.get(name)
+  if v is None:
+    return default
+  ok = {"int": _is_int, "num": _is_num, "bool": lambda x: isinstance(x, bool)}[kind](v)
+  if not ok:
+    want = {"int": "an integer", "num": "a number", "bool": "a boolean"}[kind]
+    raise APIError(400, f"{name}={v!r} must be {want}", param=name, code="invalid_type")
+  return v
+
+
+async def _json_body(request: HttpRequest) -> dict:
+  raw = await request.body()
+  try:
+    body = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
+  if not isinstance(body, dict):
+    raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
+  return body
+
+
+def _param_of(message: str, prompt_param: str) -> str | None:
+  """The request field an engine ValueError names (its messages start with `name=` or mention it)."""
+  for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings", "stop_ids", "stop"):
+    if name in message:
+      return "stop" if name.startswith("stop") else name
+  return prompt_param if "prompt" in message else None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+  stop = body.get("stop")
+  if stop is None:
+    return ()
+  items = [stop] if isinstance(stop, str) else stop
+  if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+    raise APIError(400, f"stop={stop!r} must be a string or a list of strings", param="stop", code="invalid_type")
+  if len(items) > MAX_STOP_STRINGS:
+    raise APIError(400, f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}", param="stop")
+  if any(not s for s in items):
+    raise APIError(400, "stop strings must not be empty", param="stop")
+  return tuple(items)
+
+
+def _unsupported(body: dict) -> None:
+  for name, neutral in UNSUPPORTED.items():
+    v = body.get(name)
+    if v is not None and not any(v == x and type(v) is type(x) for x in neutral if x is not None):
+      raise APIError(400, f"{name}={v!r} is not supported by this server", param=name, code="unsupported_parameter")
+  n = body.get("n")
+  if n is not None and (not _is_int(n) or n != 1):
+    raise APIError(400, f"n={n!r} is not supported: only n=1", param="n", code="unsupported_parameter")
+
+
+def _sampling(body: dict, *, default_max_tokens: int, stop_ids: tuple[int, ...], chat: bool) -> SamplingParams:
+  _unsupported(body)
+  max_tokens = _field(body, "max_completion_tokens", "int", None) if chat else None
+  if max_tokens is None:
+    max_tokens = _field(body, "max_tokens", "int", default_max_tokens)
+  if max_tokens <= 0:
+    raise APIError(400, f"max_tokens={max_tokens} must be >= 1", param="max_tokens", code="invalid_value")
+  temperature = float(_field(body, "temperature", "num", 1.0))
+  top_p = float(_field(body, "top_p", "num", 1.0))
+  top_k = _field(body, "top_k", "int", 0)
+  seed = _field(body, "seed", "int", DEFAULT_SEED)
+  if top_k < 0:  # vLLM's -1 = off
+    top_k = 0
+  try:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          stop_ids=stop_ids, stop_strings=_stop(body))
+  except (ValueError, TypeError) as e:
+    raise APIError(400, str(e), param=_param_of(str(e), "prompt"), code="invalid_value") from None
+
+
+def _completion_prompts(body: dict, tokenizer) -> list[list[int]]:
+  """`prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+  p = body.get("prompt")
+  bad = APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                 param="prompt", code="invalid_type")
+  if isinstance(p, str):
+    prompts = [p]
+  elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+    prompts = [p]
+  elif isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and all(_is_int(t) for t in x))
+                                         for x in p):
+    prompts = p
+  else:
+    raise bad
+  out = []
+  for x in prompts:
+    ids = tokenizer.encode(x) if isinstance(x, str) else list(x)
+    if not ids:
+      raise APIError(400, "prompt encodes to no tokens", param="prompt", code="invalid_value")
+    if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
+      raise APIError(400, f"prompt token ids must lie in [0, {tokenizer.vocab_size})", param="prompt",
+                     code="invalid_value")
+    out.append(ids)
+  return out
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _chat_prompt(body: dict, tokenizer) -> list[int]:
+  msgs = body.get("messages")
+  if not isinstance(msgs, list) or not msgs:
+    raise APIError(400, "messages must be a non-empty list", param="messages", code="invalid_type")
+  rendered = []
+  for i, m in enumerate(msgs):
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+      raise APIError(400, f"messages[{i}] must be an object with role one of {sorted(_ROLES)}",
+                     param=f"messages[{i}]", code="invalid_value")
+    content = m.get("content")
+    if content is None:
+      content = ""
+    elif isinstance(content, list):  # content parts: text only
+      if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+        raise APIError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content",
+                       code="invalid_value")
+      content = "".join(c["text"] for c in content)
+    elif not isinstance(content, str):
+      raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                     param=f"messages[{i}].content", code="invalid_type")
+    rendered.append({"role": _ROLES[m["role"]], "content": content})
+  ids = tokenizer.encode(tokenizer.apply_chat(rendered))
+  if not ids:
+    raise APIError(400, "messages encode to no tokens", param="messages", code="invalid_value")
+  return ids
+
+
+class _ClientGone(Exception):
+  """The client of a non-streaming request disconnected; its requests are aborted."""
+
+
+class _EventStream(StreamingResponse):
+  """Server-sent events that call `on_close` when the response ends for any reason, including a client
+  that left before the first chunk (the body generator never started, so its `finally` never runs)."""
+
+  media_type = "text/event-stream"
+
+  def __init__(self, content, *, on_close):
+    super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    self.on_close = on_close
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self.on_close()
+
+
+# --- the app -------------------------------------------------------------------------------------------------
+
+
+def _sse(obj) -> str:
+  return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _Counters:
+  def __init__(self):
+    self.requests: dict[str, int] = {}   # outcome -> count
+    self.errors: dict[int, int] = {}     # http status -> count
+
+  def done(self, outcome: str) -> None:
+    self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+  def error(self, status: int) -> None:
+    self.errors[status] = self.errors.get(status, 0) + 1
+
+
+# name: (type, help) for the engine's stats; other numeric stats are exported as untyped gauges.
+_METRICS = {
+    "queue_depth": ("gauge", "Requests waiting for a slot."),
+    "active_slots": ("gauge", "Slots decoding a request."),
+    "max_slots": ("gauge", "Slots of the engine."),
+    "in_flight": ("gauge", "Requests held by the engine (queued or decoding)."),
+    "tokens_generated": ("counter", "Tokens generated since start-up."),
+    "tokens_per_s": ("gauge", "Generated tokens per second over the last 10 s."),
+    "kv_bytes_device": ("gauge", "Bytes of KV cache held on the device."),
+    "kv_bytes_host": ("gauge", "Bytes of KV history held in host memory."),
+    "compiles": ("counter", "XLA compilations the engine has run."),
+}
+
+
+def _metrics_text(stats: dict, counters: _Counters) -> str:
+  lines = []
+  for key, value in stats.items():
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      continue
+    kind, help_ = _METRICS.get(key, ("gauge", f"engine stat {key}."))
+    name = f"rocketkv_{key}" + ("_total" if kind == "counter" and not key.endswith("_total") else "")
+    lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+  lines += ["# HELP rocketkv_engine_alive 1 while the engine thread runs.", "# TYPE rocketkv_engine_alive gauge",
+            f"rocketkv_engine_alive {int(bool(stats.get('alive')))}"]
+  lines += ["# HELP rocketkv_requests_total Finished requests by outcome.", "# TYPE rocketkv_requests_total counter"]
+  lines += [f'rocketkv_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(counters.requests.items())]
+  lines += ["# HELP rocketkv_http_errors_total Error responses by status.", "# TYPE rocketkv_http_errors_total counter"]
+  lines += [f'rocketkv_http_errors_total{{status="{k}"}} {v}' for k, v in sorted(counters.errors.items())]
+  return "\n".join(lines) + "\n"
+
+
+def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: EngineRunner | None = None) -> FastAPI:
+  """The FastAPI app serving `engine` (built over `model` and `tokenizer`). Its lifespan starts the engine
+  thread and, on shutdown, aborts whatever is still in flight and stops the thread."""
+  runner = runner or EngineRunner(engine)
+  counters = _Counters()
+  created = int(time.time())
+  eng_cfg = getattr(engine, "config", None)
+  max_prompt = getattr(eng_cfg, "max_prompt_tokens", None)
+  max_new = getattr(eng_cfg, "max_new_tokens", 256)
+  stops = {False: model_stop_ids(model, tokenizer, False), True: model_stop_ids(model, tokenizer, True)}
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    if config.warmup:  # before the engine thread starts: this thread is the only one touching the engine
+      await asyncio.to_thread(warm_up, engine, log.info)
+    runner.start()
+    try:
+      yield
+    finally:
+      await asyncio.to_thread(runner.shutdown)
+
+  app = FastAPI(title="rocketkv-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
+  app.state.runner = runner
+  app.state.counters = counters
+
+  @app.exception_handler(APIError)
+  async def _api_error(request, exc: APIError):
+    counters.error(exc.status)
+    return exc.response()
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http_error(request, exc: StarletteHTTPException):
+    counters.error(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
+
+  @app.exception_handler(Exception)
+  async def _internal(request, exc: Exception):
+    log.exception("unhandled error")
+    counters.error(500)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+  def check_model(body: dict) -> None:
+    name = body.get("model")
+    if name is None:
+      raise APIError(400, "model is required", param="model", code="missing_required_parameter")
+    if name != config.model_name:
+      raise APIError(404, f"The model `{name}` does not exist; this server serves `{config.model_name}`",
+                     param="model", code="model_not_found")
+
+  def check_prompt(ids: list[int], param: str) -> None:
+    if max_prompt is not None and len(ids) > max_prompt:
+      raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {max_prompt} "
+                     f"(--max-prompt-tokens)", param=param, code="context_length_exceeded")
+
+  async def submit_all(request_ids, prompts, sampling, prompt_param):
+    """Submits each prompt; on a refusal aborts the ones already in and raises the APIError."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    done = []
+    for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
+      sink = lambda item, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, item))  # noqa: E731
+      try:
+        await asyncio.wrap_future(runner.submit(Request(request_id=rid, prompt_ids=ids, sampling=sampling), sink))
+      except BaseException as e:
+        for r in done:
+          runner.abort(r)
+        if isinstance(e, QueueFull):
+          raise APIError(429, f"the server is at capacity ({e or 'queue full'}); retry later",
+                         type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+        if isinstance(e, ShuttingDown):
+          raise APIError(503, str(e), type="server_error", code="server_shutting_down") from None
+        if isinstance(e, ValueError):
+          raise APIError(400, str(e), param=_param_of(str(e), prompt_param), code="invalid_value") from None
+        raise
+      done.append(rid)
+    return q
+
+  async def events(q: asyncio.Queue, n: int):
+    """(index, TokenEvent) until all n requests finish; Aborted / Failed end it with an APIError, the
+    client's disconnect (None) with ClientGone."""
+    left = n
+    while left:
+      i, item = await q.get()
+      if item is None:
+        raise _ClientGone()
+      if isinstance(item, Aborted):
+        raise APIError(503, f"request aborted: {item.reason}", type="server_error", code="request_aborted")
+      if isinstance(item, Failed):
+        raise APIError(500, f"the engine failed: {type(item.error).__name__}: {item.error}", type="server_error")
+      left -= bool(item.finished)
+      yield i, item
+
+  async def watch_disconnect(request: HttpRequest, q: asyncio.Queue, request_ids, finished: set):
+    """Aborts the unfinished requests when the client goes away (non-streaming requests)."""
+    while True:
+      message = await request.receive()
+      if message["type"] == "http.disconnect":
+        for rid in request_ids:
+          if rid not in finished:
+            runner.abort(rid)
+        q.put_nowait((None, None))  # wake the handler: no more events will come
+        return
+
+  async def run(request: HttpRequest, body: dict, *, chat: bool):
+    check_model(body)
+    if chat:
+      prompts = [_chat_prompt(body, tokenizer)]
+    else:
+      prompts = _completion_prompts(body, tokenizer)
+    prompt_param = "messages" if chat else "prompt"
+    for ids in prompts:
+      check_prompt(ids, prompt_param)
+    sampling = _sampling(body, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
+                         stop_ids=stops[chat], chat=chat)
+    stream = _field(body, "stream", "bool", False)
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+      raise APIError(400, "stream_options must be an object", param="stream_options", code="invalid_type")
+    include_usage = bool(opts.get("include_usage", False))
+    base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    request_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+    q = await submit_all(request_ids, prompts, sampling, prompt_param)
+    now = int(time.time())
+    head = {"id": base, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
+            "model": config.model_name}
+    finished: set = set()
+    if stream:
+      def close():  # the response ended, however: free what did not finish (a client gone before the first chunk)
+        for rid in request_ids:
+          if rid not in finished:
+            runner.abort(rid)
+      return _EventStream(stream_events(q, request_ids, finished, head, chat, include_usage), on_close=close)
+    watcher = asyncio.create_task(watch_disconnect(request, q, request_ids, finished))
+    texts, reasons = [""] * len(prompts), [None] * len(prompts)
+    prompt_tokens = [len(p) for p in prompts]
+    completion_tokens = [0] * len(prompts)
+    try:
+      async for i, ev in events(q, len(prompts)):
+        texts[i] += ev.text
+        completion_tokens[i] = ev.completion_tokens
+        prompt_tokens[i] = ev.prompt_tokens
+        if ev.finished:
+          reasons[i] = ev.finish_reason
+          finished.add(request_ids[i])
+    except _ClientGone:
+      counters.done("disconnected")
+      return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    except BaseException:
+      for rid in request_ids:
+        if rid not in finished:
+          runner.abort(rid)
+      counters.done("aborted")
+      raise
+    finally:
+      watcher.cancel()
+    counters.done("ok")
+    usage = _usage(sum(prompt_tokens), sum(completion_tokens))
+    if chat:
+      choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]}, "logprobs": None,
+                  "finish_reason": reasons[0]}]
+      return {"id": base, "object": "chat.completion", "created": now, "model": config.model_name,
+              "choices": choices, "usage": usage}
+    choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+               for i, (t, r) in enumerate(zip(texts, reasons))]
+    return {"id": base, "object": "text_completion", "created": now, "model": config.model_name,
+            "choices": choices, "usage": usage}
+
+  async def stream_events(q, request_ids, finished: set, head, chat, include_usage):
+    n = len(request_ids)
+    ended = False
+    prompt_tokens, completion_tokens = [0] * n, [0] * n
+
+    def chunk(i, text=None, finish=None, role=False):
+      if chat:
+        delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+        c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+      else:
+        c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+      return dict(head, choices=[c], usage=None) if include_usage else dict(head, choices=[c])
+
+    try:
+      if chat:
+        yield _sse(chunk(0, role=True))
+      async for i, ev in events(q, n):
+        prompt_tokens[i], completion_tokens[i] = ev.prompt_tokens, ev.completion_tokens
+        if ev.finished:
+          finished.add(request_ids[i])
+          c = chunk(i, ev.text, ev.finish_reason)
+          if not include_usage and len(finished) == n:  # usage on the last chunk, as vLLM does
+            c["usage"] = _usage(sum(prompt_tokens), sum(completion_tokens))
+          yield _sse(c)
+        elif ev.text:
+          yield _sse(chunk(i, ev.text))
+      if include_usage:
+        yield _sse(dict(head, choices=[], usage=_usage(sum(prompt_tokens), sum(completion_tokens))))
+      ended = True
+      counters.done("ok")
+      yield "data: [DONE]\n\n"
+    except APIError as e:  # aborted by shutdown, or the engine failed: say so, then end the stream
+      ended = True
+      counters.done("aborted")
+      yield _sse(e.body())
+      yield "data: [DONE]\n\n"
+    finally:  # also when the client went away (the response task is cancelled): free the slots now
+      for rid in request_ids:
+        if rid not in finished:
+          runner.abort(rid)
+      if not ended:
+        counters.done("disconnected")
+
+  @app.get("/v1/models")
+  async def list_models():
+    return {"object": "list", "data": [model_card()]}
+
+  @app.get("/v1/models/{name}")
+  async def get_model(name: str):
+    if name != config.model_name:
+      raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+    return model_card()
+
+  def model_card():
+    card = {"id": config.model_name, "object": "model", "created": created, "owned_by": "rocketkv-jax"}
+    if max_prompt is not None:
+      card["max_model_len"] = max_prompt + max_new
+    return card
+
+  @app.post("/v1/completions")
+  async def completions(request: HttpRequest):
+    return await run(request, await _json_body(request), chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: HttpRequest):
+    return await run(request, await _json_body(request), chat=True)
+
+  @app.get("/health")
+  async def health():
+    if not runner.alive:
+      return JSONResponse({"status": "engine stopped"}, status_code=503)
+    if not runner.accepting:
+      return JSONResponse({"status": "shutting down"}, status_code=503)
+    return {"status": "ok"}
+
+  @app.get("/metrics")
+  async def metrics():
+    return PlainTextResponse(_metrics_text(runner.stats(), counters),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")
+
+  return app
+
+
+try:
+  import uvicorn
+except ImportError:  # pragma: no cover - fastapi without uvicorn
+  uvicorn = None
+
+
+if uvicorn is not None:
+  class UvicornServer(uvicorn.Server):
+    """uvicorn.Server that drains the engine before closing connections: on shutdown it stops accepting,
+    lets requests in flight run up to `drain_s`, then aborts the rest, so each client gets a definite end
+    (a finished answer, or an error object / 503) instead of a cut connection."""
+
+    def __init__(self, config: "uvicorn.Config", runner: EngineRunner, drain_s: float):
+      super().__init__(config)
+      self.runner, self.drain_s = runner, drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+      self.runner.stop_accepting()
+      deadline = time.monotonic() + self.drain_s
+      while self.runner.in_flight() and time.monotonic() < deadline and not self.force_exit:
+        await asyncio.sleep(0.05)
+      await asyncio.to_thread(self.runner.shutdown)
+      await asyncio.sleep(0.05)  # let handlers write their last chunk
+      await super().shutdown(sockets)
+else:  # pragma: no cover
+  UvicornServer = None

