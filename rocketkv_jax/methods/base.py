@@ -217,7 +217,16 @@ class FixedCacheConfig(MethodConfig):
 
 
 class SelectingMixin:
-  """Methods that attend exactly to a top-k selection: `select(cache, q)` -> (idx, valid) [B, K, M]."""
+  """Methods that attend exactly to a top-k selection: `select(cache, q)` -> (idx, valid) [B, K, M]. Checks
+  their top-k knobs (`check_sparse`) and, where they score channels, topr against the head dim."""
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_sparse(self)
+
+  def check_shapes(self, n_heads, n_kv_heads, head_dim):
+    if hasattr(self, "topr") and self.topr > head_dim:
+      raise ValueError(f"config.topr={self.topr} must be <= head_dim={head_dim}")
 
   def select(self, cache: KVCache, q_BKGH):
     raise NotImplementedError
@@ -248,11 +257,6 @@ def check_sparse(c) -> None:
   if getattr(c, "kt_cache_dtype", None) not in KT_CACHE_DTYPES:
     raise ValueError(f"kt_cache_dtype={c.kt_cache_dtype!r} must be one of {KT_CACHE_DTYPES} "
                      "(None: the keys' dtype)")
-
-
-def check_topr(config, head_dim: int) -> None:
-  if config.topr > head_dim:
-    raise ValueError(f"config.topr={config.topr} must be <= head_dim={head_dim}")
 
 
 def valid_slots(cache: KVCache):

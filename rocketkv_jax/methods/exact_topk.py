@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, check_sparse, seq_len
+from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, seq_len
 from rocketkv_jax.select import attention_probs, topk_tokens
 
 
@@ -14,10 +14,6 @@ class ExactTopKConfig(SelectingMixin, KeepAllConfig):
 
   method: ClassVar[str] = "exact_topk"
   topk: int
-
-  def __post_init__(self):
-    super().__post_init__()
-    check_sparse(self)
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):

@@ -6,8 +6,7 @@ from typing import ClassVar
 
 from rocketkv_jax import hsa
 from rocketkv_jax.budget import stage2_pages
-from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budget, check_sparse, check_topr,
-                                       kt_itemsize, seq_len)
+from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, kt_itemsize, seq_len
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -21,19 +20,12 @@ class HSAConfig(SelectingMixin, KeepAllConfig):
   topk: int
   kt_cache_dtype: str | None = None
 
-  def __post_init__(self):
-    super().__post_init__()
-    check_sparse(self)
-
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
     check_budget(token_budget)
     s = seq_len(prompt_len, max_new_tokens, max_len)
     page_size, topr = stage2_pages(max(1.0, s / token_budget), head_dim)  # no stage-1 share: c2 = c
     return cls(max_len=s, page_size=page_size, topr=topr, topk=token_budget // 2, **kw)
-
-  def check_shapes(self, n_heads, n_kv_heads, head_dim):
-    check_topr(self, head_dim)
 
   def select(self, cache, q_BKGH):
     return hsa.select(self, cache, q_BKGH)

@@ -8,8 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from rocketkv_jax import ops
-from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budget, check_sparse, kt_itemsize,
-                                       seq_len)
+from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, kt_itemsize, seq_len
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,10 +22,6 @@ class QuestConfig(SelectingMixin, KeepAllConfig):
   page_size: int
   topk: int
   kt_cache_dtype: str | None = None
-
-  def __post_init__(self):
-    super().__post_init__()
-    check_sparse(self)
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):

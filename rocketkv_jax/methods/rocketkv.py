@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from rocketkv_jax import hsa, stage1
 from rocketkv_jax.budget import plan_budget
-from rocketkv_jax.methods.base import MethodConfig, SelectingMixin, check_sparse, check_topr, kt_itemsize
+from rocketkv_jax.methods.base import MethodConfig, SelectingMixin, kt_itemsize
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window (ALGORITHM.md §2)
 
@@ -34,7 +34,6 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
   def __post_init__(self):
     super().__post_init__()
     stage1.check_config(self)
-    check_sparse(self)
 
   @property
   def capacity(self) -> int:
@@ -60,9 +59,6 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
     return cls(prompt_budget=prompt_budget, max_new_tokens=max_new_tokens, topk=topk * page_size,
                topr=topr, page_size=page_size, window_size=window_size, kernel_size=kernel_size,
                kt_cache_dtype=kt_cache_dtype, **kw)
-
-  def check_shapes(self, n_heads, n_kv_heads, head_dim):
-    check_topr(self, head_dim)
 
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
     return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B)

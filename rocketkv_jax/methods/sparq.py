@@ -10,8 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax import ops
-from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budget, check_sparse, check_topr,
-                                       seq_len, valid_slots)
+from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, seq_len, valid_slots
 from rocketkv_jax.select import topk_tokens
 
 
@@ -25,19 +24,12 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
   topr: int
   topk: int
 
-  def __post_init__(self):
-    super().__post_init__()
-    check_sparse(self)
-
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
     check_budget(token_budget)
     s = seq_len(prompt_len, max_new_tokens, max_len)
     topr = min(head_dim, max(1, int(token_budget * head_dim / s)))
     return cls(max_len=s, topr=topr, topk=token_budget // 2, **kw)
-
-  def check_shapes(self, n_heads, n_kv_heads, head_dim):
-    check_topr(self, head_dim)
 
   def cache_shapes(self, batch, n_kv_heads, head_dim):
     return dict(super().cache_shapes(batch, n_kv_heads, head_dim), v_sum=(batch, n_kv_heads, head_dim))
