@@ -148,7 +148,6 @@ OPS = {
     "dense_decode_attention": Op(dense_decode.dense_decode_attention_reference, dense_decode.dense_decode_attention),
     "sparse_decode_attention": Op(sparse_decode.sparse_decode_attention_reference,
                                   sparse_decode.sparse_decode_attention),
-    "hsa_page_scores": Op(hsa_scores.hsa_page_scores_reference, hsa_scores.hsa_page_scores),
     "page_topk": Op(_page_topk_xla, _page_topk_pallas),
     "hsa_select": Op(_hsa_select_xla, _hsa_select_pallas),
     "cache_append": Op(cache_append_scatter, cache_append_kernel.cache_append),
@@ -176,12 +175,6 @@ def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, impl):
 def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl):
   """Exact attention over the slots idx[b, k, m] where valid: out [B, K, G, H]."""
   return call("sparse_decode_attention", q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, impl=impl)
-
-
-def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
-  """HSA group page probabilities [B, K, P] float32; -inf on pages with no valid slot."""
-  return call("hsa_page_scores", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
-              impl=impl)
 
 
 def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl):
