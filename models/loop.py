@@ -98,14 +98,22 @@ def sample_token(logits_BV, key, temperature: float, top_p: float):
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   logits = logits_BV.astype(jnp.float32) / temperature
   if top_p < 1.0:
-    sorted_ = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    # the smallest prefix whose mass reaches top_p; its last logit is the cut-off
-    n_keep = jnp.sum(cum - probs < top_p, axis=-1, keepdims=True)
-    cutoff = jnp.take_along_axis(sorted_, n_keep - 1, axis=-1)
+    B = logits.shape[0]
+    cutoff = cut_off_logit(logits, jnp.full((B,), top_p, jnp.float32), jnp.zeros((B,), jnp.int32))
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def cut_off_logit(logits_BV, top_p_B, top_k_B):
+  """[B, 1]: each row's smallest kept logit: the last of the smallest prefix (by descending logit) whose
+  probability mass reaches top_p, shortened to top_k tokens where top_k > 0; at least one token."""
+  sorted_ = -jnp.sort(-logits_BV, axis=-1)  # descending
+  probs = jax.nn.softmax(sorted_, axis=-1)
+  cum = jnp.cumsum(probs, axis=-1)
+  n_keep = jnp.sum(cum - probs < top_p_B[:, None], axis=-1)
+  n_keep = jnp.where(top_k_B > 0, jnp.minimum(n_keep, top_k_B), n_keep)
+  n_keep = jnp.clip(n_keep, 1, logits_BV.shape[-1])
+  return jnp.take_along_axis(sorted_, n_keep[:, None] - 1, axis=-1)
 
 
 def sample_rows(logits_BV, rows: RowSampling, offset):
@@ -126,13 +134,7 @@ def sample_rows(logits_BV, rows: RowSampling, offset):
     cut_B = hot & ((rows.top_p < 1) | (rows.top_k > 0))
 
     def cut(logits):
-      sorted_ = -jnp.sort(-logits, axis=-1)  # descending
-      probs = jax.nn.softmax(sorted_, axis=-1)
-      cum = jnp.cumsum(probs, axis=-1)
-      n_keep = jnp.sum(cum - probs < rows.top_p[:, None], axis=-1)  # smallest prefix reaching top_p
-      n_keep = jnp.where(rows.top_k > 0, jnp.minimum(n_keep, rows.top_k), n_keep)
-      n_keep = jnp.clip(n_keep, 1, logits.shape[-1])
-      cutoff = jnp.take_along_axis(sorted_, n_keep[:, None] - 1, axis=-1)
+      cutoff = cut_off_logit(logits, rows.top_p, rows.top_k)
       return jnp.where(cut_B[:, None] & (logits < cutoff), -jnp.inf, logits)
 
     logits = jax.lax.cond(jnp.any(cut_B), cut, lambda x: x, logits)
