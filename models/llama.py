@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 from typing import NamedTuple
@@ -39,7 +40,8 @@ __all__ = [
     "LlamaConfig", "Llama", "LayerStep", "prefill", "prefill_jit", "decode", "decode_body", "forward_full",
     "prefill_dense", "prefill_dense_jit", "compress_layers", "embed_tokens", "decode_layer", "final_logits",
     "add_norm", "rope_heads", "prefill_qkv", "over_token_chunks", "rope_inv_freq", "apply_rope", "rms_norm",
-    "causal_attention", "blocked_causal_attention", "from_params", "fuse_params",
+    "causal_attention", "blocked_causal_attention", "from_params", "fuse_params", "prefill_extend", "fingerprint",
+    "prefill_extend_layer_jit", "extend_attention", "place_rows",
 ]
 
 # Prompts longer than this use the query-block (flash-style) path on CPU, so no [T, T] scores.
@@ -490,6 +492,104 @@ def compress_layers(layer_qkv, lengths_B, config):
   """Per-layer prefill_compress over prefill_dense's (q, k, v) tuple -> tuple of caches."""
   lengths_B = jnp.asarray(lengths_B, jnp.int32)
   return tuple(prefill_compress(q, k, v, lengths_B, config=config) for q, k, v in layer_qkv)
+
+
+def fingerprint(model: Llama) -> str:
+  """A short hash naming the model: its config, dtype and a strided sample of its weights (every 4099th
+  element of each array, so it is cheap at 70B and still tells two checkpoints of one config apart). Saved
+  caches and histories are stamped with it."""
+  h = hashlib.sha256(model.config.to_json().encode())
+  for x in jax.tree.leaves(nnx.state(model)):
+    h.update(f"{x.shape}{x.dtype}".encode())
+    h.update(np.asarray(x.reshape(-1)[::4099].astype(jnp.float32)).tobytes())
+  return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- prefill that continues a K/V history
+
+# extend_attention computes the scores of query chunks of at most this many elements (float32: 512 MB).
+EXTEND_SCORES_MAX = 1 << 27
+
+
+def extend_attention(q_BTNH, k_BSKH, v_BSKH, start_B):
+  """GQA attention of T new queries at positions start + i over a sequence of S keys: query i sees keys
+  [0, start + i]. Dense and masked (XLA), over query chunks whose scores stay under EXTEND_SCORES_MAX."""
+  B, T, N, _ = q_BTNH.shape
+  S = k_BSKH.shape[1]
+  c = max(1, min(T, EXTEND_SCORES_MAX // (B * N * S)))
+
+  def chunk(i0, q):
+    qpos = start_B[:, None] + i0 + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]  # [B, c]
+    mask = jnp.arange(S)[None, None, :] <= qpos[:, :, None]  # [B, c, S]
+    return jax.nn.dot_product_attention(q, k_BSKH, v_BSKH, mask=mask[:, None])
+
+  return jnp.concatenate([chunk(i, q_BTNH[:, i:i + c]) for i in range(0, T, c)], axis=1)
+
+
+def place_rows(buf_BSX, new_BTX, start_B):
+  """buf [B, S, ...] with new [B, T, ...] written at [start, start + T) of each row (what falls past S is
+  dropped; dynamic_update_slice alone would move the write back to fit)."""
+  B, S = buf_BSX.shape[:2]
+  T = new_BTX.shape[1]
+  padded = jnp.concatenate([buf_BSX, jnp.zeros((B, T) + buf_BSX.shape[2:], buf_BSX.dtype)], axis=1)
+  put = jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))
+  return put(padded, new_BTX.astype(buf_BSX.dtype), start_B)[:, :S]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "config"))
+def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, start_B, new_len_B, *, cfg,
+                             config):
+  """One layer of `prefill_extend` (graphdef, state = nnx.split(block); every layer shares one compile).
+
+  Returns (the layer's output [B, T, D], its compressed cache over history + new tokens, the new tokens'
+  k and v [B, T, K, H]). The method sees the whole sequence [B, S] (history, then the new tokens at
+  [start, start + new_len)); queries exist only for the new tokens (zeros before), which is all a method
+  reads when at least `config.prompt_queries` tokens are new."""
+  blk = nnx.merge(graphdef, state)
+  T = x_BTD.shape[1]
+  pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  q, k, v = prefill_qkv(blk, cfg, x_BTD, pos)
+  k_all = place_rows(hist_k_BSKH, k, start_B)
+  v_all = place_rows(hist_v_BSKH, v, start_B)
+  o = extend_attention(q, k_all, v_all, start_B)
+  q_all = place_rows(jnp.zeros(hist_k_BSKH.shape[:2] + q.shape[2:], q.dtype), q, start_B)
+  o, cache = jax.lax.optimization_barrier((o, prefill_compress(q_all, k_all, v_all, start_B + new_len_B,
+                                                               config=config)))
+  return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), cache, k, v
+
+
+def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config, *, run_layer=None):
+  """Prefill of new tokens that continue a K/V history, with the method's stage 1 over history + new tokens.
+
+  tokens [B, T]: the new tokens, right-padded (new_len valid per row), at positions start + i.
+  history: per layer (k, v) [B, S, K, H] post-RoPE, valid in [0, start), S >= start + new_len (the padded
+    whole sequence); NumPy (host) or device arrays. Each layer's pair is put on the device just before the
+    previous layer runs, so the device holds about two layers' history, never all of it.
+  The result equals `prefill` of the whole sequence (up to float rounding of a different attention
+  reduction) when every row has at least `config.prompt_queries` new tokens: the history keeps keys and
+  values, not queries. run_layer: a stand-in for `prefill_extend_layer_jit` taking its arguments
+  (graphdef, state, x, hist_k, hist_v, start, new_len) (the engine passes compiled executables).
+  Returns (logits [B, V] of each row's last new token, per-layer caches, per-layer (k, v) [B, T, K, H] of
+  the new tokens, on the device).
+  """
+  cfg = model.config
+  if len(history) != cfg.n_layers:
+    raise ValueError(f"history has {len(history)} layers; the model has {cfg.n_layers}")
+  tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+  new_len_B, start_B = jnp.asarray(new_len_B, jnp.int32), jnp.asarray(start_B, jnp.int32)
+  if run_layer is None:
+    run_layer = functools.partial(prefill_extend_layer_jit, cfg=cfg, config=config)
+  x = embed_tokens(model, tokens_BT)
+  caches, new_kv = [], []
+  nxt = jax.device_put(history[0])
+  for i, blk in enumerate(model.layers):
+    hist, nxt = nxt, (jax.device_put(history[i + 1]) if i + 1 < cfg.n_layers else None)
+    graphdef, state = nnx.split(blk)
+    x, cache, k, v = run_layer(graphdef, state, x, hist[0], hist[1], start_B, new_len_B)
+    caches.append(cache)
+    new_kv.append((k, v))
+  last = x[jnp.arange(x.shape[0]), new_len_B - 1]
+  return _head(model, last), tuple(caches), tuple(new_kv)
 
 
 # ----------------------------------------------------------------------------- decode

@@ -101,6 +101,14 @@ class MethodConfig:
       shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, -(-s // self.page_size))
     return shapes
 
+  @property
+  def prompt_queries(self) -> int | None:
+    """How many of the prompt's last queries `prefill` reads: 0 (none: it keeps by position, or keeps all),
+    n (the last n: SnapKV's observation window) or None (every one: H2O). A prefill that continues a K/V
+    history (`models.llama.prefill_extend`, the engine's sessions) recomputes at least this many tokens,
+    since the history keeps keys and values, not queries."""
+    return 0
+
   def kt_dtype(self, key_dtype) -> jnp.dtype:
     """dtype of the KT pages (methods with `uses_kt_pages`): kt_cache_dtype, or the keys' dtype."""
     return jnp.dtype(key_dtype if self.kt_cache_dtype is None else self.kt_cache_dtype)

@@ -65,6 +65,10 @@ class H2OConfig(FixedCacheConfig):
     shapes["scores"] = shapes["positions"] = (batch, n_kv_heads, self.capacity)
     return shapes
 
+  @property
+  def prompt_queries(self):
+    return None  # accumulated attention of every prompt query
+
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
     cap, recent = self.capacity, self.recent_tokens
     b, t, n_kv, _ = k_BTKH.shape

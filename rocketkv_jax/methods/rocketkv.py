@@ -60,6 +60,10 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
                topr=topr, page_size=page_size, window_size=window_size, kernel_size=kernel_size,
                kt_cache_dtype=kt_cache_dtype, **kw)
 
+  @property
+  def prompt_queries(self):
+    return self.window_size
+
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
     return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B)
 

@@ -35,6 +35,10 @@ class SnapKVConfig(MethodConfig):
     seq_len(prompt_len, max_new_tokens, max_len)
     return cls(prompt_budget=token_budget, max_new_tokens=max_new_tokens, **kw)
 
+  @property
+  def prompt_queries(self):
+    return self.window_size
+
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
     return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B)
 

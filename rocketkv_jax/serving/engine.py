@@ -45,10 +45,13 @@ from flax import nnx
 from rocketkv_jax import cache_nbytes, get_method, make_config
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models.generate import stop_ids as default_stop_ids
-from rocketkv_jax.models.llama import prefill_jit
+from rocketkv_jax.models.llama import fingerprint, prefill_extend, prefill_extend_layer_jit, prefill_jit
 from rocketkv_jax.models.loop import LoopConfig, RowSampling, decode_loop_jit
 
-__all__ = ["Engine", "EngineConfig", "Prefilled", "QueueFull", "Request", "SamplingParams", "TokenEvent",
+from . import saved
+from .history import HistoryStore
+
+__all__ = ["Context", "Engine", "EngineConfig", "Prefilled", "QueueFull", "Request", "SamplingParams", "TokenEvent",
            "default_buckets", "insert_jit"]
 
 MIN_BUCKET = 64  # the smallest padded prompt length of the default buckets
@@ -88,17 +91,22 @@ class EngineConfig:
   steps_per_call: int
   prefill_buckets: tuple[int, ...]
   max_queue: int
+  history_bytes: int
+  history_spill_dir: str | None
+  history_disk_bytes: int
   method_overrides: tuple[tuple[str, object], ...]
 
   def __init__(self, method: str = "rocketkv", token_budget: int = 256, max_slots: int = 8,
                max_prompt_tokens: int = 2048, max_new_tokens: int = 256, steps_per_call: int = 4,
-               prefill_buckets: Sequence[int] | None = None, max_queue: int = 64,
+               prefill_buckets: Sequence[int] | None = None, max_queue: int = 64, history_bytes: int = 0,
+               history_spill_dir: str | None = None, history_disk_bytes: int = 0,
                method_overrides: dict | Sequence[tuple[str, object]] | None = None, **overrides):
     get_method(method)  # ValueError naming an unknown method
     check_int("token_budget", token_budget, MIN_TOKEN_BUDGET)
     for name, value, low in (("max_slots", max_slots, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("steps_per_call", steps_per_call, 1),
-                             ("max_queue", max_queue, 0)):
+                             ("max_queue", max_queue, 0), ("history_bytes", history_bytes, 0),
+                             ("history_disk_bytes", history_disk_bytes, 0)):
       check_int(name, value, low)
     if prefill_buckets is None:
       buckets = default_buckets(max_prompt_tokens)
@@ -115,10 +123,13 @@ class EngineConfig:
     unknown = sorted(set(merged) - fields)
     if unknown:
       raise ValueError(f"method overrides {unknown} are not fields of the {method!r} config ({sorted(fields)})")
+    if history_spill_dir is not None and not isinstance(history_spill_dir, str):
+      raise ValueError(f"history_spill_dir={history_spill_dir!r} must be a folder path or None")
     values = dict(method=method, token_budget=token_budget, max_slots=max_slots,
                   max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                   steps_per_call=steps_per_call, prefill_buckets=buckets, max_queue=max_queue,
-                  method_overrides=tuple(sorted(merged.items())))
+                  history_bytes=history_bytes, history_spill_dir=history_spill_dir,
+                  history_disk_bytes=history_disk_bytes, method_overrides=tuple(sorted(merged.items())))
     for k, v in values.items():
       object.__setattr__(self, k, v)
 
@@ -167,12 +178,28 @@ class SamplingParams:
 
 
 @dataclasses.dataclass
+class Context:
+  """A context compressed once and reused by many requests (`Engine.compress_context`), query-agnostic:
+  stage 1 ran over the context alone, its window on the context's own tail, before any question was known.
+  A request with `context=` appends its prompt (the question) to a copy of this cache through decode steps.
+  prompt_ids: the context's token ids. logits [1, V], caches: batch-1 per-layer caches, on the device."""
+
+  prompt_ids: list[int]
+  logits: jax.Array
+  caches: tuple
+
+
+@dataclasses.dataclass
 class Request:
-  """One request: a unique id, its prompt's token ids and its sampling."""
+  """One request: a unique id, its prompt's token ids and its sampling.
+
+  context: a compressed `Context` the prompt continues (query-agnostic reuse); None to prefill the prompt
+  (whose K/V history, with `history_bytes` set, is reused from any stored prompt it starts with)."""
 
   request_id: str
   prompt_ids: list[int]
   sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+  context: Context | None = None
 
 
 @dataclasses.dataclass
@@ -182,8 +209,9 @@ class TokenEvent:
   token_ids: the new token ids (a stop id is not included; tokens past a stop are dropped). text: the new
   detokenized text (a stop string and what follows it are cut; text that may be the start of a stop string,
   or an incomplete UTF-8 character, is held back until it is known). finish_reason: None while running, else
-  "stop" (a stop id or string), "length" (max_tokens) or "abort". prompt_tokens: the prompt's length.
-  completion_tokens: tokens generated so far, a stop id included.
+  "stop" (a stop id or string), "length" (max_tokens) or "abort". prompt_tokens: the prompt's length (with a
+  context, context + prompt). completion_tokens: tokens generated so far, a stop id included. cached_tokens:
+  prompt tokens not prefilled for this request (taken from the history or a compressed context).
   """
 
   request_id: str
@@ -193,15 +221,22 @@ class TokenEvent:
   finish_reason: str | None
   prompt_tokens: int
   completion_tokens: int
+  cached_tokens: int = 0
 
 
 class Prefilled(tuple):
-  """(logits_1V, caches_1) of one request's prefill, where its decode starts; `.request` is the request."""
+  """(logits_1V, caches_1) of one request's prefill, where its decode starts; `.request` is the request,
+  `.cached` the prompt tokens it did not prefill (history or context)."""
 
-  def __new__(cls, logits_1V, caches, request: Request):
+  def __new__(cls, logits_1V, caches, request: Request, cached: int = 0):
     self = super().__new__(cls, (logits_1V, caches))
-    self.request = request
+    self.request, self.cached = request, cached
     return self
+
+
+def prompt_tokens(request: Request) -> int:
+  """The tokens a request's answer follows: its context's and its prompt's."""
+  return len(request.prompt_ids) + (len(request.context.prompt_ids) if request.context is not None else 0)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -218,6 +253,7 @@ class _Active:
 
   request: Request
   stops: frozenset
+  cached: int = 0         # prompt tokens not prefilled
   sampled: int = 0        # tokens the loop has sampled for it (its next token index)
   generated: list = dataclasses.field(default_factory=list)  # kept token ids (no stop id)
   completion: int = 0     # tokens generated, a stop id included
@@ -255,8 +291,16 @@ class Engine:
     shapes = jax.eval_shape(lambda s, t, n: prefill_jit(self._graphdef, s, t, n, config=self.method_config),
                             self._state, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
     logits_shape, cache_shapes = shapes
+    self._one_shapes = shapes  # (logits, caches) of one request: what a saved context must match
     self._caches = jax.tree.map(lambda s: jnp.zeros((B,) + s.shape[1:], s.dtype), cache_shapes)
     self._logits = jnp.zeros((B,) + logits_shape.shape[1:], logits_shape.dtype)
+    self.model_id = fingerprint(model)
+    self._reused = self._prefilled = 0  # prompt tokens taken from history / context, and prefilled
+    self.history = None
+    if config.history_bytes:
+      self.history = HistoryStore(cfg.n_layers, (cfg.n_kv_heads, cfg.head_dim), np.dtype(model.dtype),
+                                  max_bytes=config.history_bytes, spill_dir=config.history_spill_dir,
+                                  max_disk_bytes=config.history_disk_bytes)
 
   # ------------------------------------------------------------------ requests
 
@@ -282,6 +326,13 @@ class Engine:
       raise ValueError(f"sampling={s!r} must be SamplingParams")
     if s.max_tokens > c.max_new_tokens:
       raise ValueError(f"max_tokens={s.max_tokens} exceeds the engine's max_new_tokens={c.max_new_tokens}")
+    if request.context is not None:
+      if not isinstance(request.context, Context):
+        raise ValueError(f"context={request.context!r} must be a Context (Engine.compress_context)")
+      if len(ids) + s.max_tokens > c.max_new_tokens:
+        raise ValueError(f"a prompt after a compressed context goes where new tokens go: prompt of {len(ids)} "
+                         f"tokens + max_tokens={s.max_tokens} exceeds the engine's max_new_tokens="
+                         f"{c.max_new_tokens}")
 
   def submit(self, request: Request) -> None:
     """Validates and queues a request. Raises ValueError (bad request, duplicate id) or QueueFull."""
@@ -301,13 +352,13 @@ class Engine:
       for r in self._queue:
         if r.request_id == request_id:
           self._queue.remove(r)
-          self._pending.append(TokenEvent(request_id, [], "", True, "abort", len(r.prompt_ids), 0))
+          self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
           return True
       for i, a in enumerate(self._slots):
         if a is not None and a.request.request_id == request_id:
           self._slots[i] = None
-          self._pending.append(TokenEvent(request_id, [], "", True, "abort", len(a.request.prompt_ids),
-                                          a.completion))
+          self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(a.request),
+                                          a.completion, a.cached))
           return True
     return False
 
@@ -317,9 +368,13 @@ class Engine:
 
   def stats(self) -> dict:
     with self._lock:
+      h = self.history
       return dict(queue_depth=len(self._queue), active_slots=sum(a is not None for a in self._slots),
                   max_slots=self.config.max_slots, tokens_generated=self._tokens_generated,
-                  kv_bytes_device=cache_nbytes(self._caches), compiles=len(self._executables))
+                  kv_bytes_device=cache_nbytes(self._caches), compiles=len(self._executables),
+                  kv_bytes_host=h.host_bytes() if h else 0, kv_bytes_disk=h.disk_bytes() if h else 0,
+                  history_segments=len(h.segments) if h else 0, prompt_tokens_reused=self._reused,
+                  prompt_tokens_prefilled=self._prefilled)
 
   def free_slots(self) -> list[int]:
     with self._lock:
@@ -348,8 +403,16 @@ class Engine:
   # ------------------------------------------------------------------ JetStream-shaped primitives
 
   def prefill(self, request: Request) -> Prefilled:
-    """One request's prefill at its bucket's padded length: (logits [1, V], its per-layer caches, batch 1)."""
+    """One request's prefill: (logits [1, V], its per-layer caches, batch 1), where its decode starts.
+
+    With a context: a copy of the context's cache, the prompt fed through decode steps. With a history store:
+    the prompt's stored prefix is reused and the rest prefilled over it (`prefill_extend`), and the new
+    tokens' K/V join the history. Otherwise a plain prefill at the prompt's bucket."""
     self.validate(request)
+    if request.context is not None:
+      return self._continue_context(request)
+    if self.history is not None:
+      return self._prefill_over_history(request)
     n = len(request.prompt_ids)
     T = self.bucket(n)
     tokens = np.zeros((1, T), np.int32)
@@ -358,7 +421,125 @@ class Engine:
     exe = self._compiled(("prefill", T), lambda: prefill_jit.lower(
         self._graphdef, self._state, tokens, lengths, config=self.method_config))
     logits, caches = exe(self._state, tokens, lengths)
+    self._prefilled += n
     return Prefilled(logits, caches, request)
+
+  def reusable(self, prompt_ids) -> int:
+    """Prompt tokens whose K/V the history holds and a prefill would reuse: the longest stored prefix, less
+    the last `prompt_queries` tokens of the prompt (the method reads their queries, which are not stored;
+    all of it for H2O), and at least the last token (its logits start the decode)."""
+    if self.history is None:
+      return 0
+    q = self.method_config.prompt_queries
+    if q is None:
+      return 0
+    _, common = self.history.match(prompt_ids)
+    return max(0, min(common, len(prompt_ids) - max(q, 1)))
+
+  def _prefill_over_history(self, request: Request) -> Prefilled:
+    ids = list(request.prompt_ids)
+    n = len(ids)
+    seg, _ = self.history.match(ids)
+    r = self.reusable(ids)
+    S, T = self.bucket(n), self.bucket(n - r)
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :n - r] = ids[r:]
+    cfg = self.model.config
+
+    def run_layer(graphdef, state, *args):
+      exe = self._compiled(("extend", S, T), lambda: prefill_extend_layer_jit.lower(
+          graphdef, state, *args, cfg=cfg, config=self.method_config))
+      return exe(state, *args)
+
+    logits, caches, new_kv = prefill_extend(self.model, tokens, np.array([n - r], np.int32),
+                                            self.history.view(seg, r, S), np.array([r], np.int32),
+                                            self.method_config, run_layer=run_layer)
+    self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r)
+    self._reused += r
+    self._prefilled += n - r
+    return Prefilled(logits, caches, request, cached=r)
+
+  # ------------------------------------------------------------------ contexts (query-agnostic reuse)
+
+  def compress_context(self, prompt_ids) -> Context:
+    """Prefills and compresses a context once (stage 1's window on its own tail: query-agnostic); requests
+    with `context=` then continue copies of its cache. Never stored in or taken from the history."""
+    probe = Request("context", list(prompt_ids), SamplingParams(max_tokens=1))
+    self.validate(probe)
+    with self._lock:
+      history, self.history = self.history, None
+      try:
+        logits, caches = self.prefill(probe)
+      finally:
+        self.history = history
+    return Context(list(prompt_ids), logits, caches)
+
+  def _feed(self, logits, caches, tokens: list[int]):
+    """(logits, caches) after feeding `tokens` through decode steps (batch 1; the one decode loop with teacher
+    forcing, in calls of power-of-two lengths: one compile per length used)."""
+    i = 0
+    while i < len(tokens):
+      n = 1 << ((len(tokens) - i).bit_length() - 1)
+      forced = np.asarray([tokens[i:i + n]], np.int32)
+      loop = LoopConfig(max_new_tokens=n, carry_logits=True)
+      args = (self._state, logits, caches, self._key, forced, None, None)
+      exe = self._compiled(("feed", n), lambda: decode_loop_jit.lower(
+          self._graphdef, *args, config=self.method_config, loop=loop))
+      out = exe(*args)
+      logits, caches = out.logits_BV, out.caches
+      i += n
+    return logits, caches
+
+  def _continue_context(self, request: Request) -> Prefilled:
+    ctx = request.context
+    caches = jax.tree.map(jnp.copy, ctx.caches)  # the decode loop donates its caches
+    logits, caches = self._feed(ctx.logits, caches, list(request.prompt_ids))
+    self._reused += len(ctx.prompt_ids)
+    self._prefilled += len(request.prompt_ids)
+    return Prefilled(logits, caches, request, cached=len(ctx.prompt_ids))
+
+  def _stamp(self, kind: str, with_method: bool) -> dict:
+    cfg = self.model.config
+    stamp = dict(kind=kind, model=self.model_id, dtype=str(np.dtype(self.model.dtype)),
+                 kv_layout=[cfg.n_layers, cfg.n_kv_heads, cfg.head_dim])
+    if with_method:
+      stamp["method"] = str(self.method_config.cache_spec())
+    return stamp
+
+  def save_context(self, context: Context, path) -> None:
+    """Writes a compressed context with orbax, stamped with the model and the method's cache spec."""
+    if not isinstance(context, Context):
+      raise ValueError(f"context={context!r} must be a Context")
+    tree = dict(prompt_ids=np.asarray(context.prompt_ids, np.int32), logits=np.asarray(context.logits),
+                caches=[np.asarray(x) for x in jax.tree.leaves(context.caches)])
+    saved.save(path, tree, stamp=self._stamp("context", with_method=True))
+
+  def load_context(self, path) -> Context:
+    """A context saved by `save_context` (SavedFileError when saved for another model or method, or damaged)."""
+    tree, _ = saved.load(path, stamp=self._stamp("context", with_method=True))
+    logits_shape, cache_shapes = self._one_shapes
+    leaves, treedef = jax.tree.flatten(cache_shapes)
+    got = tree["caches"]
+    want = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+    if [(tuple(x.shape), x.dtype) for x in got] != want or tree["logits"].shape != logits_shape.shape:
+      raise saved.SavedFileError(f"{path}: the cache's arrays do not have this engine's shapes")
+    caches = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in got])
+    return Context([int(i) for i in tree["prompt_ids"]], jnp.asarray(tree["logits"]), caches)
+
+  # ------------------------------------------------------------------ sessions' history on disk
+
+  def save_history(self, path) -> int:
+    """Writes every stored prompt history with orbax (stamped with the model; returns the segment count).
+    A history is the model's dense K/V, the same for every method: it loads under any method."""
+    if self.history is None:
+      raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
+    return self.history.save(path, stamp=self._stamp("history", with_method=False))
+
+  def load_history(self, path) -> int:
+    """Adds the histories saved at `path` (SavedFileError for another model or a damaged file)."""
+    if self.history is None:
+      raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
+    return self.history.load(path, stamp=self._stamp("history", with_method=False))
 
   def insert(self, prefilled: Prefilled, slot: int) -> None:
     """Writes a prefilled request into a free slot; it decodes from the next generate()."""
@@ -370,7 +551,8 @@ class Engine:
       exe = self._compiled(("insert",), lambda: insert_jit.lower(self._caches, self._logits, caches, logits, slot_j))
       self._caches, self._logits = exe(self._caches, self._logits, caches, logits, slot_j)
       req = prefilled.request
-      self._slots[slot] = _Active(request=req, stops=frozenset(self.stop_ids) | frozenset(req.sampling.stop_ids))
+      self._slots[slot] = _Active(request=req, stops=frozenset(self.stop_ids) | frozenset(req.sampling.stop_ids),
+                                  cached=getattr(prefilled, "cached", 0))
 
   def generate(self) -> list[TokenEvent]:
     """Advances every active slot by steps_per_call tokens with one call of the decode loop; returns the
@@ -453,5 +635,5 @@ class Engine:
     a.sent += delta
     if not new and not delta and reason is None:
       return None
-    return TokenEvent(a.request.request_id, new, delta, reason is not None, reason, len(a.request.prompt_ids),
-                      a.completion)
+    return TokenEvent(a.request.request_id, new, delta, reason is not None, reason, prompt_tokens(a.request),
+                      a.completion, a.cached)

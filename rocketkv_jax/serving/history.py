@@ -1,0 +1,283 @@
+"""Sessions' full K/V history, held in host memory: RocketKV-MT (ALGORITHM.md §4) with the history off the GPU.
+
+The device holds only each request's compressed cache. Every prompt the engine prefills leaves its tokens'
+post-RoPE K/V (all layers, all KV heads) here, as a segment of a prefix tree: a segment continues its
+parent's token path at `start`. A later prompt that begins with a stored path (the next turn of a
+conversation, which repeats the earlier turns and answers, or a question after a stored context) reuses
+that K/V instead of prefilling it again: `match` finds the longest stored prefix, `view` hands the engine
+each layer's history (padded, one layer at a time, so the device never holds more than about two layers'
+history), and `add` keeps the new tokens' K/V. Stage 1 then runs again over the whole history with its
+window on the new tokens, which is RocketKV-MT's rebuild of the filtered set.
+
+Generated tokens are not taken from the decode cache: when the next turn's prompt repeats an answer, the
+answer's tokens are prefilled with the rest of the new turn (dense, exact K/V; the chat template may also
+render them differently from what was sampled).
+
+Memory: at most `max_bytes` of host memory; past it, the least recently used segments without children
+are dropped (or, with `spill_dir`, moved to disk as memory-mapped files, up to `max_disk_bytes`).
+`save` / `load` write and read every segment with orbax (`saved.py`: stamped, checksummed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+
+import numpy as np
+
+from . import saved
+
+__all__ = ["HistoryStore", "HistoryView", "Segment"]
+
+
+@dataclasses.dataclass(eq=False)
+class Segment:
+  """Tokens [start, start + n) of a path whose first `start` tokens are the parent's (None: start 0).
+
+  k, v: per layer [n, K, H] NumPy arrays (memory-mapped once spilled to disk)."""
+
+  parent: Segment | None
+  start: int
+  tokens: np.ndarray
+  k: list
+  v: list
+  last_used: int = 0
+  children: int = 0
+  on_disk: bool = False
+
+  def __post_init__(self):
+    before = self.parent.path[:self.start] if self.parent is not None else np.zeros(0, np.int32)
+    self.path = np.concatenate([before, self.tokens]).astype(np.int32)
+
+  @property
+  def end(self) -> int:
+    return self.start + len(self.tokens)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.nbytes for x in self.k) + sum(x.nbytes for x in self.v)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+  n = min(len(a), len(b))
+  diff = np.flatnonzero(a[:n] != b[:n])
+  return int(diff[0]) if diff.size else n
+
+
+class HistoryView:
+  """The first `length` positions of a stored path, layer by layer: view[i] = (k, v) [1, padded_len, K, H],
+  zeros past `length` (built when asked, so the host holds one padded layer at a time)."""
+
+  def __init__(self, pieces, length: int, padded_len: int, n_layers: int, kv_shape, dtype):
+    self.pieces, self.length, self.padded_len = pieces, length, padded_len
+    self.n_layers, self.kv_shape, self.dtype = n_layers, kv_shape, dtype
+
+  def __len__(self) -> int:
+    return self.n_layers
+
+  def __getitem__(self, layer: int):
+    if not 0 <= layer < self.n_layers:
+      raise IndexError(layer)
+    out = []
+    for name in ("k", "v"):
+      buf = np.zeros((1, self.padded_len) + tuple(self.kv_shape), self.dtype)
+      for seg, lo, hi in self.pieces:
+        buf[0, seg.start + lo:seg.start + hi] = getattr(seg, name)[layer][lo:hi]
+      out.append(buf)
+    return tuple(out)
+
+
+class HistoryStore:
+  """The host-side K/V of every stored token path (module doc). Thread-safe."""
+
+  def __init__(self, n_layers: int, kv_shape: tuple[int, int], dtype, *, max_bytes: int,
+               spill_dir: str | None = None, max_disk_bytes: int = 0):
+    self.n_layers, self.kv_shape, self.dtype = n_layers, tuple(kv_shape), np.dtype(dtype)
+    self.max_bytes, self.max_disk_bytes = int(max_bytes), int(max_disk_bytes)
+    self.spill_dir = None
+    if spill_dir is not None:
+      os.makedirs(spill_dir, exist_ok=True)
+      self.spill_dir = tempfile.mkdtemp(prefix="history-", dir=spill_dir)
+    self.segments: list[Segment] = []
+    self._clock = itertools.count(1)
+    self._lock = threading.RLock()
+    self.dropped = 0  # segments dropped to stay within the limits
+
+  # ------------------------------------------------------------------ sizes
+
+  def host_bytes(self) -> int:
+    with self._lock:
+      return sum(s.nbytes for s in self.segments if not s.on_disk)
+
+  def disk_bytes(self) -> int:
+    with self._lock:
+      return sum(s.nbytes for s in self.segments if s.on_disk)
+
+  def token_bytes(self) -> int:
+    """Host bytes one token's history takes (all layers, K and V)."""
+    return 2 * self.n_layers * int(np.prod(self.kv_shape)) * self.dtype.itemsize
+
+  # ------------------------------------------------------------------ lookup
+
+  def match(self, prompt) -> tuple[Segment | None, int]:
+    """(segment, n): the stored path sharing the longest prefix with `prompt`, and that prefix's length
+    (None, 0 when nothing matches)."""
+    prompt = np.asarray(prompt, np.int32)
+    best, best_n = None, 0
+    with self._lock:
+      for seg in self.segments:
+        n = _common_prefix(seg.path, prompt)
+        if n > best_n or (n == best_n and n > 0 and len(seg.path) < len(best.path)):
+          best, best_n = seg, n
+    return best, best_n
+
+  def _owner(self, seg: Segment, n: int) -> Segment | None:
+    """The deepest segment of seg's chain that holds position n - 1 (None for n == 0)."""
+    while seg is not None and seg.start >= n:
+      seg = seg.parent
+    return seg if n > 0 else None
+
+  def _pieces(self, seg: Segment, n: int) -> list:
+    """[(segment, lo, hi)] covering positions [0, n) of seg's path, root first."""
+    out = []
+    while seg is not None and n > 0:
+      if n > seg.start:
+        out.append((seg, 0, n - seg.start))
+        n = seg.start
+      seg = seg.parent
+    return out[::-1]
+
+  def view(self, seg: Segment | None, n: int, padded_len: int) -> HistoryView:
+    """The first n positions of seg's path as per-layer padded arrays (n = 0: all zeros). Marks the chain
+    recently used."""
+    with self._lock:
+      pieces = self._pieces(seg, n) if seg is not None else []
+      now = next(self._clock)
+      for s, _, _ in pieces:
+        s.last_used = now
+    return HistoryView(pieces, n, padded_len, self.n_layers, self.kv_shape, self.dtype)
+
+  # ------------------------------------------------------------------ adding and dropping
+
+  def add(self, prompt, new_k, new_v, reused: int) -> Segment | None:
+    """Stores the K/V of prompt positions [reused, len(prompt)) (new_k / new_v: per layer [n, K, H] with
+    n >= len(prompt) - reused, or longer, padding ignored). Only what no stored path already holds is kept.
+    Returns the segment that holds the whole prompt (None if it did not fit)."""
+    prompt = np.asarray(prompt, np.int32)
+    n = len(prompt)
+    with self._lock:
+      seg, start = self.match(prompt)
+      if seg is not None and start == n:
+        seg.last_used = next(self._clock)
+        return seg
+      if start < reused:  # part of the reused history was dropped meanwhile: the path would have a hole
+        self.dropped += 1
+        return None
+      lo, hi = start - reused, n - reused
+      new = Segment(parent=self._owner(seg, start) if seg is not None else None, start=start,
+                    tokens=prompt[start:],
+                    k=[np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype) for x in new_k],
+                    v=[np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype) for x in new_v],
+                    last_used=next(self._clock))
+      if new.nbytes > self.max_bytes:
+        self.dropped += 1
+        return None
+      if new.parent is not None:
+        new.parent.children += 1
+      self.segments.append(new)
+      self._shrink(keep=new)
+      return new
+
+  def _shrink(self, keep: Segment | None = None) -> None:
+    """Least recently used childless segments leave host memory (to disk with spill_dir, room permitting)
+    until host bytes <= max_bytes; `keep` and its chain stay."""
+    protected = set()
+    s = keep
+    while s is not None:
+      protected.add(id(s))
+      s = s.parent
+    while self.host_bytes() > self.max_bytes:
+      leaves = [s for s in self.segments if s.children == 0 and not s.on_disk and id(s) not in protected]
+      if not leaves:
+        # only chains in use (or parents of spilled segments) remain in host memory: spill parents too
+        leaves = [s for s in self.segments if not s.on_disk and id(s) not in protected]
+        if not leaves or self.spill_dir is None:
+          break
+      victim = min(leaves, key=lambda s: s.last_used)
+      if self.spill_dir is not None and self.disk_bytes() + victim.nbytes <= self.max_disk_bytes:
+        self._spill(victim)
+      elif victim.children == 0:
+        self._drop(victim)
+      else:
+        break
+    while self.disk_bytes() > self.max_disk_bytes:
+      leaves = [s for s in self.segments if s.on_disk and s.children == 0]
+      if not leaves:
+        break
+      self._drop(min(leaves, key=lambda s: s.last_used))
+
+  def _spill(self, seg: Segment) -> None:
+    base = os.path.join(self.spill_dir, f"seg{id(seg):x}")
+    for name in ("k", "v"):
+      arrays = getattr(seg, name)
+      for i, x in enumerate(arrays):
+        f = f"{base}-{name}{i}.npy"
+        np.save(f, x)
+        arrays[i] = np.load(f, mmap_mode="r")
+    seg.on_disk = True
+
+  def _drop(self, seg: Segment) -> None:
+    self.segments.remove(seg)
+    if seg.parent is not None:
+      seg.parent.children -= 1
+    self.dropped += 1
+
+  def clear(self) -> None:
+    with self._lock:
+      self.segments.clear()
+
+  def close(self) -> None:
+    """Forgets everything and removes the spill folder."""
+    self.clear()
+    if self.spill_dir is not None:
+      shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+  # ------------------------------------------------------------------ saving
+
+  def save(self, path, *, stamp: dict) -> int:
+    """Writes every segment (tokens, per-layer K/V, the tree) to `path` with orbax; returns the count."""
+    with self._lock:
+      segs = list(self.segments)
+      index = {id(s): i for i, s in enumerate(segs)}
+      tree = {f"s{i}": dict(tokens=s.tokens, k=[np.asarray(x) for x in s.k], v=[np.asarray(x) for x in s.v])
+              for i, s in enumerate(segs)}
+      meta = dict(segments=[dict(parent=index.get(id(s.parent)) if s.parent is not None else None, start=s.start)
+                            for s in segs])
+    saved.save(path, tree, stamp=stamp, meta=meta)
+    return len(segs)
+
+  def load(self, path, *, stamp: dict) -> int:
+    """Adds the segments saved at `path` (SavedFileError when it was saved for another model or is damaged);
+    returns how many were added (paths already stored are skipped)."""
+    tree, meta = saved.load(path, stamp=stamp)
+    entries = meta.get("segments", [])
+    made: list[Segment | None] = []
+    with self._lock:
+      for i, e in enumerate(entries):
+        t = tree[f"s{i}"]
+        parent = made[e["parent"]] if e["parent"] is not None else None
+        k, v = list(t["k"]), list(t["v"])
+        if len(k) != self.n_layers or any(x.shape[1:] != self.kv_shape or x.dtype != self.dtype for x in k + v):
+          raise saved.SavedFileError(f"{path}: segment {i} has {len(k)} layers of {k[0].shape[1:]} "
+                                     f"{k[0].dtype}; this model needs {self.n_layers} of {self.kv_shape} {self.dtype}")
+        seg = Segment(parent=parent, start=int(e["start"]), tokens=np.asarray(t["tokens"], np.int32), k=k, v=v,
+                      last_used=next(self._clock))
+        if parent is not None:
+          parent.children += 1
+        self.segments.append(seg)
+        made.append(seg)
+      self._shrink()
+    return len(made)
