@@ -2,12 +2,14 @@
 # The H200 decode runs behind benchmarks/results/decode_h200_*.jsonl, in parts so each device call fits its
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
-#        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large)
+#        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 run() { local secs=$1; shift; timeout "$secs" python3 -m benchmarks.decode --out "$out/decode.jsonl" "$@" \
           >>"$out/log.txt" 2>&1 || echo "part exited $? : $*" >>"$out/log.txt"; }
+serve() { local secs=$1; shift; timeout "$secs" python3 -m benchmarks.serve --out "$out/serve.jsonl" "$@" \
+          >>"$out/log.txt" 2>&1 || echo "part exited $? : serve $*" >>"$out/log.txt"; }
 for part in "$@"; do
   echo "== $part $(date -u +%T)" >>"$out/log.txt"
   case $part in
@@ -38,6 +40,9 @@ for part in "$@"; do
           gzip -c "$f" > "$out/cmdbuf_${name}_$(basename "$(dirname "$f")").hlo.txt.gz"
         done
       done ;;
+    serve32)  # the engine at 32k prompts (max: the most slots that fit; admission auto: its prefills are
+              # shared once real ones would take over 90 s, i.e. RocketKV's hundreds of slots)
+      serve 540 --methods full,rocketkv --token-budget 256 --prompt 32k --slots 1,8,max ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac
 done
@@ -50,6 +55,15 @@ for l in open(sys.argv[1]):
           r.get("ratio_to_floor"), r.get("tokens_per_s"))
   elif r["kind"] == "peak":
     print("peak", r["method"], r["context"], round((r.get("peak_bytes") or 0) / 1e9, 2), "GB")
+PY
+python3 - "$out/serve.jsonl" <<'PY' 2>/dev/null
+import json, sys
+for l in open(sys.argv[1]):
+  r = json.loads(l)
+  print("serve", r["method"], r.get("token_budget"), r["prompt"], r.get("slots"), r.get("admission"), r.get("status"),
+        "tok/s", r.get("tokens_per_s"), r.get("steady_tokens_per_s"), "tpot", r.get("tpot_ms_p50"),
+        r.get("tpot_ms_p99"), "ttft", r.get("ttft_ms_p50"), r.get("ttft_ms_p99"), "step", r.get("engine_step_ms"),
+        r.get("decode_step_ms"), r.get("engine_vs_decode"))
 PY
 for d in /tmp/prof/rocketkv_*_1 /tmp/prof/full_*_1; do
   [ -f "$d/decode_chunk.hlo.txt" ] && gzip -c "$d/decode_chunk.hlo.txt" > "$out/hlo_$(basename "$d").txt.gz"

@@ -5,7 +5,8 @@ OpenAI-compatible API. It lives in the serving layer, the top one, since `serve`
       (--prompt TEXT | --prompt-file FILE) [--chat] [--json]
   rocketkv demo [--token-budget 256] [--methods full,rocketkv]
   rocketkv serve --model smollm2 --method rocketkv --token-budget 256 --port 8000 --max-slots 8 \
-      [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64]
+      [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64] \
+      [--history-gb 4] [--sessions-dir DIR]
 
 Results go to stdout; progress (loading, prefill, decode) and the server's log go to stderr.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -111,13 +113,25 @@ def _cmd_serve(args) -> int:
       raise ValueError(f"--prefill-buckets={args.prefill_buckets!r} must be comma-separated integers") from None
   engine_config = EngineConfig(method=args.method, token_budget=args.token_budget, max_slots=args.max_slots,
                                max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                               steps_per_call=args.steps_per_call, prefill_buckets=buckets, max_queue=args.max_queue)
+                               steps_per_call=args.steps_per_call, prefill_buckets=buckets, max_queue=args.max_queue,
+                               history_bytes=int(args.history_gb * 2**30), history_spill_dir=args.history_spill_dir,
+                               history_disk_bytes=int(args.history_disk_gb * 2**30))
+  if args.sessions_dir is not None and not engine_config.history_bytes:
+    raise ValueError("--sessions-dir needs a history: set --history-gb > 0")
+  if args.sessions_dir is not None and os.path.exists(args.sessions_dir) and \
+      not os.path.isfile(os.path.join(args.sessions_dir, "meta.json")):
+    raise ValueError(f"--sessions-dir={args.sessions_dir!r} exists but holds no saved sessions (no meta.json)")
+  from rich.logging import RichHandler
+  serving_log = logging.getLogger("rocketkv_jax.serving")
+  if not serving_log.handlers:
+    serving_log.addHandler(RichHandler(console=err, show_path=False))
+    serving_log.setLevel(logging.INFO)
   log(f"loading {args.model}")
   model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
   engine = Engine(model, tok, engine_config)
   name = args.served_model_name or _model_name(args.model)
-  app = create_app(engine, model, tok, ServerConfig(model_name=name, drain_s=args.drain_s,
-                                                               warmup=not args.no_warmup))
+  app = create_app(engine, model, tok, ServerConfig(model_name=name, drain_s=args.drain_s, warmup=not args.no_warmup,
+                                                    history_dir=args.sessions_dir))
   config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           timeout_graceful_shutdown=args.drain_s + 5)
   server = UvicornServer(config, app.state.runner, drain_s=args.drain_s)
@@ -195,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="on shutdown, seconds requests in flight may finish before they are aborted (default 10)")
   s.add_argument("--no-warmup", action="store_true",
                  help="skip compiling every prefill bucket before accepting requests (the first ones then wait)")
+  s.add_argument("--history-gb", type=float, default=4.0,
+                 help="host memory for the K/V history of past prompts, so a conversation's next turn (or a new "
+                      "question after a long context) prefills only its new tokens (default 4; 0 = off)")
+  s.add_argument("--history-spill-dir", default=None,
+                 help="move history that no longer fits in host memory to files here (default: drop it)")
+  s.add_argument("--history-disk-gb", type=float, default=16.0, help="disk for spilled history (default 16)")
+  s.add_argument("--sessions-dir", default=None,
+                 help="load stored histories from here at start-up and save them here at shutdown (orbax)")
   s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
   s.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
   s.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")

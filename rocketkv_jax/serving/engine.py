@@ -436,6 +436,19 @@ class Engine:
     _, common = self.history.match(prompt_ids)
     return max(0, min(common, len(prompt_ids) - max(q, 1)))
 
+  def remember(self, prompt_ids) -> int:
+    """Prefills a prompt into the history without answering it (a document that questions will follow:
+    question-in-window reuse, where each question's prompt starts with it and stage 1's window is on the
+    question). Returns the prompt tokens the history now holds for it."""
+    if self.history is None:
+      raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
+    request = Request("remember", list(prompt_ids), SamplingParams(max_tokens=1))
+    self.validate(request)
+    with self._lock:
+      self._prefill_over_history(request)
+    seg, n = self.history.match(request.prompt_ids)
+    return n
+
   def _prefill_over_history(self, request: Request) -> Prefilled:
     ids = list(request.prompt_ids)
     n = len(ids)

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 
@@ -64,11 +65,14 @@ class APIError(Exception):
 class ServerConfig:
   """model_name: the id `/v1/models` lists and requests must name. drain_s: on shutdown, how long requests in
   flight may run to their end before they are aborted. warmup: before accepting requests, run one request
-  per prefill bucket so no client waits for a compile (`warm_up`)."""
+  per prefill bucket so no client waits for a compile (`warm_up`). history_dir: where the engine's prompt
+  histories (sessions) are loaded from at start-up, when there, and saved to at shutdown (needs an engine with
+  history; a file saved for another model is refused at start-up)."""
 
   model_name: str
   drain_s: float = 10.0
   warmup: bool = False
+  history_dir: str | None = None
 
 
 def warm_up(engine, log=None) -> float:
@@ -76,12 +80,14 @@ def warm_up(engine, log=None) -> float:
   of the bucket's length, run to its end. Call before the engine thread starts. Returns the seconds taken."""
   t0 = time.perf_counter()
   buckets = getattr(engine.config, "prefill_buckets", None) or (1,)
-  for b in buckets:
-    engine.submit(Request(request_id=f"warmup-{b}", prompt_ids=[0] * b, sampling=SamplingParams(max_tokens=1)))
+  for i, b in enumerate(buckets):  # prompts with distinct first tokens: none reuses another's history
+    engine.submit(Request(request_id=f"warmup-{b}", prompt_ids=[i] * b, sampling=SamplingParams(max_tokens=1)))
     while engine.has_work():
       engine.step()
     if log:
       log(f"warm-up: prompt bucket {b} compiled ({time.perf_counter() - t0:.1f}s)")
+  if getattr(engine, "history", None) is not None:
+    engine.history.clear()
   return time.perf_counter() - t0
 
 
@@ -280,7 +286,11 @@ _METRICS = {
     "tokens_generated": ("counter", "Tokens generated since start-up."),
     "tokens_per_s": ("gauge", "Generated tokens per second over the last 10 s."),
     "kv_bytes_device": ("gauge", "Bytes of KV cache held on the device."),
-    "kv_bytes_host": ("gauge", "Bytes of KV history held in host memory."),
+    "kv_bytes_host": ("gauge", "Bytes of KV history (sessions) held in host memory."),
+    "kv_bytes_disk": ("gauge", "Bytes of KV history spilled to disk."),
+    "history_segments": ("gauge", "Stored prompt histories (prefix-tree segments)."),
+    "prompt_tokens_reused": ("counter", "Prompt tokens taken from the history or a context, not prefilled."),
+    "prompt_tokens_prefilled": ("counter", "Prompt tokens prefilled."),
     "compiles": ("counter", "XLA compilations the engine has run."),
 }
 
@@ -313,15 +323,25 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   max_new = getattr(eng_cfg, "max_new_tokens", 256)
   stops = {False: model_stop_ids(model, tokenizer, False), True: model_stop_ids(model, tokenizer, True)}
 
+  history_dir = config.history_dir
+  if history_dir is not None and getattr(engine, "history", None) is None:
+    raise ValueError(f"history_dir={history_dir!r} needs an engine that keeps history (EngineConfig.history_bytes)")
+
   @contextlib.asynccontextmanager
   async def lifespan(app):
     if config.warmup:  # before the engine thread starts: this thread is the only one touching the engine
       await asyncio.to_thread(warm_up, engine, log.info)
+    if history_dir is not None and os.path.exists(history_dir):
+      n = await asyncio.to_thread(engine.load_history, history_dir)
+      log.info(f"sessions: loaded {n} stored prompt histories from {history_dir}")
     runner.start()
     try:
       yield
     finally:
       await asyncio.to_thread(runner.shutdown)
+      if history_dir is not None:
+        n = await asyncio.to_thread(engine.save_history, history_dir)
+        log.info(f"sessions: saved {n} prompt histories to {history_dir}")
 
   app = FastAPI(title="rocketkv-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
   app.state.runner = runner
@@ -342,6 +362,16 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     log.exception("unhandled error")
     counters.error(500)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+  def log_turn(request_id: str, ev) -> None:
+    """The per-turn report: prompt tokens reused vs prefilled, KV bytes on the device (this request's slot)
+    and on the host (every stored history)."""
+    st = runner.stats()
+    per_slot = st.get("kv_bytes_device", 0) // max(1, st.get("max_slots", 1))
+    log.info(f"{request_id}: prompt {ev.prompt_tokens} tokens ({ev.cached_tokens} reused, "
+             f"{ev.prompt_tokens - ev.cached_tokens} prefilled), {ev.completion_tokens} generated "
+             f"({ev.finish_reason}); KV on device {per_slot / 2**20:.1f} MiB per slot, history on host "
+             f"{st.get('kv_bytes_host', 0) / 2**20:.1f} MiB")
 
   def check_model(body: dict) -> None:
     name = body.get("model")
@@ -437,13 +467,14 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     watcher = asyncio.create_task(watch_disconnect(request, q, request_ids, finished))
     texts, reasons = [""] * len(prompts), [None] * len(prompts)
     prompt_tokens = [len(p) for p in prompts]
-    completion_tokens = [0] * len(prompts)
+    completion_tokens, cached = [0] * len(prompts), [0] * len(prompts)
     try:
       async for i, ev in events(q, len(prompts)):
         texts[i] += ev.text
         completion_tokens[i] = ev.completion_tokens
-        prompt_tokens[i] = ev.prompt_tokens
+        prompt_tokens[i], cached[i] = ev.prompt_tokens, ev.cached_tokens
         if ev.finished:
+          log_turn(request_ids[i], ev)
           reasons[i] = ev.finish_reason
           finished.add(request_ids[i])
     except _ClientGone:
@@ -458,7 +489,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     finally:
       watcher.cancel()
     counters.done("ok")
-    usage = _usage(sum(prompt_tokens), sum(completion_tokens))
+    usage = _usage(sum(prompt_tokens), sum(completion_tokens), sum(cached))
     if chat:
       choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]}, "logprobs": None,
                   "finish_reason": reasons[0]}]
@@ -472,7 +503,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   async def stream_events(q, request_ids, finished: set, head, chat, include_usage):
     n = len(request_ids)
     ended = False
-    prompt_tokens, completion_tokens = [0] * n, [0] * n
+    prompt_tokens, completion_tokens, cached = [0] * n, [0] * n, [0] * n
 
     def chunk(i, text=None, finish=None, role=False):
       if chat:
@@ -486,17 +517,18 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
       if chat:
         yield _sse(chunk(0, role=True))
       async for i, ev in events(q, n):
-        prompt_tokens[i], completion_tokens[i] = ev.prompt_tokens, ev.completion_tokens
+        prompt_tokens[i], completion_tokens[i], cached[i] = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
         if ev.finished:
           finished.add(request_ids[i])
+          log_turn(request_ids[i], ev)
           c = chunk(i, ev.text, ev.finish_reason)
           if not include_usage and len(finished) == n:  # usage on the last chunk, as vLLM does
-            c["usage"] = _usage(sum(prompt_tokens), sum(completion_tokens))
+            c["usage"] = _usage(sum(prompt_tokens), sum(completion_tokens), sum(cached))
           yield _sse(c)
         elif ev.text:
           yield _sse(chunk(i, ev.text))
       if include_usage:
-        yield _sse(dict(head, choices=[], usage=_usage(sum(prompt_tokens), sum(completion_tokens))))
+        yield _sse(dict(head, choices=[], usage=_usage(sum(prompt_tokens), sum(completion_tokens), sum(cached))))
       ended = True
       counters.done("ok")
       yield "data: [DONE]\n\n"

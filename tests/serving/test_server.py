@@ -36,11 +36,11 @@ def _free_port() -> int:
 class Served:
   """A running server: its URL, engine and runner, an `openai` client, and raw HTTP for malformed input."""
 
-  def __init__(self, model, tok, *, drain_s=5.0, **engine_kw):
+  def __init__(self, model, tok, *, drain_s=5.0, server_kw=None, **engine_kw):
     from rocketkv_jax.serving import Engine, EngineConfig
     from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
     self.engine = Engine(model, tok, EngineConfig(**engine_kw))
-    self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s))
+    self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, **(server_kw or {})))
     self.runner = self.app.state.runner
     self.port = _free_port()
     config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",

@@ -1,0 +1,40 @@
+"""The serving benchmark's CPU smoke run (`python -m benchmarks.serve --tiny ...`): every point finishes, every
+request runs its full length, the engine compiles three times and no more, and the JSON lines carry the run's
+facts and positive figures."""
+
+import json
+
+import pytest
+
+from benchmarks import serve
+
+ARGV = ["--tiny", "--prompt", "256", "--slots", "1,2", "--requests", "4", "--max-new-tokens", "8"]
+POSITIVE = ["tokens_per_s", "steady_tokens_per_s", "tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50", "ttft_ms_p99",
+            "engine_step_ms", "decode_step_ms", "engine_vs_decode", "floor_ms", "prefill_s", "run_s",
+            "cache_bytes_per_slot", "copy_bandwidth_GBps", "weight_bytes", "steady_calls"]
+
+
+@pytest.mark.slow
+def test_tiny_smoke_run(tmp_path, capsys):
+  out = tmp_path / "serve.jsonl"
+  returned = serve.main(ARGV + ["--out", str(out)])
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert lines == returned and len(lines) == 4  # full and rocketkv, 1 and 2 slots
+  assert sorted((r["method"], r["slots"]) for r in lines) == [("full", 1), ("full", 2), ("rocketkv", 1),
+                                                               ("rocketkv", 2)]
+  for r in lines:
+    assert r["status"] == "ok", r
+    assert r["argv"] == ["python", "-m", "benchmarks.serve"] + ARGV + ["--out", str(out)]
+    assert r["date"] and r["device"] and "commit" in r
+    assert r["prompt"] == 256 and r["requests"] == 4 and r["admission"] == "step"
+    for key in POSITIVE:
+      assert r[key] > 0, (key, r)
+    assert r["ttft_ms_p99"] >= r["ttft_ms_p50"] and r["tpot_ms_p99"] >= r["tpot_ms_p50"]
+    assert r["output_tokens"] == 4 * 8 and r["all_full_length"]
+    assert r["compiles_warmup"] == r["compiles_after_run"] == 3  # prefill, insert, decode: no recompile
+  assert "engine/decode" in capsys.readouterr().out  # the table
+
+
+def test_second_turn_waits_for_sessions():
+  with pytest.raises(NotImplementedError, match="sessions"):
+    serve.measure_turn2(None, [])

@@ -1,0 +1,306 @@
+"""Sessions and context reuse on a tiny random Llama: a prefill that continues a host K/V history equals the
+prefill of the whole prompt; the engine's history makes a next turn prefill only its new tokens with the same
+answer; the history is a prefix tree (shared prefixes stored once) within its memory limits (LRU drop, disk
+spill); query-agnostic contexts answer many questions from copies of one compressed cache; saving and loading
+(orbax) round-trips and refuses another model, another method or a damaged file."""
+
+import glob
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rocketkv_jax as rk
+from rocketkv_jax.models import llama
+from rocketkv_jax.models.llama import from_params
+from rocketkv_jax.models.loop import LoopConfig, decode_loop
+from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams
+from rocketkv_jax.serving.history import HistoryStore
+from rocketkv_jax.serving.saved import SavedFileError
+from tests.models.conftest import tiny_config, tiny_params
+from tests.serving.test_engine import Tok
+
+warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+
+KW = dict(method="rocketkv", token_budget=32, max_slots=2, max_prompt_tokens=256, max_new_tokens=24,
+          steps_per_call=4, prefill_buckets=(64, 128, 256))
+HISTORY = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = tiny_config()
+  return from_params(cfg, tiny_params(cfg))
+
+
+def ids(n, seed):
+  return np.random.default_rng(seed).integers(3, 128, n).tolist()
+
+
+def answer(engine, prompt, rid="r", max_tokens=12, context=None):
+  """(tokens, cached_tokens, prompt_tokens) of one greedy request run alone."""
+  engine.submit(Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), context=context))
+  toks, cached, pt = [], None, None
+  while engine.has_work():
+    for e in engine.step():
+      toks += e.token_ids
+      cached, pt = e.cached_tokens, e.prompt_tokens
+  return toks, cached, pt
+
+
+# ----------------------------------------------------------------------------- prefill_extend
+
+
+@pytest.mark.parametrize("method", ["rocketkv", "snapkv", "full", "quest", "streaming_llm", "sparq"])
+def test_prefill_extend_equals_whole_prefill(model, method):
+  """History of the first r tokens (itself made by prefill_extend from nothing), then the rest over it: the
+  logits and every cache leaf equal one prefill of the whole prompt (stage 1 evicts: 200 > the budget)."""
+  cfg = model.config
+  L, r, T = 200, 150, 256
+  config = rk.make_config(method, token_budget=32, prompt_len=T, max_new_tokens=16, head_dim=cfg.head_dim,
+                          max_len=cfg.max_len)
+  assert L - r >= (config.prompt_queries or 0)
+  toks = np.zeros((1, T), np.int32)
+  toks[0, :L] = ids(L, 1)
+  want_logits, want = llama.prefill(model, toks, np.array([L]), config)
+  empty = [(np.zeros((1, T, cfg.n_kv_heads, cfg.head_dim), np.float32),) * 2] * cfg.n_layers
+  _, _, first = llama.prefill_extend(model, toks[:, :r], np.array([r]), empty, np.array([0]), config)
+  hist = []
+  for k, v in first:
+    hk, hv = (np.zeros((1, T) + k.shape[2:], np.float32) for _ in range(2))
+    hk[:, :r], hv[:, :r] = np.asarray(k), np.asarray(v)
+    hist.append((hk, hv))
+  new = np.zeros((1, 64), np.int32)
+  new[0, :L - r] = toks[0, r:L]
+  logits, got, new_kv = llama.prefill_extend(model, new, np.array([L - r]), hist, np.array([r]), config)
+  np.testing.assert_allclose(logits, want_logits, atol=2e-5)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-5)
+  assert got[0].spec == want[0].spec
+  assert new_kv[0][0].shape == (1, 64, cfg.n_kv_heads, cfg.head_dim)
+
+
+def test_prefill_extend_rejects_a_wrong_history(model):
+  config = rk.make_config("rocketkv", token_budget=32, prompt_len=64, max_new_tokens=8, head_dim=16, max_len=512)
+  with pytest.raises(ValueError, match="history has 1 layers; the model has 2"):
+    llama.prefill_extend(model, np.zeros((1, 8), np.int32), [8], [(np.zeros((1, 64, 2, 16)),) * 2], [0], config)
+
+
+# ----------------------------------------------------------------------------- the engine's history
+
+
+@pytest.mark.parametrize("method,reused", [("rocketkv", 150), ("full", 150), ("h2o", 0)])
+def test_next_turn_reuses_the_history_and_answers_the_same(model, method, reused):
+  """Turn 2 (turn 1's prompt + 50 new tokens) prefills only the new tokens over the stored history, and its
+  tokens equal an engine without history. H2O reads every prompt query, so it reuses nothing."""
+  p1 = ids(150, 2)
+  p2 = p1 + ids(50, 3)
+  plain = Engine(model, Tok(), EngineConfig(**dict(KW, method=method)))
+  hist = Engine(model, Tok(), EngineConfig(**dict(KW, method=method), history_bytes=HISTORY))
+  assert answer(plain, p1)[0] == answer(hist, p1)[0]
+  want, _, _ = answer(plain, p2)
+  got, cached, pt = answer(hist, p2)
+  assert got == want and pt == 200 and cached == reused
+  st = hist.stats()
+  assert st["prompt_tokens_reused"] == reused and st["prompt_tokens_prefilled"] == 350 - reused
+  assert st["kv_bytes_host"] == 200 * hist.history.token_bytes()  # turn 2 stored only its 50 new tokens
+
+
+def test_reuse_leaves_the_window_to_prefill(model):
+  """A turn that adds fewer than the window's tokens re-prefills the window's last tokens (their queries are
+  not stored), and at least the last token; the answer still equals a plain engine's."""
+  eng = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  W = eng.method_config.prompt_queries
+  p1 = ids(180, 4)
+  answer(eng, p1)
+  p2 = p1 + ids(5, 5)
+  assert eng.reusable(p2) == len(p2) - W
+  got, cached, _ = answer(eng, p2)
+  plain = Engine(model, Tok(), EngineConfig(**KW))
+  assert got == answer(plain, p2)[0] and cached == len(p2) - W
+  assert eng.reusable(p1) == len(p1) - W  # an exact repeat still recomputes the window
+
+
+def test_engine_compiles_are_bounded_with_history(model):
+  """Fresh and continuing prompts of many lengths: one extend executable per (whole, new) bucket pair at most,
+  plus insert and decode; prompts in pairs already seen compile nothing."""
+  eng = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  long = ids(250, 7)
+  for n in (30, 100, 120, 250):  # 100 fresh, then 120 and 250 continue it
+    answer(eng, long[:n], rid=f"r{n}")
+  answer(eng, ids(60, 8), rid="other")
+  compiles = eng.stats()["compiles"]
+  n_buckets = len(KW["prefill_buckets"])
+  assert compiles <= 2 + n_buckets * (n_buckets + 1) // 2
+  for n, seed in ((40, 9), (110, 10), (90, 11)):  # fresh prompts in buckets already compiled
+    answer(eng, ids(n, seed), rid=f"s{n}")
+  assert eng.stats()["compiles"] == compiles
+
+
+def test_question_in_window_reuse_of_a_remembered_context(model):
+  """remember(context), then questions whose prompts start with it: each prefills only its question (stage 1
+  re-runs over context + question, the window on the question) and answers as a plain engine does; the
+  context is stored once, not once per question."""
+  eng = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  plain = Engine(model, Tok(), EngineConfig(**KW))
+  ctx = ids(160, 10)
+  assert eng.remember(ctx) == 160
+  for i in range(3):
+    q = ctx + ids(40, 20 + i)
+    got, cached, _ = answer(eng, q, rid=f"q{i}")
+    assert got == answer(plain, q, rid=f"q{i}")[0] and cached == 160
+  assert eng.stats()["kv_bytes_host"] == (160 + 3 * 40) * eng.history.token_bytes()
+
+
+# ----------------------------------------------------------------------------- the history store
+
+
+def _kv(n, layers=2):
+  rng = np.random.default_rng(n)
+  return ([rng.standard_normal((n, 2, 4)).astype(np.float32) for _ in range(layers)],
+          [rng.standard_normal((n, 2, 4)).astype(np.float32) for _ in range(layers)])
+
+
+def test_history_store_prefix_tree_and_views():
+  store = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20)
+  a = list(range(10))
+  ka, va = _kv(10)
+  store.add(a, ka, va, reused=0)
+  b = a[:6] + [99, 98, 97]  # branches off inside a's path
+  kb, vb = _kv(9)
+  seg, n = store.match(b)
+  assert n == 6
+  store.add(b, [k[6:] for k in kb], [v[6:] for v in vb], reused=6)
+  assert store.host_bytes() == (10 + 3) * store.token_bytes()  # the shared 6 tokens are stored once
+  seg, n = store.match(b + [5])
+  assert n == 9
+  view = store.view(seg, 9, 12)
+  k0, v0 = view[0]
+  assert k0.shape == (1, 12, 2, 4)
+  np.testing.assert_array_equal(k0[0, :6], ka[0][:6])
+  np.testing.assert_array_equal(k0[0, 6:9], kb[0][6:])
+  assert not k0[0, 9:].any()
+  np.testing.assert_array_equal(view[1][1][0, :6], va[1][:6])
+  assert store.add(a, ka, va, reused=0) is store.match(a)[0]  # already stored: nothing added
+  assert len(store.segments) == 2
+
+
+def test_history_store_drops_least_recently_used_within_its_limit(tmp_path):
+  one = 2 * 2 * 10 * 2 * 4 * 4  # bytes of a 10-token path
+  store = HistoryStore(2, (2, 4), np.float32, max_bytes=2 * one)
+  for i in range(3):
+    store.add([100 * i + j for j in range(10)], *_kv(10), reused=0)
+  assert store.host_bytes() <= 2 * one and store.dropped == 1
+  assert store.match(list(range(10)))[1] == 0  # the oldest went
+  spill = HistoryStore(2, (2, 4), np.float32, max_bytes=one, spill_dir=str(tmp_path), max_disk_bytes=one)
+  k, v = _kv(10)
+  spill.add(list(range(10)), k, v, reused=0)
+  spill.add(list(range(100, 110)), *_kv(10), reused=0)
+  assert spill.host_bytes() == one and spill.disk_bytes() == one
+  seg, n = spill.match(list(range(10)))
+  assert n == 10 and seg.on_disk
+  np.testing.assert_array_equal(spill.view(seg, 10, 10)[1][0][0], k[1])
+  spill.close()
+  assert not os.path.exists(spill.spill_dir)
+
+
+def test_history_store_add_never_stores_a_path_with_a_hole():
+  store = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20)
+  assert store.add(list(range(10)), *_kv(4), reused=6) is None  # positions [0, 6) are not stored
+  assert not store.segments
+
+
+# ----------------------------------------------------------------------------- contexts (query-agnostic)
+
+
+def test_context_answers_many_questions_from_copies(model):
+  """compress_context once; each question is fed through decode steps onto a copy of its cache. The result
+  equals the same thing done by hand with the one decode loop (teacher forcing), the context's cache is left
+  as it was, and asking twice gives the same answer."""
+  eng = Engine(model, Tok(), EngineConfig(**KW))
+  ctx_ids = ids(200, 30)
+  ctx = eng.compress_context(ctx_ids)
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(ctx.caches)]
+  q1, q2 = ids(7, 31), ids(5, 32)
+  a1, cached, pt = answer(eng, q1, rid="q1", context=ctx)
+  assert cached == 200 and pt == 207
+  a2, _, _ = answer(eng, q2, rid="q2", context=ctx)
+  assert answer(eng, q1, rid="q1b", context=ctx)[0] == a1
+  for x, y in zip(before, jax.tree.leaves(ctx.caches)):
+    np.testing.assert_array_equal(x, np.asarray(y))
+  # by hand: the context's cache, the whole question forced through the loop in one call (the engine feeds
+  # it in power-of-two chunks: 4 + 2 + 1), then greedy tokens
+  caches = jax.tree.map(jnp.copy, ctx.caches)
+  fed = decode_loop(model, ctx.logits, caches, eng.method_config, LoopConfig(max_new_tokens=len(q1), carry_logits=True),
+                    forced_BT=np.array([q1], np.int32))
+  out = decode_loop(model, fed.logits_BV, fed.caches, eng.method_config, LoopConfig(max_new_tokens=12))
+  assert a1 == np.asarray(out.tokens)[0].tolist() and a1 != a2
+
+
+def test_context_prompt_must_fit_the_new_token_room(model):
+  eng = Engine(model, Tok(), EngineConfig(**KW))
+  ctx = eng.compress_context(ids(50, 33))
+  with pytest.raises(ValueError, match="prompt of 20 tokens \\+ max_tokens=12 exceeds the engine's max_new_tokens=24"):
+    eng.submit(Request("x", ids(20, 34), SamplingParams(max_tokens=12), context=ctx))
+
+
+# ----------------------------------------------------------------------------- saving and loading
+
+
+def test_save_and_load_context_and_history(model, tmp_path):
+  eng = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  ctx = eng.compress_context(ids(120, 40))
+  q = ids(6, 41)
+  want = answer(eng, q, rid="a", context=ctx)[0]
+  eng.save_context(ctx, tmp_path / "ctx")
+  again = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  assert answer(again, q, rid="b", context=again.load_context(tmp_path / "ctx"))[0] == want
+
+  p1 = ids(150, 42)
+  p2 = p1 + ids(40, 43)
+  answer(eng, p1, rid="t1")
+  want2 = answer(eng, p2, rid="t2")
+  assert eng.save_history(tmp_path / "hist") == 2
+  assert answer(again, p2, rid="t2")[1] == 0  # nothing stored yet
+  fresh = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  assert fresh.load_history(tmp_path / "hist") == 2
+  got = answer(fresh, p2 + ids(40, 44), rid="t3")
+  assert got[1] == 190  # the whole saved path reused
+  assert answer(fresh, p2, rid="t2")[0] == want2[0]
+
+
+def test_load_refuses_another_model_method_or_a_damaged_file(model, tmp_path):
+  eng = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  ctx = eng.compress_context(ids(80, 50))
+  eng.save_context(ctx, tmp_path / "ctx")
+  answer(eng, ids(100, 51))
+  eng.save_history(tmp_path / "hist")
+
+  snap = Engine(model, Tok(), EngineConfig(**dict(KW, method="snapkv"), history_bytes=HISTORY))
+  with pytest.raises(SavedFileError, match="method: file has 'rocketkv"):
+    snap.load_context(tmp_path / "ctx")
+  assert snap.load_history(tmp_path / "hist") == 1  # a history is the model's K/V: any method may use it
+
+  cfg = tiny_config()
+  other = Engine(from_params(cfg, tiny_params(cfg, seed=1)), Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  for load, name in ((other.load_context, "ctx"), (other.load_history, "hist")):
+    with pytest.raises(SavedFileError, match="saved for something else; refusing it: model"):
+      load(tmp_path / name)
+
+  with pytest.raises(SavedFileError, match="no meta.json"):
+    eng.load_context(tmp_path / "nothing")
+  # flip bytes in the middle of every array data file, sizes kept
+  for f in glob.glob(str(tmp_path / "hist" / "arrays" / "**" / "d" / "*"), recursive=True):
+    data = bytearray(open(f, "rb").read())
+    mid = len(data) // 2
+    data[mid:mid + 8] = bytes(255 - b for b in data[mid:mid + 8])
+    open(f, "wb").write(bytes(data))
+  with pytest.raises(SavedFileError, match="damaged|cannot be read"):
+    eng.load_history(tmp_path / "hist")
+  meta = tmp_path / "ctx" / "meta.json"
+  meta.write_text(meta.read_text()[:-20])
+  with pytest.raises(SavedFileError, match="meta.json is damaged"):
+    eng.load_context(tmp_path / "ctx")
