@@ -2,7 +2,8 @@
 # The H200 decode runs behind benchmarks/results/decode_h200_*.jsonl, in parts so each device call fits its
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
-#        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32)
+#        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
+#        serve32max turn2)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -40,9 +41,13 @@ for part in "$@"; do
           gzip -c "$f" > "$out/cmdbuf_${name}_$(basename "$(dirname "$f")").hlo.txt.gz"
         done
       done ;;
-    serve32)  # the engine at 32k prompts (max: the most slots that fit; admission auto: its prefills are
-              # shared once real ones would take over 90 s, i.e. RocketKV's hundreds of slots)
-      serve 540 --methods full,rocketkv --token-budget 256 --prompt 32k --slots 1,8,max ;;
+    serve32)  # the engine at 32k prompts, 1 and 8 slots, every request prefilled in engine.step()
+      serve 400 --methods full,rocketkv --token-budget 256 --prompt 32k --slots 1,8 ;;
+    serve32max)  # the most slots that fit (admission auto: prefills are shared once real ones would take over
+                 # 90 s, i.e. RocketKV's hundreds of slots)
+      serve 540 --methods full,rocketkv --token-budget 256 --prompt 32k --slots max ;;
+    turn2)  # a second turn of 512 / 4096 new tokens over a stored 32k first turn, against re-prefilling it all
+      serve 300 --methods rocketkv --token-budget 256 --prompt 32k --slots "" --turn2 512,4096 ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac
 done

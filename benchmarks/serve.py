@@ -227,13 +227,53 @@ def measure_turn1(engine: Engine, requests: list[Request], shared: Prefilled | N
       admit_s=round(admit_s, 4) if shared is not None else None)
 
 
-def measure_turn2(engine: Engine, requests: list[Request]) -> dict:
-  """Second-turn cost of multi-turn chat: each request's follow-up (its first turn's prompt, the answer and a
-  new user message) is submitted after the first turn, and the figures of `measure_turn1` are taken for the
-  follow-ups, whose TTFT is then the cost of prefilling the new tokens only. It uses the engine's sessions:
-  an engine with a history store (`EngineConfig.history_bytes`) reuses a follow-up's stored prefix and
-  prefills the rest over it. This benchmark does not take that measurement, and `--turns` is not a flag."""
-  raise NotImplementedError("the second-turn measurement (engine sessions) is not part of this benchmark")
+def measure_turn2(model, tokenizer, args, method: str, news: list[int]) -> list[dict]:
+  """Multi-turn prefill cost: a first turn of `--prompt` tokens, then second turns that add N new tokens.
+
+  One engine with a history store (sessions: the first turn's K/V kept in host memory) and one without. For
+  each N: the second turn's prefill (`Engine.prefill`, the JetStream primitive: logits ready, the new K/V
+  copied to the host history) over the stored history, against prefilling the whole second-turn prompt from
+  scratch. Each is timed on its second run (the first compiles), with fresh random new tokens each time.
+  Prefill over the history should cost in proportion to N, plus the history's host-to-device copy."""
+  cfg = model.config
+  rng = np.random.default_rng(17)
+  top = args.prompt + max(news)
+  buckets = tuple(sorted(set(news) | {args.prompt, top}))
+  overrides = {} if args.impl == "auto" else {"impl": args.impl}
+  kw = dict(method=method, token_budget=args.token_budget, max_slots=1, max_prompt_tokens=top,
+            max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, prefill_buckets=buckets,
+            method_overrides=overrides)
+  hist = Engine(model, tokenizer, EngineConfig(**kw, history_bytes=int(args.history_gb * 2**30)))
+  first = random_prompt(rng, cfg.vocab_size, args.prompt)
+
+  def timed(engine, ids, rid):
+    t = time.perf_counter()
+    p = engine.prefill(Request(rid, ids, SamplingParams(max_tokens=1)))
+    p[0].block_until_ready()
+    return time.perf_counter() - t, p.cached
+
+  t1_compile, _ = timed(hist, first, "t1")
+  hist.history.clear()
+  t1, _ = timed(hist, first, "t1")
+  rows = []
+  for n in news:
+    timed(hist, first + random_prompt(rng, cfg.vocab_size, n), f"w{n}")  # compiles this (whole, new) pair
+    t2, cached = timed(hist, first + random_prompt(rng, cfg.vocab_size, n), f"t2-{n}")
+    rows.append(dict(new_tokens=n, turn2_prefill_s=round(t2, 4), cached_tokens=cached,
+                     prefilled_tokens=args.prompt + n - cached, ms_per_new_token=round(t2 / n * 1e3, 4)))
+  host = hist.stats()["kv_bytes_host"]
+  del hist
+  gc.collect()
+  plain = Engine(model, tokenizer, EngineConfig(**kw))
+  for row in rows:
+    n = row["new_tokens"]
+    timed(plain, random_prompt(rng, cfg.vocab_size, args.prompt + n), f"c{n}")
+    row["reprefill_s"] = round(timed(plain, random_prompt(rng, cfg.vocab_size, args.prompt + n), f"f{n}")[0], 4)
+    row["speedup"] = round(row["reprefill_s"] / row["turn2_prefill_s"], 2)
+  del plain
+  gc.collect()
+  return [dict(part="turn2", turn1_prefill_s=round(t1, 4), turn1_first_call_s=round(t1_compile, 4),
+               history_bytes_host_end=host, **row) for row in rows]
 
 
 def measure_decode_bench(model, config, prefilled_caches, slots: int, steps_per_call: int, reps: int) -> dict:
@@ -304,20 +344,26 @@ COLUMNS = [("method", "method"), ("slots", "slots"), ("requests", "reqs"), ("tok
            ("compiles_warmup", "compiles"), ("admission", "admission"), ("status", "status")]
 
 
-def print_table(records, title: str) -> None:
+TURN2_COLUMNS = [("method", "method"), ("prompt", "turn 1 tokens"), ("turn1_prefill_s", "turn 1 prefill s"),
+                 ("new_tokens", "turn 2 new"), ("cached_tokens", "reused"), ("turn2_prefill_s", "turn 2 prefill s"),
+                 ("ms_per_new_token", "ms/new token"), ("reprefill_s", "re-prefill s"), ("speedup", "speed-up"),
+                 ("status", "status")]
+
+
+def print_table(records, title: str, columns=COLUMNS) -> None:
   try:
     from rich.console import Console
     from rich.table import Table
   except ImportError:  # plain text where rich is missing
-    print("\t".join(h for _, h in COLUMNS))
+    print("\t".join(h for _, h in columns))
     for r in records:
-      print("\t".join(str(r.get(k, "")) for k, _ in COLUMNS))
+      print("\t".join(str(r.get(k, "")) for k, _ in columns))
     return
   table = Table(title=title)
-  for _, h in COLUMNS:
+  for _, h in columns:
     table.add_column(h, justify="left" if h in ("method", "admission", "status") else "right")
   for r in records:
-    table.add_row(*["" if r.get(k) is None else str(r.get(k)) for k, _ in COLUMNS])
+    table.add_row(*["" if r.get(k) is None else str(r.get(k)) for k, _ in columns])
   Console(width=200).print(table)
 
 
@@ -341,6 +387,10 @@ def parse_args(argv):
                   help="device memory 'max' leaves for prefill and decode temporaries")
   ap.add_argument("--impl", default="auto")
   ap.add_argument("--compile-cache", default=None, help="a directory for JAX's persistent compilation cache")
+  ap.add_argument("--turn2", default="",
+                  help="comma list of new-token counts: also measure second-turn prefill over the stored history "
+                       "against re-prefilling (e.g. 512,4096; '' skips it)")
+  ap.add_argument("--history-gb", type=float, default=32.0, help="host memory of the --turn2 engine's history")
   ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
@@ -382,7 +432,15 @@ def main(argv=None):
       out.flush()
 
   for method in args.methods.split(","):
-    for spec in args.slots.split(","):
+    if args.turn2:
+      point = dict(base, method=method, token_budget=args.token_budget if rk.get_method(method).budgeted else None)
+      try:
+        for row in measure_turn2(model, tokenizer, args, method, [parse_tokens(x) for x in args.turn2.split(",")]):
+          emit(dict(point, **row, status="ok"))
+      except Exception as e:  # noqa: BLE001 - reported with its point
+        emit(dict(point, part="turn2", status="OOM" if is_oom(e) else "error", error=f"{type(e).__name__}: {str(e)[:400]}"))
+      gc.collect()
+    for spec in [x for x in args.slots.split(",") if x]:
       point = dict(base, method=method, slots_spec=spec,
                    token_budget=args.token_budget if rk.get_method(method).budgeted else None)
       slots = None
@@ -405,8 +463,14 @@ def main(argv=None):
       emit(rec)
   if out:
     out.close()
-  print_table(records, f"serve: {base['model']} on {base['device']}, prompt {args.prompt}, "
-                       f"{args.max_new_tokens} new tokens, {args.steps_per_call} steps/call")
+  points = [r for r in records if r.get("part") != "turn2"]
+  if points:
+    print_table(points, f"serve: {base['model']} on {base['device']}, prompt {args.prompt}, "
+                        f"{args.max_new_tokens} new tokens, {args.steps_per_call} steps/call")
+  turns = [r for r in records if r.get("part") == "turn2"]
+  if turns:
+    print_table(turns, f"second turn over the stored history vs re-prefill: {base['model']} on {base['device']}",
+                TURN2_COLUMNS)
   return records
 
 

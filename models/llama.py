@@ -513,17 +513,23 @@ EXTEND_SCORES_MAX = 1 << 27
 
 def extend_attention(q_BTNH, k_BSKH, v_BSKH, start_B):
   """GQA attention of T new queries at positions start + i over a sequence of S keys: query i sees keys
-  [0, start + i]. Dense and masked (XLA), over query chunks whose scores stay under EXTEND_SCORES_MAX."""
-  B, T, N, _ = q_BTNH.shape
+  [0, start + i]. Dense and masked (XLA), one chunk of queries at a time (lax.map: chunks of a power of two,
+  scores under EXTEND_SCORES_MAX elements), so the [T, S] scores never exist at once."""
+  B, T, N, H = q_BTNH.shape
   S = k_BSKH.shape[1]
-  c = max(1, min(T, EXTEND_SCORES_MAX // (B * N * S)))
+  c = 1 << max(0, (max(1, EXTEND_SCORES_MAX // (B * N * S))).bit_length() - 1)
+  c = min(c, 1 << (T - 1).bit_length())
+  nc = -(-T // c)
+  q = jnp.pad(q_BTNH, ((0, 0), (0, nc * c - T), (0, 0), (0, 0))).reshape(B, nc, c, N, H).transpose(1, 0, 2, 3, 4)
 
-  def chunk(i0, q):
-    qpos = start_B[:, None] + i0 + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]  # [B, c]
+  def chunk(args):
+    i, q_c = args
+    qpos = start_B[:, None] + i * c + jnp.arange(c, dtype=jnp.int32)[None, :]  # [B, c]
     mask = jnp.arange(S)[None, None, :] <= qpos[:, :, None]  # [B, c, S]
-    return jax.nn.dot_product_attention(q, k_BSKH, v_BSKH, mask=mask[:, None])
+    return jax.nn.dot_product_attention(q_c, k_BSKH, v_BSKH, mask=mask[:, None])
 
-  return jnp.concatenate([chunk(i, q_BTNH[:, i:i + c]) for i in range(0, T, c)], axis=1)
+  out = jax.lax.map(chunk, (jnp.arange(nc, dtype=jnp.int32), q))  # [nc, B, c, N, H]
+  return out.transpose(1, 0, 2, 3, 4).reshape(B, nc * c, N, H)[:, :T]
 
 
 def place_rows(buf_BSX, new_BTX, start_B):
@@ -549,10 +555,16 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
   T = x_BTD.shape[1]
   pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   q, k, v = prefill_qkv(blk, cfg, x_BTD, pos)
+  S = hist_k_BSKH.shape[1]
   k_all = place_rows(hist_k_BSKH, k, start_B)
   v_all = place_rows(hist_v_BSKH, v, start_B)
-  o = extend_attention(q, k_all, v_all, start_B)
-  q_all = place_rows(jnp.zeros(hist_k_BSKH.shape[:2] + q.shape[2:], q.dtype), q, start_B)
+  q_all = place_rows(jnp.zeros((q.shape[0], S) + q.shape[2:], q.dtype), q, start_B)
+  if 2 * T >= S:  # mostly new tokens (a first turn): causal attention over the whole sequence (flash on GPU),
+    # history rows computed needlessly, then the new tokens' rows taken out
+    o_all = jnp.pad(causal_attention(q_all, k_all, v_all), ((0, 0), (0, T), (0, 0), (0, 0)))
+    o = jax.vmap(lambda o_, s_: jax.lax.dynamic_slice_in_dim(o_, s_, T, axis=0))(o_all, start_B)
+  else:  # a few new tokens over a long history: only their rows of the scores
+    o = extend_attention(q, k_all, v_all, start_B)
   o, cache = jax.lax.optimization_barrier((o, prefill_compress(q_all, k_all, v_all, start_B + new_len_B,
                                                                config=config)))
   return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), cache, k, v

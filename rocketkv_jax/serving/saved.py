@@ -16,7 +16,6 @@ import tempfile
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 __all__ = ["FORMAT", "SavedFileError", "load", "save"]
 
@@ -41,6 +40,7 @@ def save(path, tree, *, stamp: dict, meta: dict | None = None) -> None:
   path = os.path.abspath(os.fspath(path))
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
+  import orbax.checkpoint as ocp  # here, not at import: the engine imports this module, most runs never save
   tmp = tempfile.mkdtemp(prefix=".saving-", dir=parent)
   try:
     with ocp.PyTreeCheckpointer() as ckpt:
@@ -80,6 +80,7 @@ def load(path, *, stamp: dict) -> tuple[object, dict]:
   diff = _differences(body.get("stamp", {}), stamp)
   if diff:
     raise SavedFileError(f"{path} was saved for something else; refusing it: " + "; ".join(diff))
+  import orbax.checkpoint as ocp
   try:
     with ocp.PyTreeCheckpointer() as ckpt:
       tree = ckpt.restore(os.path.join(path, "arrays"))

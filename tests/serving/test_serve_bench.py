@@ -1,6 +1,6 @@
-"""The serving benchmark's CPU smoke run (`python -m benchmarks.serve --tiny ...`): every point finishes, every
+"""The serving benchmark's CPU smoke runs (`python -m benchmarks.serve --tiny ...`): every point finishes, every
 request runs its full length, the engine compiles three times and no more, and the JSON lines carry the run's
-facts and positive figures."""
+facts and positive figures; the second-turn part reuses the first turn and prefills only the new tokens."""
 
 import json
 
@@ -35,6 +35,16 @@ def test_tiny_smoke_run(tmp_path, capsys):
   assert "engine/decode" in capsys.readouterr().out  # the table
 
 
-def test_second_turn_waits_for_sessions():
-  with pytest.raises(NotImplementedError, match="sessions"):
-    serve.measure_turn2(None, [])
+@pytest.mark.slow
+def test_tiny_second_turn_run(tmp_path):
+  """--turn2: the second turn prefills only its new tokens over the stored first turn (cached = the first
+  turn's prompt), timed against re-prefilling the whole prompt."""
+  argv = ["--tiny", "--prompt", "256", "--slots", "", "--turn2", "64,128", "--max-new-tokens", "8",
+          "--methods", "rocketkv", "--out", str(tmp_path / "t.jsonl")]
+  rows = serve.main(argv)
+  assert [r["new_tokens"] for r in rows] == [64, 128]
+  for r in rows:
+    assert r["status"] == "ok" and r["part"] == "turn2", r
+    assert r["cached_tokens"] == 256 and r["prefilled_tokens"] == r["new_tokens"]
+    assert r["turn2_prefill_s"] > 0 and r["reprefill_s"] > 0 and r["turn1_prefill_s"] > 0
+    assert r["history_bytes_host_end"] > 0

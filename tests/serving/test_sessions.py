@@ -83,6 +83,23 @@ def test_prefill_extend_equals_whole_prefill(model, method):
   assert new_kv[0][0].shape == (1, 64, cfg.n_kv_heads, cfg.head_dim)
 
 
+def test_extend_attention_matches_a_numpy_reference(monkeypatch):
+  """Rows with different starts, T not a power of two, scores split over several query chunks."""
+  monkeypatch.setattr(llama, "EXTEND_SCORES_MAX", 4 * 2 * 40 * 2)  # chunks of 2 queries
+  rng = np.random.default_rng(0)
+  B, T, N, K, H, S = 2, 5, 4, 2, 8, 40
+  q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+  start = np.array([3, 30], np.int32)
+  got = np.asarray(llama.extend_attention(q, k, v, start))
+  for b in range(B):
+    for i in range(T):
+      for n in range(N):
+        seen = start[b] + i + 1
+        logits = k[b, :seen, n // 2] @ q[b, i, n] / np.sqrt(H)
+        p = np.exp(logits - logits.max())
+        np.testing.assert_allclose(got[b, i, n], (p / p.sum()) @ v[b, :seen, n // 2], rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_extend_rejects_a_wrong_history(model):
   config = rk.make_config("rocketkv", token_budget=32, prompt_len=64, max_new_tokens=8, head_dim=16, max_len=512)
   with pytest.raises(ValueError, match="history has 1 layers; the model has 2"):
