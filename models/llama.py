@@ -22,6 +22,8 @@ The one multi-token decode loop (sampling, stop ids, teacher forcing) is `models
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -507,6 +509,9 @@ def fingerprint(model: Llama) -> str:
 
 # ----------------------------------------------------------------------------- prefill that continues a K/V history
 
+# prefill_extend copies this many layers' history to the device ahead of the layer that runs (worker threads).
+PREFETCH_LAYERS = 6
+
 # extend_attention computes the scores of query chunks of at most this many elements (float32: 512 MB).
 EXTEND_SCORES_MAX = 1 << 27
 
@@ -570,13 +575,14 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
   return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), cache, k, v
 
 
-def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config, *, run_layer=None):
+def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config, *, seq_len=None, run_layer=None):
   """Prefill of new tokens that continue a K/V history, with the method's stage 1 over history + new tokens.
 
   tokens [B, T]: the new tokens, right-padded (new_len valid per row), at positions start + i.
   history: per layer (k, v) [B, S, K, H] post-RoPE, valid in [0, start), S >= start + new_len (the padded
-    whole sequence); NumPy (host) or device arrays. Each layer's pair is put on the device just before the
-    previous layer runs, so the device holds about two layers' history, never all of it.
+    whole sequence); NumPy (host) or device arrays. Each layer's pair is put on the device while earlier
+    layers run (PREFETCH_LAYERS ahead, by worker threads), so the device holds a few layers' history, never
+    all of it. An entry may be None (nothing stored: zeros [B, seq_len, K, H] made on the device).
   The result equals `prefill` of the whole sequence (up to float rounding of a different attention
   reduction) when every row has at least `config.prompt_queries` new tokens: the history keeps keys and
   values, not queries. run_layer: a stand-in for `prefill_extend_layer_jit` taking its arguments
@@ -592,14 +598,31 @@ def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config,
   if run_layer is None:
     run_layer = functools.partial(prefill_extend_layer_jit, cfg=cfg, config=config)
   x = embed_tokens(model, tokens_BT)
+  zeros = None
+
+  def fetch(i):
+    """Layer i's history on the device (a worker thread: building a padded host array and copying it
+    release the GIL, so later layers' copies overlap this layer's compute)."""
+    h = history[i]
+    return None if h is None else jax.device_put(h)
+
   caches, new_kv = [], []
-  nxt = jax.device_put(history[0])
-  for i, blk in enumerate(model.layers):
-    hist, nxt = nxt, (jax.device_put(history[i + 1]) if i + 1 < cfg.n_layers else None)
-    graphdef, state = nnx.split(blk)
-    x, cache, k, v = run_layer(graphdef, state, x, hist[0], hist[1], start_B, new_len_B)
-    caches.append(cache)
-    new_kv.append((k, v))
+  with concurrent.futures.ThreadPoolExecutor(PREFETCH_LAYERS) as pool:
+    ahead = collections.deque(pool.submit(fetch, i) for i in range(min(PREFETCH_LAYERS, cfg.n_layers)))
+    for i, blk in enumerate(model.layers):
+      hist = ahead.popleft().result()
+      if i + PREFETCH_LAYERS < cfg.n_layers:
+        ahead.append(pool.submit(fetch, i + PREFETCH_LAYERS))
+      if hist is None:  # an empty history: zeros made on the device, nothing copied
+        if seq_len is None:
+          raise ValueError(f"history[{i}] is None: give seq_len, the padded length of the whole sequence")
+        if zeros is None:
+          zeros = jnp.zeros((tokens_BT.shape[0], seq_len, cfg.n_kv_heads, cfg.head_dim), x.dtype)
+        hist = (zeros, zeros)
+      graphdef, state = nnx.split(blk)
+      x, cache, k, v = run_layer(graphdef, state, x, hist[0], hist[1], start_B, new_len_B)
+      caches.append(cache)
+      new_kv.append((k, v))
   last = x[jnp.arange(x.shape[0]), new_len_B - 1]
   return _head(model, last), tuple(caches), tuple(new_kv)
 

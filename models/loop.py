@@ -38,6 +38,9 @@ class LoopConfig:
   return_logprobs: also return log_softmax of each token's logits [B, max_new_tokens, V] (float32).
   carry_logits: also feed the last token (one more model step: max_new_tokens steps in all) and return the
     logits it gives (`LoopOutput.logits_BV`), so that a next call continues from them.
+  cut_rows: with per-row sampling (`RowSampling`), apply the rows' top-p / top-k cuts; False when no row asks
+    for one (the caller knows), which skips sorting the vocabulary each step. The loop has no data-dependent
+    branch: on a GPU an XLA conditional reads its predicate back to the host, a sync per step.
   """
 
   max_new_tokens: int
@@ -46,6 +49,7 @@ class LoopConfig:
   stop_ids: tuple[int, ...] = ()
   return_logprobs: bool = False
   carry_logits: bool = False
+  cut_rows: bool = True
 
   def __post_init__(self):
     n = self.max_new_tokens
@@ -116,32 +120,26 @@ def cut_off_logit(logits_BV, top_p_B, top_k_B):
   return jnp.take_along_axis(sorted_, n_keep[:, None] - 1, axis=-1)
 
 
-def sample_rows(logits_BV, rows: RowSampling, offset):
+def sample_rows(logits_BV, rows: RowSampling, offset, *, cut: bool = True):
   """Token [B] int32 of each row under its own sampling (`RowSampling`), for its token index rows.index + offset.
 
   A row with temperature 0 takes the argmax. Otherwise softmax(logits / temperature), cut to the top_k most
   likely tokens (top_k > 0) and to the smallest set whose mass reaches top_p (top_p < 1), both by the logit at
   the cut-off (ties with it are kept), then sampled with fold_in(key(seed), index + offset). What a row gets
-  never depends on the other rows: the cut applies to rows that ask for it only, and the whole sampling branch
-  (skipped when every row is greedy) gives greedy rows their argmax either way.
+  never depends on the other rows: the cut applies to rows that ask for it only, and greedy rows get their
+  argmax whatever the others do. cut=False (static) skips the cut (and its vocabulary sort) for every row: only
+  correct when no row asks for one. A batch of greedy rows only is cheaper as the loop's plain greedy path.
   """
   greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   hot = rows.temperature > 0
-
-  def sampled(_):
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed, rows.index + offset)
-    logits = logits_BV.astype(jnp.float32) / jnp.where(hot, rows.temperature, 1.0)[:, None]
+  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed, rows.index + offset)
+  logits = logits_BV.astype(jnp.float32) / jnp.where(hot, rows.temperature, 1.0)[:, None]
+  if cut:
     cut_B = hot & ((rows.top_p < 1) | (rows.top_k > 0))
-
-    def cut(logits):
-      cutoff = cut_off_logit(logits, rows.top_p, rows.top_k)
-      return jnp.where(cut_B[:, None] & (logits < cutoff), -jnp.inf, logits)
-
-    logits = jax.lax.cond(jnp.any(cut_B), cut, lambda x: x, logits)
-    tok = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
-    return jnp.where(hot, tok, greedy)
-
-  return jax.lax.cond(jnp.any(hot), sampled, lambda _: greedy, None)
+    cutoff = cut_off_logit(logits, rows.top_p, rows.top_k)
+    logits = jnp.where(cut_B[:, None] & (logits < cutoff), -jnp.inf, logits)
+  tok = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+  return jnp.where(hot, tok, greedy)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "loop"), donate_argnames=("caches",))
@@ -160,7 +158,7 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
     """The next token of each row (-1 where the row has ended) and whether the row ends with it."""
     sub = None
     if rows is not None:
-      tok = sample_rows(logits, rows, i)
+      tok = sample_rows(logits, rows, i, cut=loop.cut_rows)
     else:
       if loop.temperature > 0:  # greedy needs no key (and no threefry kernel per step)
         key, sub = jax.random.split(key)

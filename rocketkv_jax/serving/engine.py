@@ -16,7 +16,10 @@ the core gives each row of a batch what it would get alone, rows are sampled wit
 therefore a function of (its prompt, its sampling, the engine config, the model) only.
 
 Compiles: one prefill per bucket of padded prompt length (`prefill_buckets`, default powers of two from 64 up to
-max_prompt_tokens, plus max_prompt_tokens), one decode loop, one insert; `stats()["compiles"]` counts them.
+max_prompt_tokens, plus max_prompt_tokens), one insert, and one decode loop per sampling kind in use (every row
+greedy; sampling; sampling with top-p / top-k cuts: three at most); with a history, one extend prefill per
+(whole prompt, new tokens) bucket pair instead of the prefills; with contexts, one feed per power of two up to
+the longest question. `stats()["compiles"]` counts them.
 
 Free slots: their rows hold whatever they last held (zeros of length 0 at start-up, or a finished request's
 cache); they are marked finished in the loop (they emit -1), their compute is wasted but harmless (rows never
@@ -466,7 +469,10 @@ class Engine:
 
     logits, caches, new_kv = prefill_extend(self.model, tokens, np.array([n - r], np.int32),
                                             self.history.view(seg, r, S), np.array([r], np.int32),
-                                            self.method_config, run_layer=run_layer)
+                                            self.method_config, seq_len=S, run_layer=run_layer)
+    for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
+      for x in kv:
+        x.copy_to_host_async()
     self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r)
     self._reused += r
     self._prefilled += n - r
@@ -583,10 +589,17 @@ class Engine:
         s = a.request.sampling
         temperature[i], top_p[i], top_k[i], seed[i], index[i] = s.temperature, s.top_p, s.top_k, s.seed, a.sampled
         finished[i] = False
-      rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
+      # three decode executables at most, chosen on the host (the loop has no data-dependent branch): every row
+      # greedy (the plain argmax loop), sampling without cuts, sampling with top-p / top-k cuts
+      if not (temperature > 0).any():
+        rows, loop, kind = None, self.loop, "greedy"
+      else:
+        cut = bool(((temperature > 0) & ((top_p < 1) | (top_k > 0))).any())
+        rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
+        loop, kind = dataclasses.replace(self.loop, cut_rows=cut), ("cut" if cut else "sample")
       args = (self._state, self._logits, self._caches, self._key, None, finished, rows)
-      exe = self._compiled(("decode",), lambda: decode_loop_jit.lower(
-          self._graphdef, *args, config=self.method_config, loop=self.loop))
+      exe = self._compiled(("decode", kind), lambda: decode_loop_jit.lower(
+          self._graphdef, *args, config=self.method_config, loop=loop))
       out = exe(*args)
       self._caches, self._logits = out.caches, out.logits_BV
       tokens = np.asarray(out.tokens)

@@ -69,7 +69,8 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class HistoryView:
   """The first `length` positions of a stored path, layer by layer: view[i] = (k, v) [1, padded_len, K, H],
-  zeros past `length` (built when asked, so the host holds one padded layer at a time)."""
+  zeros past `length` (built when asked, so the host holds a few padded layers at a time), or None for an
+  empty history."""
 
   def __init__(self, pieces, length: int, padded_len: int, n_layers: int, kv_shape, dtype):
     self.pieces, self.length, self.padded_len = pieces, length, padded_len
@@ -79,13 +80,17 @@ class HistoryView:
     return self.n_layers
 
   def __getitem__(self, layer: int):
+    """(k, v) of one layer, or None when the history is empty (the caller uses zeros on the device)."""
     if not 0 <= layer < self.n_layers:
       raise IndexError(layer)
+    if not self.pieces:
+      return None
     out = []
     for name in ("k", "v"):
-      buf = np.zeros((1, self.padded_len) + tuple(self.kv_shape), self.dtype)
+      buf = np.empty((1, self.padded_len) + tuple(self.kv_shape), self.dtype)  # one pass: pieces, then zeros
       for seg, lo, hi in self.pieces:
         buf[0, seg.start + lo:seg.start + hi] = getattr(seg, name)[layer][lo:hi]
+      buf[0, self.length:] = 0
       out.append(buf)
     return tuple(out)
 

@@ -172,18 +172,24 @@ def test_finish_reasons(engine, alone):
 
 
 def test_compiles_are_bounded(engine, alone):
-  """Prefill compiles once per bucket, decode and insert once: after every bucket was seen, new requests of new
-  lengths and sampling compile nothing at all (counted by jax's own compile events)."""
+  """Prefill compiles once per bucket, insert once, decode once per sampling kind in use (every row greedy,
+  sampling, sampling with cuts: chosen on the host, so the loop has no data-dependent branch): once every
+  bucket and kind was seen, new requests of new lengths and sampling compile nothing at all (counted by jax's
+  own compile events)."""
   c = engine.config
   assert c.prefill_buckets == (64, 128, 200) == default_buckets(200)
-  run(engine, {0: [Request(f"w{n}", prompt(n, n), SamplingParams(max_tokens=3)) for n in (3, 100, 170)]})
-  assert engine.stats()["compiles"] <= len(c.prefill_buckets) + 2
+  kinds = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, temperature=0.5),
+           SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9)]
+  for k, sp in enumerate(kinds):
+    run(engine, {0: [Request(f"w{k}-{n}", prompt(n, n), sp) for n in (3, 100, 170)]})
+  bound = len(c.prefill_buckets) + 1 + len(kinds)
+  assert engine.stats()["compiles"] <= bound
   before = len(COMPILES)
   reqs = [Request(f"c{n}", prompt(n, n), SamplingParams(max_tokens=5 + n % 7, temperature=(n % 3) / 2, top_k=n % 4,
                                                         seed=n)) for n in (1, 17, 63, 64, 65, 129, 199, 200)]
   run(engine, {0: reqs[:3], 1: reqs[3:6], 4: reqs[6:]})
   assert len(COMPILES) == before
-  assert engine.stats()["compiles"] == len(c.prefill_buckets) + 2
+  assert engine.stats()["compiles"] == bound
 
 
 def test_validation_errors(model, engine):

@@ -66,8 +66,8 @@ def test_prefill_extend_equals_whole_prefill(model, method):
   toks = np.zeros((1, T), np.int32)
   toks[0, :L] = ids(L, 1)
   want_logits, want = llama.prefill(model, toks, np.array([L]), config)
-  empty = [(np.zeros((1, T, cfg.n_kv_heads, cfg.head_dim), np.float32),) * 2] * cfg.n_layers
-  _, _, first = llama.prefill_extend(model, toks[:, :r], np.array([r]), empty, np.array([0]), config)
+  _, _, first = llama.prefill_extend(model, toks[:, :r], np.array([r]), [None] * cfg.n_layers, np.array([0]), config,
+                                     seq_len=T)
   hist = []
   for k, v in first:
     hk, hv = (np.zeros((1, T) + k.shape[2:], np.float32) for _ in range(2))
