@@ -261,6 +261,7 @@ class _Active:
   generated: list = dataclasses.field(default_factory=list)  # kept token ids (no stop id)
   completion: int = 0     # tokens generated, a stop id included
   sent: str = ""          # text already emitted
+  done: bool = False      # finished or aborted: tokens of calls still in flight are dropped
 
 
 class Engine:
@@ -286,6 +287,7 @@ class Engine:
     self._queue: collections.deque[Request] = collections.deque()
     self._slots: list[_Active | None] = [None] * config.max_slots
     self._pending: list[TokenEvent] = []  # abort events, emitted by the next step
+    self._inflight = None  # (tokens of the last decode call, not read yet; [(row, _Active)] it decoded)
     self._tokens_generated = 0
     self._key = jax.random.key(0)  # unused by per-row sampling; the loop's signature takes one
     # the batched caches: the shapes of a batch-1 prefill (the same for every bucket), max_slots rows of zeros
@@ -359,7 +361,7 @@ class Engine:
           return True
       for i, a in enumerate(self._slots):
         if a is not None and a.request.request_id == request_id:
-          self._slots[i] = None
+          self._slots[i], a.done = None, True
           self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(a.request),
                                           a.completion, a.cached))
           return True
@@ -367,7 +369,8 @@ class Engine:
 
   def has_work(self) -> bool:
     with self._lock:
-      return bool(self._queue or self._pending or any(a is not None for a in self._slots))
+      return bool(self._queue or self._pending or self._inflight is not None or
+                  any(a is not None for a in self._slots))
 
   def stats(self) -> dict:
     with self._lock:
@@ -574,44 +577,60 @@ class Engine:
                                   cached=getattr(prefilled, "cached", 0))
 
   def generate(self) -> list[TokenEvent]:
-    """Advances every active slot by steps_per_call tokens with one call of the decode loop; returns the
-    events (pending abort events first) and frees finished slots."""
+    """Launches one call of the decode loop (every active slot advances by steps_per_call tokens), then reads the
+    PREVIOUS call's tokens and returns their events (pending abort events first), freeing finished slots.
+
+    Pipelined: call k is queued on the device before the host waits for call k - 1's tokens, so the device
+    never idles while the host checks stops, detokenizes and admits requests. A request's tokens therefore
+    arrive one generate() after they were computed, and a row that finished keeps decoding for one more call
+    (its tokens are dropped). Once no slot is active, generate() only reads the last call."""
     with self._lock:
       events, self._pending = self._pending, []
+      previous, self._inflight = self._inflight, None
       active = [(i, a) for i, a in enumerate(self._slots) if a is not None]
-      if not active:
-        return events
-      B = self.config.max_slots
-      temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
-      top_k, index, seed = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.uint32)
-      finished = np.ones(B, bool)
-      for i, a in active:
-        s = a.request.sampling
-        temperature[i], top_p[i], top_k[i], seed[i], index[i] = s.temperature, s.top_p, s.top_k, s.seed, a.sampled
-        finished[i] = False
-      # three decode executables at most, chosen on the host (the loop has no data-dependent branch): every row
-      # greedy (the plain argmax loop), sampling without cuts, sampling with top-p / top-k cuts
-      if not (temperature > 0).any():
-        rows, loop, kind = None, self.loop, "greedy"
-      else:
-        cut = bool(((temperature > 0) & ((top_p < 1) | (top_k > 0))).any())
-        rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
-        loop, kind = dataclasses.replace(self.loop, cut_rows=cut), ("cut" if cut else "sample")
-      args = (self._state, self._logits, self._caches, self._key, None, finished, rows)
-      exe = self._compiled(("decode", kind), lambda: decode_loop_jit.lower(
-          self._graphdef, *args, config=self.method_config, loop=loop))
-      out = exe(*args)
-      self._caches, self._logits = out.caches, out.logits_BV
-      tokens = np.asarray(out.tokens)
-      for i, a in active:
-        a.sampled += self.config.steps_per_call
-        event = self._advance(a, tokens[i].tolist())
-        if event is not None:
-          events.append(event)
-          self._tokens_generated += len(event.token_ids)
-          if event.finished:
-            self._slots[i] = None
+      if active:
+        self._inflight = (self._launch(active), active)
+      if previous is not None:
+        tokens, rows = previous
+        tokens = np.asarray(tokens)
+        for i, a in rows:
+          if a.done:  # finished in an earlier call or aborted
+            continue
+          event = self._advance(a, tokens[i].tolist())
+          if event is not None:
+            events.append(event)
+            self._tokens_generated += len(event.token_ids)
+            if event.finished:
+              a.done = True
+              if self._slots[i] is a:
+                self._slots[i] = None
       return events
+
+  def _launch(self, active):
+    """Queues one decode call for the active rows (asynchronous); returns its tokens [B, steps_per_call]."""
+    B = self.config.max_slots
+    temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
+    top_k, index, seed = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.uint32)
+    finished = np.ones(B, bool)
+    for i, a in active:
+      s = a.request.sampling
+      temperature[i], top_p[i], top_k[i], seed[i], index[i] = s.temperature, s.top_p, s.top_k, s.seed, a.sampled
+      finished[i] = False
+      a.sampled += self.config.steps_per_call
+    # three decode executables at most, chosen on the host (the loop has no data-dependent branch): every row
+    # greedy (the plain argmax loop), sampling without cuts, sampling with top-p / top-k cuts
+    if not (temperature > 0).any():
+      rows, loop, kind = None, self.loop, "greedy"
+    else:
+      cut = bool(((temperature > 0) & ((top_p < 1) | (top_k > 0))).any())
+      rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
+      loop, kind = dataclasses.replace(self.loop, cut_rows=cut), ("cut" if cut else "sample")
+    args = (self._state, self._logits, self._caches, self._key, None, finished, rows)
+    exe = self._compiled(("decode", kind), lambda: decode_loop_jit.lower(
+        self._graphdef, *args, config=self.method_config, loop=loop))
+    out = exe(*args)
+    self._caches, self._logits = out.caches, out.logits_BV
+    return out.tokens
 
   def step(self) -> list[TokenEvent]:
     """Admits queued requests into free slots (prefill + insert each), then one generate()."""

@@ -113,8 +113,10 @@ def test_continuous_batching_equals_each_request_alone(engine, alone):
     assert got["tokens"] == want["tokens"], r.request_id
     assert got["text"] == want["text"] == text_of(got["tokens"]) and got["reason"] == want["reason"]
     assert len(got["tokens"]) <= r.sampling.max_tokens
-  # b2 joined at step 2 while b0 and b1 were decoding; b4/b5 waited for slots that finished requests freed
-  assert seen["b2"][0] == 2 and seen["b0"][0] == 0 and seen["b0"][-1] > 2
+  # b2 joined at step 2 while b0 and b1 were decoding (the engine is pipelined: a call's tokens arrive with the
+  # next step, so b2's first event is at step 3 and b0's at step 1); b4/b5 waited for slots that finished
+  # requests freed
+  assert seen["b2"][0] == 3 and seen["b0"][0] == 1 and seen["b0"][-1] > 3
   assert min(seen["b5"]) > min(seen[f"b{i}"][-1] for i in range(4))
   # sampling really sampled: the sampled requests differ from greedy runs of the same prompts
   greedy = run(engine, {0: [dataclasses.replace(r, request_id="g" + r.request_id, sampling=SamplingParams(
@@ -166,7 +168,9 @@ def test_finish_reasons(engine, alone):
   assert out["len"]["tokens"] == base[:7] and out["len"]["reason"] == "length" and out["len"]["completion"] == 7
   # the first call ended on token 3, which may start `never`: its text was held back to the next event
   assert out["len"]["deltas"][0] == text_of(base[:3]) and out["len"]["text"] == text_of(base[:7])
-  assert out["ab"]["reason"] == "abort" and out["ab"]["tokens"] == base[:4]
+  # the first call's tokens were still in flight when "ab" was aborted (the engine reads a call's tokens at the
+  # next step): they are dropped, and the abort is its only event
+  assert out["ab"]["reason"] == "abort" and out["ab"]["tokens"] == [] and out["ab"]["completion"] == 0
   assert out["abq"]["reason"] == "abort" and out["abq"]["completion"] == 0
   assert not engine.has_work()
 
