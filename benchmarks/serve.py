@@ -182,7 +182,7 @@ def measure_turn1(engine: Engine, requests: list[Request], shared: Prefilled | N
       engine.submit(r)
   else:
     submit_t = {r.request_id: t0 for r in requests}
-  calls = 0
+  calls, prev_busy, trace = 0, False, []
   while pending or engine.has_work():
     if shared is not None:
       t = time.perf_counter()
@@ -191,7 +191,11 @@ def measure_turn1(engine: Engine, requests: list[Request], shared: Prefilled | N
           break
         engine.insert(Prefilled(shared[0], shared[1], pending.popleft()), slot)
       admit_s += time.perf_counter() - t
-    busy = not engine.free_slots()  # no free slot: step() admits nothing, it is one generate()
+    # no free slot now and none at the step before: step() admits nothing and is one generate(), and no
+    # admission's device work is still queued ahead of it (the engine is pipelined: a call's prefill and insert
+    # are waited for by the NEXT step's token read)
+    busy_now = not engine.free_slots()
+    busy, prev_busy = busy_now and prev_busy, busy_now
     t = time.perf_counter()
     events = engine.step()
     now = time.perf_counter()
@@ -208,6 +212,7 @@ def measure_turn1(engine: Engine, requests: list[Request], shared: Prefilled | N
         first_t[rid] = now
       last_t[rid] = now
       tokens_of[rid] += k
+    trace.append([round((now - t) * 1e3, 2), n, int(busy)])
     if busy:
       steady_s.append(now - t)
       steady_tokens += n
@@ -225,7 +230,8 @@ def measure_turn1(engine: Engine, requests: list[Request], shared: Prefilled | N
       engine_step_ms_mean=round(float(np.mean(steady_s)) / spc * 1e3, 4) if steady_s else None,
       tpot_ms_p50=percentile_ms(tpot, 50), tpot_ms_p99=percentile_ms(tpot, 99),
       ttft_ms_p50=percentile_ms(ttft, 50), ttft_ms_p99=percentile_ms(ttft, 99),
-      admit_s=round(admit_s, 4) if shared is not None else None)
+      admit_s=round(admit_s, 4) if shared is not None else None,
+      steps=trace)  # per step: (ms, tokens delivered, steady)
 
 
 def measure_turn2(model, tokenizer, args, method: str, news: list[int]) -> list[dict]:
