@@ -84,12 +84,46 @@ class LlamaConfig:
       raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    for name in ("rope_theta", "norm_eps"):
+      value = getattr(self, name)
+      if not _is_positive_real(value):
+        raise ValueError(f"{name}={value!r} must be a positive finite number")
+    if not isinstance(self.tie_embeddings, bool):
+      raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be a bool")
+    for name in ("bos_id", "eos_id"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{name}={value!r} must be None or a token id (an int >= 0)")
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
     if self.rope_scaling is not None:
-      kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
-      if kind not in ("llama3", "linear", "default", "factors"):
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear, factors, default)")
+      self._check_rope_scaling()
+
+  def _check_rope_scaling(self):
+    try:
+      s = dict(self.rope_scaling)
+    except (TypeError, ValueError):
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None, a dict or a tuple of (key, value) "
+                       "pairs") from None
+    kind = s.get("rope_type", s.get("type"))
+    if kind not in ("llama3", "linear", "default", "factors"):
+      raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear, factors, default)")
+    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}.get(kind, ())
+    for key in need:
+      if key not in s:
+        raise ValueError(f"rope_scaling of type {kind!r} needs the key {key!r} (given {sorted(s)})")
+      if not _is_positive_real(s[key]):
+        raise ValueError(f"rope_scaling[{key!r}]={s[key]!r} must be a positive finite number")
+    if kind == "llama3" and not s["high_freq_factor"] > s["low_freq_factor"]:
+      raise ValueError(f"rope_scaling: high_freq_factor={s['high_freq_factor']!r} must be greater than "
+                       f"low_freq_factor={s['low_freq_factor']!r}")
+    if kind == "factors":
+      factors = s.get("factors")
+      if (not isinstance(factors, (tuple, list)) or len(factors) != self.head_dim // 2
+          or not all(_is_positive_real(f) for f in factors)):
+        raise ValueError(f"rope_scaling['factors'] must be {self.head_dim // 2} (head_dim / 2) positive numbers, "
+                         f"got {str(factors)[:80]}")
 
   def to_json(self) -> str:
     d = dataclasses.asdict(self)
@@ -98,7 +132,24 @@ class LlamaConfig:
 
   @classmethod
   def from_json(cls, text: str) -> "LlamaConfig":
-    return cls(**json.loads(text))
+    try:
+      d = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"LlamaConfig JSON is malformed: {e}") from e
+    if not isinstance(d, dict):
+      raise ValueError(f"LlamaConfig JSON must be an object, got {type(d).__name__}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if set(d) - fields:
+      raise ValueError(f"LlamaConfig JSON has unknown keys {sorted(set(d) - fields)}")
+    try:
+      return cls(**d)
+    except TypeError as e:  # a required field is missing
+      raise ValueError(f"LlamaConfig JSON: {e}") from e
+
+
+def _is_positive_real(v) -> bool:
+  return (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+          and math.isfinite(v) and v > 0)
 
 
 def _freeze(d: dict) -> tuple:

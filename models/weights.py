@@ -4,17 +4,26 @@ directory (safetensors, sharded or not). Converted weights are cached with orbax
 Parameters are a flat dict {"embed", "norm", "lm_head"?, "layers/<i>/<name>"} of numpy arrays:
 projection kernels are [in, out] (HF Linear weights transposed), with separate wq/wk/wv and
 w_gate/w_up, which llama.from_params fuses into the module's wqkv and w_gate_up.
+
+A converted-weights cache folder is checked against its manifest (size and sha256 of every file) on
+each load and rebuilt from the source when it fails; temp folders of killed saves are removed.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import re
+import secrets
 import shutil
+import socket
 import time
+import warnings
 
 import numpy as np
 
@@ -121,29 +130,34 @@ def read_gguf(path: str):
     return v
 
   tensors = {t.name: t for t in reader.tensors}
-  dim, n_layers = int(need("embedding_length")), int(need("block_count"))
-  n_heads = int(need("attention.head_count"))
-  n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
-  head_dim = int(_field(reader, "llama.attention.key_length", dim // n_heads))
-  tokens = _field(reader, "tokenizer.ggml.tokens")
-  if "token_embd.weight" not in tensors:
-    raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
-  vocab = int(_field(reader, "llama.vocab_size", 0) or tensors["token_embd.weight"].shape[-1])
-  rope_scaling = None
-  if "rope_freqs.weight" in tensors:  # Llama-3.1 GGUFs store the scaled frequency divisors
-    factors = _dequant(tensors["rope_freqs.weight"], path).reshape(-1)
-    rope_scaling = (("factors", tuple(float(x) for x in factors)), ("rope_type", "factors"))
-  else:
-    stype = _field(reader, "llama.rope.scaling.type")
-    if stype == "linear":
-      rope_scaling = (("factor", float(need("rope.scaling.factor"))), ("rope_type", "linear"))
-  cfg = LlamaConfig(
-      vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-      ffn_dim=int(need("feed_forward_length")), rope_theta=_f32(_field(reader, "llama.rope.freq_base", 10000.0)),
-      rope_scaling=rope_scaling, norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-      tie_embeddings="output.weight" not in tensors, max_len=int(_field(reader, "llama.context_length", 8192)),
-      bos_id=_maybe_int(_field(reader, "tokenizer.ggml.bos_token_id")),
-      eos_id=_maybe_int(_field(reader, "tokenizer.ggml.eos_token_id")))
+  try:
+    dim, n_layers = int(need("embedding_length")), int(need("block_count"))
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
+    head_dim = int(_field(reader, "llama.attention.key_length", dim // n_heads))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if "token_embd.weight" not in tensors:
+      raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
+    vocab = int(_field(reader, "llama.vocab_size", 0) or tensors["token_embd.weight"].shape[-1])
+    rope_scaling = None
+    if "rope_freqs.weight" in tensors:  # Llama-3.1 GGUFs store the scaled frequency divisors
+      factors = _dequant(tensors["rope_freqs.weight"], path).reshape(-1)
+      rope_scaling = (("factors", tuple(float(x) for x in factors)), ("rope_type", "factors"))
+    else:
+      stype = _field(reader, "llama.rope.scaling.type")
+      if stype == "linear":
+        rope_scaling = (("factor", float(need("rope.scaling.factor"))), ("rope_type", "linear"))
+    cfg = LlamaConfig(
+        vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        ffn_dim=int(need("feed_forward_length")), rope_theta=_f32(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling, norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors, max_len=int(_field(reader, "llama.context_length", 8192)),
+        bos_id=_maybe_int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_id=_maybe_int(_field(reader, "tokenizer.ggml.eos_token_id")))
+  except CheckpointError:
+    raise
+  except (ValueError, TypeError, ZeroDivisionError) as e:  # a metadata value of the wrong type or range
+    raise CheckpointError(f"{path}: bad GGUF metadata: {e}") from e
 
   def get(name, shape):
     t = tensors.get(name)
@@ -194,6 +208,83 @@ def _dequant(t, path) -> np.ndarray:
                           f"{list(t.shape)}): {type(e).__name__}: {e} (truncated file?)") from e
 
 
+_REQUIRED = object()
+
+
+def _hf_config(hf, cfg_path: str) -> LlamaConfig:
+  """LlamaConfig from a HF config.json's dict; every value is checked here (type, range, the relations
+  between them), so a bad value is a CheckpointError naming the file, the key and the value before any
+  tensor is read."""
+  if not isinstance(hf, dict):
+    raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(hf).__name__}")
+  if hf.get("model_type", "llama") != "llama":
+    raise CheckpointError(f"{cfg_path}: model_type={hf.get('model_type')!r}, only 'llama' is supported")
+
+  def bad(key, want):
+    return CheckpointError(f"{cfg_path}: {key}={hf[key]!r} {want}")
+
+  def present(key, default):
+    if key not in hf:
+      if default is _REQUIRED:
+        raise CheckpointError(f"{cfg_path}: required key {key!r} is missing")
+      return False
+    return not (hf[key] is None and default is not _REQUIRED)  # null = absent for optional keys
+
+  def integer(key, default=_REQUIRED, minimum=1):
+    if not present(key, default):
+      return default
+    v = hf[key]
+    if not isinstance(v, int) or isinstance(v, bool):
+      raise bad(key, "must be an integer")
+    if v < minimum:
+      raise bad(key, f"must be >= {minimum}")
+    return v
+
+  def number(key, default):
+    if not present(key, default):
+      return default
+    v = hf[key]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+      raise bad(key, "must be a positive number")
+    return float(v)
+
+  D, N = integer("hidden_size"), integer("num_attention_heads")
+  vocab, n_layers, ffn = integer("vocab_size"), integer("num_hidden_layers"), integer("intermediate_size")
+  K = integer("num_key_value_heads", N)
+  H = integer("head_dim", None)
+  max_len = integer("max_position_embeddings", 8192)
+  rope_theta, norm_eps = number("rope_theta", 10000.0), number("rms_norm_eps", 1e-5)
+  tie = hf.get("tie_word_embeddings", False)
+  if not isinstance(tie, bool):
+    raise bad("tie_word_embeddings", "must be true or false")
+  bos = integer("bos_token_id", None, minimum=0)
+  eos = hf.get("eos_token_id")
+  if isinstance(eos, list):  # several stop ids: the first is the model's eos
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+      raise bad("eos_token_id", "must be a token id (an int >= 0) or a list of them")
+    eos = eos[0] if eos else None
+  else:
+    eos = integer("eos_token_id", None, minimum=0)
+  scaling = hf.get("rope_scaling")
+  if scaling is not None and not isinstance(scaling, dict):
+    raise bad("rope_scaling", "must be null or an object")
+  if H is None:
+    if D % N:
+      raise CheckpointError(f"{cfg_path}: hidden_size={D} is not a multiple of num_attention_heads={N} "
+                            "(and head_dim is not given)")
+    H = D // N
+  if N % K:
+    raise CheckpointError(f"{cfg_path}: num_attention_heads={N} is not a multiple of num_key_value_heads={K}")
+  if H % 2:
+    raise CheckpointError(f"{cfg_path}: head_dim={H} must be even for RoPE")
+  try:
+    return LlamaConfig(vocab_size=vocab, dim=D, n_layers=n_layers, n_heads=N, n_kv_heads=K, head_dim=H,
+                       ffn_dim=ffn, rope_theta=rope_theta, rope_scaling=scaling, norm_eps=norm_eps,
+                       tie_embeddings=tie, max_len=max_len, bos_id=bos, eos_id=eos)
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f"{cfg_path}: {e}") from e
+
+
 def read_hf_dir(directory: str):
   """(LlamaConfig, params, TextTokenizer) from a HF Llama directory of safetensors."""
   from safetensors import safe_open
@@ -203,29 +294,20 @@ def read_hf_dir(directory: str):
   try:
     with open(cfg_path) as f:
       hf = json.load(f)
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{cfg_path}: malformed JSON ({e})") from e
-  if hf.get("model_type", "llama") != "llama":
-    raise CheckpointError(f"{cfg_path}: model_type={hf.get('model_type')!r}, only 'llama' is supported")
-  try:
-    D, N = hf["hidden_size"], hf["num_attention_heads"]
-    eos = hf.get("eos_token_id")
-    cfg = LlamaConfig(
-        vocab_size=hf["vocab_size"], dim=D, n_layers=hf["num_hidden_layers"], n_heads=N,
-        n_kv_heads=hf.get("num_key_value_heads") or N, head_dim=hf.get("head_dim") or D // N,
-        ffn_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rope_scaling=hf.get("rope_scaling"), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_len=int(hf.get("max_position_embeddings", 8192)), bos_id=hf.get("bos_token_id"),
-        eos_id=eos[0] if isinstance(eos, list) else eos)
-  except KeyError as e:
-    raise CheckpointError(f"{cfg_path}: required key {e} is missing") from e
+  cfg = _hf_config(hf, cfg_path)
+  D = cfg.dim
 
   index = os.path.join(directory, "model.safetensors.index.json")
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
-    files = sorted(set(weight_map.values()))
+    try:
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+      files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map of "
+                            f"tensor -> file): {type(e).__name__}: {e}") from e
   else:
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.safetensors")))
   if not files:
@@ -275,19 +357,205 @@ def _cache_key(path: str, dtype_name: str) -> str:
   return f"{base}-{dtype_name}-{h.hexdigest()[:16]}"
 
 
+# A cache folder holds config.json, the tokenizer files, params/ (orbax) and MANIFEST: every other file's
+# size and sha256, checked on each load; a save writes into "<key>.tmp<pid>-<random>" (OWNER inside says
+# which process), renamed to "<key>" when complete.
+MANIFEST = "manifest.json"
+OWNER = "owner.json"
+STALE_TMP_S = 3600.0  # a temp folder untouched this long whose owner cannot be checked is stale
+_HASH_BLOCK = 16 << 20
+_TMP_NAME = re.compile(r"^.+-[0-9a-f]{16}\.tmp(?P<pid>\d+)(?:-[0-9a-f]+)?$")
+
+
+class CacheIntegrityWarning(UserWarning):
+  """A converted-weights cache failed its check (damaged, edited, incomplete or unreadable); it is rebuilt."""
+
+
+def _file_digest(path: str) -> str:
+  h = hashlib.sha256()
+  buf = bytearray(_HASH_BLOCK)
+  view = memoryview(buf)
+  with open(path, "rb", buffering=0) as f:
+    while n := f.readinto(buf):
+      h.update(view[:n])
+  return h.hexdigest()
+
+
+def _cache_files(dirname: str) -> list[str]:
+  """Every file under dirname ("/"-separated relative paths), less the manifest and the owner record."""
+  out = []
+  for root, _, files in os.walk(dirname):
+    for fn in files:
+      rel = os.path.relpath(os.path.join(root, fn), dirname).replace(os.sep, "/")
+      if rel not in (MANIFEST, OWNER):
+        out.append(rel)
+  return sorted(out)
+
+
+def _digests(dirname: str, rels) -> dict:
+  """{rel: sha256} over threads (hashlib releases the GIL on large blocks)."""
+  rels = list(rels)
+  workers = max(1, min(8, os.cpu_count() or 1, len(rels)))
+  with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+    return dict(zip(rels, ex.map(lambda r: _file_digest(os.path.join(dirname, r)), rels)))
+
+
+def _write_manifest(dirname: str) -> None:
+  rels = _cache_files(dirname)
+  digests = _digests(dirname, rels)
+  files = {r: {"size": os.path.getsize(os.path.join(dirname, r)), "sha256": digests[r]} for r in rels}
+  with open(os.path.join(dirname, MANIFEST), "w") as f:
+    json.dump({"format": CACHE_FORMAT, "files": files}, f, indent=0)
+
+
+def _verify_cache(dirname: str) -> list[str]:
+  """What is wrong with a cache folder against its manifest (empty: intact): missing, unexpected,
+  resized or changed files, or a missing or unreadable manifest."""
+  mpath = os.path.join(dirname, MANIFEST)
+  if not os.path.isfile(mpath):
+    return [f"no {MANIFEST} (an older version's cache, or an incomplete one)"]
+  try:
+    with open(mpath) as f:
+      manifest = json.load(f)
+    if manifest.get("format") != CACHE_FORMAT:
+      return [f"{MANIFEST} is for cache format {manifest.get('format')!r}, expected {CACHE_FORMAT}"]
+    want = {str(r): (int(e["size"]), str(e["sha256"])) for r, e in manifest["files"].items()}
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    return [f"{MANIFEST} is unreadable: {type(e).__name__}: {e}"]
+  have = set(_cache_files(dirname))
+  problems = [f"{r}: missing" for r in sorted(set(want) - have)]
+  problems += [f"{r}: not in the manifest" for r in sorted(have - set(want))]
+  same_size = []
+  for r in sorted(set(want) & have):
+    size = os.path.getsize(os.path.join(dirname, r))
+    if size != want[r][0]:
+      problems.append(f"{r}: size {size} bytes, manifest says {want[r][0]}")
+    else:
+      same_size.append(r)
+  if problems:  # no need to read the rest
+    return problems
+  for r, digest in _digests(dirname, same_size).items():
+    if digest != want[r][1]:
+      problems.append(f"{r}: contents changed (sha256 differs from the manifest)")
+  return problems
+
+
+def _proc_start(pid: int):
+  """The process's start time (clock ticks since boot, from /proc), or None where it cannot be read."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return int(f.read().rsplit(")", 1)[1].split()[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+  if pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  except OSError:
+    return False
+  return True
+
+
+def _newest_mtime(path: str) -> float:
+  newest = os.lstat(path).st_mtime
+  for root, dirs, files in os.walk(path):
+    for n in dirs + files:
+      try:
+        newest = max(newest, os.lstat(os.path.join(root, n)).st_mtime)
+      except OSError:
+        pass
+  return newest
+
+
+def _tree_bytes(path: str) -> int:
+  total = 0
+  for root, _, files in os.walk(path):
+    for n in files:
+      try:
+        total += os.lstat(os.path.join(root, n)).st_size
+      except OSError:
+        pass
+  return total
+
+
+def _stale_reason(path: str, name_pid: int, now: float):
+  """Why the temp folder `path` (a save's, named with pid `name_pid`) is stale, or None to keep it.
+
+  Its owner record gives pid, host and process start time. On this host a folder is stale when its pid
+  is not running, or runs with another start time (the pid was reused); a live owner's folder is kept.
+  Where the owner cannot be checked (another host, no owner record: an older version's save, or no start
+  time to compare) the folder is stale only once nothing in it has changed for STALE_TMP_S."""
+  try:
+    with open(os.path.join(path, OWNER)) as f:
+      owner = json.load(f)
+    pid, host, start = int(owner["pid"]), str(owner["host"]), owner.get("start")
+  except (OSError, ValueError, KeyError, TypeError):
+    pid, host, start = name_pid, None, None
+  checkable = host in (None, socket.gethostname())
+  if checkable and not _pid_alive(pid):
+    return f"its process {pid} is not running"
+  if checkable and start is not None:
+    now_start = _proc_start(pid)
+    if now_start is not None:
+      return None if now_start == start else f"its process {pid} is gone (the pid now names another process)"
+  idle = now - _newest_mtime(path)
+  if idle > STALE_TMP_S:
+    who = f"process {pid} on {host}" if host else f"process {pid}"
+    return f"unchanged for {idle / 3600:.1f} h ({who} cannot be checked)"
+  return None
+
+
+def _remove_stale_temps(cache_root: str, log) -> None:
+  """Removes temp folders that killed saves left in cache_root; never a running save's."""
+  try:
+    names = os.listdir(cache_root)
+  except OSError:
+    return
+  now = time.time()
+  for name in names:
+    m = _TMP_NAME.match(name)
+    path = os.path.join(cache_root, name)
+    if m is None or not os.path.isdir(path) or os.path.islink(path):
+      continue
+    try:
+      reason = _stale_reason(path, int(m["pid"]), now)
+      if reason is None:
+        continue
+      size = _tree_bytes(path)
+      shutil.rmtree(path)
+      log(f"removed stale temp folder {path} ({size / 1e6:.0f} MB): {reason}")
+    except OSError as e:  # another process removed it first, or no permission: leave it
+      log(f"could not remove stale temp folder {path}: {e}")
+
+
 def _save_cache(dirname: str, cfg: LlamaConfig, params: dict, tok: TextTokenizer) -> None:
   import orbax.checkpoint as ocp
-  tmp = dirname + f".tmp{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
+  tmp = f"{dirname}.tmp{os.getpid()}-{secrets.token_hex(4)}"
   os.makedirs(tmp)
-  with open(os.path.join(tmp, "config.json"), "w") as f:
-    f.write(cfg.to_json())
-  tok.save(tmp)
-  flat = {k.replace("/", "."): np.asarray(v) for k, v in params.items()}
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(os.path.join(os.path.abspath(tmp), "params"), flat)
-  shutil.rmtree(dirname, ignore_errors=True)
-  os.rename(tmp, dirname)
+  try:
+    with open(os.path.join(tmp, OWNER), "w") as f:  # first, so a later load can tell whose folder this is
+      json.dump({"pid": os.getpid(), "host": socket.gethostname(), "start": _proc_start(os.getpid()),
+                 "created": time.time()}, f)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      f.write(cfg.to_json())
+    tok.save(tmp)
+    flat = {k.replace("/", "."): np.asarray(v) for k, v in params.items()}
+    with ocp.StandardCheckpointer() as ckpt:
+      ckpt.save(os.path.join(os.path.abspath(tmp), "params"), flat)
+    _write_manifest(tmp)
+    os.remove(os.path.join(tmp, OWNER))
+    shutil.rmtree(dirname, ignore_errors=True)
+    os.rename(tmp, dirname)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
 
 
 def _load_cache(dirname: str, dtype):
@@ -311,6 +579,9 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
 
   Converted weights are saved with orbax under cache_dir (default ~/.cache/rocketkv_jax or
   $ROCKETKV_CACHE), keyed by the source's path, size and mtime, so the next load skips conversion.
+  Each cache folder carries a manifest (size and sha256 of every file), checked on every load: a cache
+  that fails the check (or cannot be read) is never used; it is reported (a CacheIntegrityWarning and
+  `log`) and rebuilt from the source. Temp folders left by killed saves are removed.
   dtype: parameter dtype (default float32).
   """
   import jax.numpy as jnp
@@ -326,18 +597,36 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
   is_gguf = os.path.isfile(path)
   if not is_gguf and not os.path.isdir(path):
     raise CheckpointError(f"{path}: neither a file nor a directory")
+
+  def reject(cdir, what):
+    msg = f"weight cache {cdir} {what}; rebuilding it from {path}"
+    warnings.warn(msg, CacheIntegrityWarning, stacklevel=3)
+    log(msg)
+
   cdir = None
+  rejected = False
   if use_cache:
-    cdir = os.path.join(cache_dir or default_cache_dir(), _cache_key(path, dtype.name))
-    if os.path.isfile(os.path.join(cdir, "config.json")):
-      try:
-        t0 = time.perf_counter()
-        cfg, params, tok = _load_cache(cdir, dtype)
-        model = from_params(cfg, params, dtype)
-        log(f"loaded converted weights from {cdir} in {time.perf_counter() - t0:.1f}s")
-        return model, tok
-      except Exception as e:  # a stale or broken cache: rebuild it
-        log(f"ignoring unreadable cache {cdir}: {e}")
+    root = cache_dir or default_cache_dir()
+    cdir = os.path.join(root, _cache_key(path, dtype.name))
+    _remove_stale_temps(root, log)
+    if os.path.isdir(cdir):
+      t0 = time.perf_counter()
+      problems = _verify_cache(cdir)
+      t_check = time.perf_counter() - t0
+      if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        reject(cdir, f"failed its integrity check: {'; '.join(problems[:4])}{more}")
+        rejected = True
+      else:
+        try:
+          cfg, params, tok = _load_cache(cdir, dtype)
+          model = from_params(cfg, params, dtype)
+          log(f"loaded converted weights from {cdir} in {time.perf_counter() - t0:.1f}s "
+              f"(integrity check {t_check:.2f}s)")
+          return model, tok
+        except Exception as e:  # intact but unreadable (another version's layout?): rebuild it
+          reject(cdir, f"is unreadable: {type(e).__name__}: {e}")
+          rejected = True
   t0 = time.perf_counter()
   cfg, params, tok = read_gguf(path) if is_gguf else read_hf_dir(path)
   model = from_params(cfg, params, dtype)
@@ -348,4 +637,6 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
       log(f"saved converted weights to {cdir}")
     except Exception as e:  # caching is an optimisation; never fail a load over it
       log(f"could not save the weight cache to {cdir}: {e}")
+      if rejected:  # do not leave a cache that failed its check for the next load to re-check
+        shutil.rmtree(cdir, ignore_errors=True)
   return model, tok
