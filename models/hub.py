@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["HubCheckpointMissing", "is_hub_id", "resolve"]
+__all__ = ["HubCheckpointMissing", "hub_cache_dir", "is_hub_id", "resolve"]
 
 # the files a safetensors checkpoint needs (weights, their index, config, tokenizer and chat template)
 PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -26,6 +26,17 @@ def is_hub_id(source: str) -> bool:
   return bool(_HUB_ID.match(source)) and not os.path.exists(os.path.expanduser(source))
 
 
+def hub_cache_dir(default: str) -> str:
+  """The Hugging Face hub cache as the environment says now (huggingface_hub reads it once, at import):
+  HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else `default`."""
+  env = os.environ
+  if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+    return os.path.expanduser(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"])
+  if env.get("HF_HOME"):
+    return os.path.join(os.path.expanduser(env["HF_HOME"]), "hub")
+  return default
+
+
 def resolve(repo_id: str, *, revision: str | None = None, cache_dir: str | None = None) -> str:
   """The local snapshot folder of `repo_id` in the Hugging Face cache (HF_HUB_CACHE / HF_HOME, or
   `cache_dir`). HubCheckpointMissing, naming where it looked and how to download, when it is not there."""
@@ -35,9 +46,9 @@ def resolve(repo_id: str, *, revision: str | None = None, cache_dir: str | None 
   except ImportError as e:  # pragma: no cover - a core dependency
     raise HubCheckpointMissing(f"loading {repo_id!r} by hub id needs huggingface_hub (pip install "
                                f"huggingface_hub): {e}") from None
-  where = cache_dir or constants.HF_HUB_CACHE
+  where = cache_dir or hub_cache_dir(constants.HF_HUB_CACHE)
   try:
-    path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True,
+    path = snapshot_download(repo_id, revision=revision, cache_dir=where, local_files_only=True,
                              allow_patterns=PATTERNS)
   except LocalEntryNotFoundError:
     raise HubCheckpointMissing(

