@@ -1,9 +1,11 @@
-"""Checkpoint loading without torch: the embedded SmolLM2 GGUF, any Llama GGUF, or a HF Llama
-directory (safetensors, sharded or not). Converted weights are cached with orbax.
+"""Checkpoint loading without torch: the embedded SmolLM2 GGUF, any Llama GGUF, a HF checkpoint directory
+(safetensors, sharded or not; Llama, Mistral, Qwen2) or a hub id from the local Hugging Face cache.
 
-Parameters are a flat dict {"embed", "norm", "lm_head"?, "layers/<i>/<name>"} of numpy arrays:
-projection kernels are [in, out] (HF Linear weights transposed), with separate wq/wk/wv and
-w_gate/w_up, which llama.from_params fuses into the module's wqkv and w_gate_up.
+Safetensors are streamed: tensor by tensor from the memory-mapped files to the device, cast there
+(`stream_hf_dir`), so host memory stays near one tensor. GGUF files are dequantized into a flat dict
+{"embed", "norm", "lm_head"?, "layers/<i>/<name>"} of numpy arrays (projection kernels [in, out], separate
+wq/wk/wv and w_gate/w_up, which llama.from_params fuses into the module's wqkv and w_gate_up), and the
+converted weights are cached with orbax, since dequantizing is slow.
 
 A converted-weights cache folder is checked against its manifest (size and sha256 of every file) on
 each load and rebuilt from the source when it fails; temp folders of killed saves are removed.
@@ -83,34 +85,22 @@ def _field(reader, key, default=None):
   return f.contents()
 
 
-def _layer_params(cfg: LlamaConfig, get, fmt: str) -> dict:
-  """Every layer's weights in the loader layout ("layers/{i}/{name}", matrices [in, out]) from
-  `get(tensor_name, shape_in_file)`; fmt "gguf" (blk.{i}.*, Q/K rows un-permuted) or "hf" (model.layers.{i}.*)."""
+def _layer_params(cfg: LlamaConfig, get) -> dict:
+  """Every layer's weights in the loader layout ("layers/{i}/{name}", matrices [in, out]) from a GGUF's
+  `get(tensor_name, shape_in_file)` (blk.{i}.*, Q/K rows un-permuted)."""
   D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-  tensors = {  # ours: (GGUF name, HF name, shape in the file: [out, in])
-      "attn_norm": ("attn_norm.weight", "input_layernorm.weight", (D,)),
-      "wq": ("attn_q.weight", "self_attn.q_proj.weight", (N * H, D)),
-      "wk": ("attn_k.weight", "self_attn.k_proj.weight", (K * H, D)),
-      "wv": ("attn_v.weight", "self_attn.v_proj.weight", (K * H, D)),
-      "wo": ("attn_output.weight", "self_attn.o_proj.weight", (D, N * H)),
-      "mlp_norm": ("ffn_norm.weight", "post_attention_layernorm.weight", (D,)),
-      "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight", (F, D)),
-      "w_up": ("ffn_up.weight", "mlp.up_proj.weight", (F, D)),
-      "w_down": ("ffn_down.weight", "mlp.down_proj.weight", (D, F)),
+  tensors = {  # ours: (GGUF name, shape in the file: [out, in])
+      "attn_norm": ("attn_norm.weight", (D,)), "wq": ("attn_q.weight", (N * H, D)),
+      "wk": ("attn_k.weight", (K * H, D)), "wv": ("attn_v.weight", (K * H, D)),
+      "wo": ("attn_output.weight", (D, N * H)), "mlp_norm": ("ffn_norm.weight", (D,)),
+      "w_gate": ("ffn_gate.weight", (F, D)), "w_up": ("ffn_up.weight", (F, D)), "w_down": ("ffn_down.weight", (D, F)),
   }
-  if cfg.qkv_bias:  # Qwen2
-    tensors.update(bq=("attn_q.bias", "self_attn.q_proj.bias", (N * H,)),
-                   bk=("attn_k.bias", "self_attn.k_proj.bias", (K * H,)),
-                   bv=("attn_v.bias", "self_attn.v_proj.bias", (K * H,)))
   params = {}
   for i in range(cfg.n_layers):
-    for ours, (gguf_name, hf_name, shape) in tensors.items():
-      if fmt == "gguf":
-        w = get(f"blk.{i}.{gguf_name}", shape)
-        if ours in ("wq", "wk"):
-          w = gguf_unpermute(w, N if ours == "wq" else K)
-      else:
-        w = get(f"model.layers.{i}.{hf_name}", shape)
+    for ours, (name, shape) in tensors.items():
+      w = get(f"blk.{i}.{name}", shape)
+      if ours in ("wq", "wk"):
+        w = gguf_unpermute(w, N if ours == "wq" else K)
       params[f"layers/{i}/{ours}"] = w if w.ndim == 1 else w.T
   return params
 
@@ -176,7 +166,7 @@ def read_gguf(path: str):
   params = {"embed": get("token_embd.weight", (vocab, dim)), "norm": get("output_norm.weight", (dim,))}
   if not cfg.tie_embeddings:
     params["lm_head"] = get("output.weight", (vocab, dim)).T
-  params.update(_layer_params(cfg, get, "gguf"))
+  params.update(_layer_params(cfg, get))
 
   if tokens is None:
     raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.tokens is missing (no tokenizer)")
@@ -307,9 +297,18 @@ def _hf_config(hf, cfg_path: str) -> LlamaConfig:
     raise CheckpointError(f"{cfg_path}: {e}") from e
 
 
-def read_hf_dir(directory: str):
-  """(LlamaConfig, params, TextTokenizer) from a HF Llama directory of safetensors."""
+def stream_hf_dir(directory: str, dtype, log=None):
+  """(model, TextTokenizer) from a HF checkpoint directory of safetensors (model_type llama, mistral, qwen2),
+  streamed: each tensor is read from its file (memory-mapped), put on the device and cast to `dtype` there,
+  one at a time (the q/k/v and gate/up parts of a layer are joined on the device), so host memory stays near
+  the largest tensor, whatever the model's size. Every tensor's name and shape is checked first."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
   from safetensors import safe_open
+
+  from .llama import Llama, unflatten_params
+  log = log or (lambda msg: None)
   cfg_path = os.path.join(directory, "config.json")
   if not os.path.isfile(cfg_path):
     raise CheckpointError(f"no config.json in {directory!r} (looked for {cfg_path})")
@@ -319,7 +318,7 @@ def read_hf_dir(directory: str):
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{cfg_path}: malformed JSON ({e})") from e
   cfg = _hf_config(hf, cfg_path)
-  D = cfg.dim
+  D, V = cfg.dim, cfg.vocab_size
 
   index = os.path.join(directory, "model.safetensors.index.json")
   if os.path.isfile(index):
@@ -334,7 +333,9 @@ def read_hf_dir(directory: str):
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.safetensors")))
   if not files:
     raise CheckpointError(f"no *.safetensors (or model.safetensors.index.json) in {directory!r}")
-  raw = {}
+  # Each file is opened for one tensor at a time: safetensors memory-maps it, and a mapping kept open would
+  # keep every page read so far resident (the whole checkpoint, by the end).
+  where, shapes = {}, {}
   for fn in files:
     p = os.path.join(directory, fn)
     if not os.path.isfile(p):
@@ -342,24 +343,63 @@ def read_hf_dir(directory: str):
     try:
       with safe_open(p, framework="np") as f:
         for k in f.keys():
-          raw[k] = f.get_tensor(k)
+          where[k], shapes[k] = p, tuple(f.get_slice(k).get_shape())
     except Exception as e:
       raise CheckpointError(f"{p}: not a readable safetensors file (truncated or corrupt?): {e}") from e
 
-  def get(name, shape):
-    if name not in raw:
-      raise CheckpointError(f"tensor {name} is missing from the safetensors in {directory!r}")
-    w = np.asarray(raw[name], np.float32)
-    if w.shape != shape:
-      raise CheckpointError(f"tensor {name} has shape {w.shape}, expected {shape}")
-    return w
-
-  V = cfg.vocab_size
-  params = {"embed": get("model.embed_tokens.weight", (V, D)), "norm": get("model.norm.weight", (D,))}
+  # every tensor the model needs, by name and shape, checked before any is read
+  wanted = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
   if not cfg.tie_embeddings:
-    params["lm_head"] = get("lm_head.weight", (V, D)).T
-  params.update(_layer_params(cfg, get, "hf"))
-  return cfg, params, tokenizer_from_hf_dir(directory, hf)
+    wanted["lm_head.weight"] = (V, D)
+  names = _hf_layer_names(cfg)
+  for i in range(cfg.n_layers):
+    for hf_name, shape in names.values():
+      wanted[f"model.layers.{i}.{hf_name}"] = shape
+  for name, shape in wanted.items():
+    if name not in where:
+      raise CheckpointError(f"tensor {name} is missing from the safetensors in {directory!r}")
+    if shapes[name] != shape:
+      raise CheckpointError(f"tensor {name} has shape {shapes[name]}, expected {shape}")
+
+  def get(name, transpose=False):
+    try:
+      with safe_open(where[name], framework="np") as f:
+        x = f.get_tensor(name)  # one tensor in host memory
+    except Exception as e:
+      raise CheckpointError(f"{directory}: cannot read tensor {name} (truncated file?): {e}") from e
+    x = jnp.asarray(jax.device_put(x), dtype)
+    return x.T if transpose else x
+
+  flat = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+  if not cfg.tie_embeddings:
+    flat["lm_head"] = get("lm_head.weight", transpose=True)
+  for i in range(cfg.n_layers):
+    layer = {ours: get(f"model.layers.{i}.{hf_name}", transpose=len(shape) == 2)
+             for ours, (hf_name, shape) in names.items()}
+    lp = f"layers/{i}/"
+    flat[lp + "wqkv"] = jnp.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=-1)
+    flat[lp + "w_gate_up"] = jnp.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=-1)
+    if cfg.qkv_bias:
+      flat[lp + "bqkv"] = jnp.concatenate([layer.pop("bq"), layer.pop("bk"), layer.pop("bv")], axis=-1)
+    flat.update({lp + k: v for k, v in layer.items()})
+  abstract = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  nnx.replace_by_pure_dict(state, unflatten_params(flat))
+  return nnx.merge(graphdef, state), tokenizer_from_hf_dir(directory, hf)
+
+
+def _hf_layer_names(cfg: LlamaConfig) -> dict:
+  """Loader name -> (HF tensor name within a layer, shape in the file: [out, in])."""
+  D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+  names = {"attn_norm": ("input_layernorm.weight", (D,)), "wq": ("self_attn.q_proj.weight", (N * H, D)),
+           "wk": ("self_attn.k_proj.weight", (K * H, D)), "wv": ("self_attn.v_proj.weight", (K * H, D)),
+           "wo": ("self_attn.o_proj.weight", (D, N * H)), "mlp_norm": ("post_attention_layernorm.weight", (D,)),
+           "w_gate": ("mlp.gate_proj.weight", (F, D)), "w_up": ("mlp.up_proj.weight", (F, D)),
+           "w_down": ("mlp.down_proj.weight", (D, F))}
+  if cfg.qkv_bias:
+    names.update(bq=("self_attn.q_proj.bias", (N * H,)), bk=("self_attn.k_proj.bias", (K * H,)),
+                 bv=("self_attn.v_proj.bias", (K * H,)))
+  return names
 
 
 # ----------------------------------------------------------------------------- orbax cache
@@ -616,8 +656,9 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
   mistral or qwen2), or a hub id "org/name" found in the local Hugging Face cache (`hub.resolve`: nothing is
   downloaded; HF_HUB_CACHE / HF_HOME say where the cache is).
 
-  Converted weights are saved with orbax under cache_dir (default ~/.cache/rocketkv_jax or
-  $ROCKETKV_CACHE), keyed by the source's path, size and mtime, so the next load skips conversion.
+  Safetensors stream straight to the device (no cache: it would hold the same bytes). A GGUF's converted
+  weights are saved with orbax under cache_dir (default ~/.cache/rocketkv_jax or $ROCKETKV_CACHE), keyed by
+  the source's path, size and mtime, so the next load skips dequantization.
   Each cache folder carries a manifest (size and sha256 of every file), checked on every load: a cache
   that fails the check (or cannot be read) is never used; it is reported (a CacheIntegrityWarning and
   `log`) and rebuilt from the source. Temp folders left by killed saves are removed.
@@ -651,7 +692,7 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
 
   cdir = None
   rejected = False
-  if use_cache:
+  if use_cache and is_gguf:
     root = cache_dir or default_cache_dir()
     cdir = os.path.join(root, _cache_key(path, dtype.name))
     _remove_stale_temps(root, log)
@@ -674,7 +715,11 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
           reject(cdir, f"is unreadable: {type(e).__name__}: {e}")
           rejected = True
   t0 = time.perf_counter()
-  cfg, params, tok = read_gguf(path) if is_gguf else read_hf_dir(path)
+  if not is_gguf:  # safetensors: streamed to the device, no converted copy kept (it would be the same bytes)
+    model, tok = stream_hf_dir(path, dtype, log)
+    log(f"loaded {path} ({dtype.name}) in {time.perf_counter() - t0:.1f}s")
+    return model, tok
+  cfg, params, tok = read_gguf(path)
   model = from_params(cfg, params, dtype)
   log(f"converted {path} in {time.perf_counter() - t0:.1f}s")
   if cdir is not None:

@@ -180,7 +180,8 @@ def test_hf_dir_and_gguf_load_the_same_model(tmp_path, sharded):
 
 
 def test_orbax_cache_roundtrip(tmp_path):
-  src = write_hf_dir(str(tmp_path / "hf"))
+  """GGUF conversion (dequantization) is cached; safetensors stream with no converted copy."""
+  src = write_gguf(str(tmp_path / "tiny.gguf"))
   logs = []
   m1, t1 = load(src, cache_dir=str(tmp_path / "cache"), log=logs.append)
   assert any("saved converted weights" in m for m in logs), logs
@@ -190,6 +191,10 @@ def test_orbax_cache_roundtrip(tmp_path):
   assert m1.config == m2.config
   np.testing.assert_array_equal(np.asarray(forward_full(m1, TOKS)), np.asarray(forward_full(m2, TOKS)))
   assert t1.encode("the cat", chat=True) == t2.encode("the cat", chat=True)
+  hf = write_hf_dir(str(tmp_path / "hf"))
+  logs.clear()
+  load(hf, cache_dir=str(tmp_path / "cache2"), log=logs.append)
+  assert not os.path.exists(tmp_path / "cache2") and not any("converted" in m for m in logs), logs
 
 
 def test_from_params_fuses_the_loader_layout():

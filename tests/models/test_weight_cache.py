@@ -17,13 +17,14 @@ from rocketkv_jax.models import CheckpointError, LlamaConfig, TextTokenizer, for
 from rocketkv_jax.models.weights import MANIFEST, OWNER, STALE_TMP_S, CacheIntegrityWarning
 
 from .conftest import tiny_config
-from .test_loaders import CFG, TOKS, flat_params, write_hf_dir
+from .test_loaders import CFG, TOKS, flat_params, write_gguf, write_hf_dir
 
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-  """The tiny HF dir and its conversion without any cache: what every rebuilt cache must equal."""
-  src = write_hf_dir(str(tmp_path_factory.mktemp("src") / "hf"))
+  """The tiny GGUF (the cached kind of source) and its conversion without any cache: what every rebuilt cache
+  must equal."""
+  src = write_gguf(str(tmp_path_factory.mktemp("src") / "tiny.gguf"))
   model, tok = load(src, use_cache=False)
   return src, flat_params(model), np.asarray(forward_full(model, TOKS))
 
@@ -210,7 +211,7 @@ def test_save_in_progress_is_recognisable_and_kept(tmp_path, fresh, monkeypatch)
   in the same cache folder (a nested load of another checkpoint here) keeps it; a failed save leaves no
   temp folder behind."""
   src = fresh[0]
-  other = write_hf_dir(str(tmp_path / "other"))
+  other = write_gguf(str(tmp_path / "other.gguf"))
   root = str(tmp_path / "cache")
   real_save = TextTokenizer.save
   seen = []
