@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rocketkv_jax import make_config
+from rocketkv_jax import METHODS, make_config
+from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 
 from .generate import Prefilled, decode_prefilled, stop_ids
 from .llama import compress_layers, prefill_dense_jit
@@ -40,11 +41,33 @@ def demo_prompt() -> str:
   return f"{doc[:i]}{PLANTED}{doc[i:]}\n\n{QUESTION}"
 
 
+DEFAULT_MAX_NEW_TOKENS = 24
+
+
+def check_demo_args(methods, token_budget: int, max_new_tokens: int) -> tuple[str, ...]:
+  """The methods as a tuple, after ValueErrors naming the value for an empty or unknown method list (a repeated
+  method is dropped), a token budget under MIN_TOKEN_BUDGET or max_new_tokens < 1; needs no model."""
+  if isinstance(methods, str):
+    raise ValueError(f"methods={methods!r} must be a sequence of method names, not one string")
+  methods = tuple(dict.fromkeys(methods))
+  if not methods:
+    raise ValueError(f"methods is empty: name at least one of {', '.join(METHODS)}")
+  unknown = [m for m in methods if m not in METHODS]
+  if unknown:
+    raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}: choose from {', '.join(METHODS)}")
+  check_int("token_budget", token_budget, MIN_TOKEN_BUDGET)
+  check_int("max_new_tokens", max_new_tokens, 1)
+  return methods
+
+
 def run_demo(*, model: str = "smollm2", methods=("full", "rocketkv"), token_budget: int = 256,
-             max_new_tokens: int = 24, log=print, cache_dir=None) -> dict:
-  """Runs the demo; returns {"prompt_tokens", "prefill_s", "results": {method: GenerateResult}}."""
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, log=print, cache_dir=None, dtype=None,
+             use_cache: bool = True) -> dict:
+  """Runs the demo; returns {"prompt_tokens", "prefill_s", "results": {method: GenerateResult}}. The arguments
+  are checked (`check_demo_args`) before the model loads."""
+  methods = check_demo_args(methods, token_budget, max_new_tokens)
   t_start = time.perf_counter()
-  llm, tok = load(model, cache_dir=cache_dir, log=log)
+  llm, tok = load(model, cache_dir=cache_dir, log=log, dtype=dtype, use_cache=use_cache)
   ids = tok.encode(demo_prompt(), chat=True)
   T = len(ids)
   log(f"document: Alice's Adventures in Wonderland, ch. I (Project Gutenberg #11) + 1 planted fact; "

@@ -7,6 +7,9 @@ the tokens to text. Compilation is timed apart from prefill and decode.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
+import numbers
 import time
 from typing import Callable, Sequence
 
@@ -15,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rocketkv_jax import cache_nbytes, make_config
+from rocketkv_jax import cache_nbytes, get_method, make_config
 
 from .llama import Llama, prefill_jit
 from .loop import LoopConfig, LoopOutput, check_loop_args, compile_once, decode_loop_jit
 from .tokenizer import TextTokenizer
 
-__all__ = ["GenerateResult", "GenerateStats", "Prefilled", "decode_prefilled", "encode_prompts", "generate",
-           "stop_ids"]
+__all__ = ["GenerateResult", "GenerateStats", "Prefilled", "check_sampling", "check_token_ids", "decode_prefilled",
+           "encode_prompts", "finish_reason", "generate", "stop_ids"]
 
 
 @dataclasses.dataclass
@@ -37,11 +40,13 @@ class GenerateStats:
   kv_bytes: int                 # bytes all layers' caches hold (KV + aux pages/indices), whole batch
   full_kv_bytes: int            # bytes a full KV cache holds for the same batch and tokens
   compression: float            # full_kv_bytes / kv_bytes
+  compression_ratio: float      # kvpress-style: 1 - kv_bytes / full_kv_bytes, the fraction of full's bytes not
+                                # held (0.75 = a quarter held; negative when the cache holds more than full would)
   capacity: int                 # cache slots per KV head per layer
   prefill_s: float
   decode_s: float
   decode_steps: int             # batched decode steps run (the loop stops when all sequences end)
-  tokens_per_s: float           # generated tokens of the batch / decode_s
+  tokens_per_s: float           # batch * decode_steps / decode_s (0.0 when no step ran: every row stopped at once)
   compile_s: float
 
   def as_dict(self) -> dict:
@@ -50,9 +55,47 @@ class GenerateStats:
 
 @dataclasses.dataclass
 class GenerateResult:
+  """texts: without the stop id. token_ids: every generated id, the stop id included when one ended the row.
+  finish_reasons: per row, "stop" (a stop id ended it) or "length" (max_new_tokens reached)."""
+
   texts: list[str]
   token_ids: list[list[int]]
   stats: GenerateStats
+  finish_reasons: list[str] = dataclasses.field(default_factory=list)
+
+
+def check_sampling(*, temperature=0.0, top_p=1.0, seed=0) -> None:
+  """ValueError naming the value unless temperature is a finite number >= 0, top_p a finite number in (0, 1] and
+  seed an int in [0, 2**32)."""
+  for name, value in (("temperature", temperature), ("top_p", top_p)):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+      raise ValueError(f"{name}={value!r} must be a number")
+    if not math.isfinite(value):
+      raise ValueError(f"{name}={value!r} must be finite")
+  if temperature < 0:
+    raise ValueError(f"temperature={temperature!r} must be >= 0 (0 is greedy)")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+  if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+    raise ValueError(f"seed={seed!r} must be an int")
+  if not 0 <= seed < 2**32:
+    raise ValueError(f"seed={seed!r} must be in [0, 2**32)")
+
+
+def check_token_ids(ids: Sequence[Sequence[int]], vocab_size: int) -> None:
+  """ValueError naming the prompt, position and id unless every id is an int in [0, vocab_size)."""
+  for i, row in enumerate(ids):
+    for j, t in enumerate(row):
+      if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+        raise ValueError(f"prompt {i}, position {j}: token id {t!r} must be an int")
+      if not 0 <= t < vocab_size:
+        raise ValueError(f"prompt {i}, position {j}: token id {int(t)} is outside the model's vocabulary "
+                         f"[0, {vocab_size})")
+
+
+def finish_reason(row: Sequence[int], stop: Sequence[int]) -> str:
+  """"stop" when the row's last id is a stop id, else "length"."""
+  return "stop" if row and row[-1] in stop else "length"
 
 
 def stop_ids(model: Llama, tokenizer: TextTokenizer, chat: bool) -> tuple[int, ...]:
@@ -64,7 +107,23 @@ def stop_ids(model: Llama, tokenizer: TextTokenizer, chat: bool) -> tuple[int, .
 def encode_prompts(tokenizer: TextTokenizer, prompts, chat: bool) -> list[list[int]]:
   if isinstance(prompts, str):
     raise TypeError("prompts must be a list of strings (or of token id lists), not one string")
-  ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p, chat=chat) for p in prompts]
+  prompts, ids = list(prompts), []
+  if not prompts:
+    raise ValueError("prompts is empty: give at least one prompt")
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      ids.append(tokenizer.encode(p, chat=chat))
+    else:
+      try:
+        row = None if isinstance(p, bytes) else np.asarray(p)
+      except ValueError:  # ragged nesting
+        row = None
+      if row is None or row.ndim != 1:
+        raise TypeError(f"prompt {i} is {p!r}: prompts must be a list of strings or of token id lists "
+                        "(one id list is [ids])")
+      if row.size and not np.issubdtype(row.dtype, np.integer):
+        raise ValueError(f"prompt {i}: token ids must be ints, got dtype {row.dtype} ({p!r:.80})")
+      ids.append(row.astype(np.int64).tolist())
   for i, x in enumerate(ids):
     if not x:
       raise ValueError(f"prompt {i} encodes to no tokens")
@@ -100,12 +159,19 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   plan_prompt_len: the longest prompt the plan is made for (prompts may not exceed it); default the model's
   max_len - max_new_tokens (every prompt the model can take). A smaller value gives a tighter cache, e.g. the
   CLI plans one prompt from its own length.
+  config_overrides: fields of the method's config (e.g. impl="xla"); any other keyword is a TypeError that
+  lists generate's own parameters and the config's fields.
+  Raises ValueError naming the value for a sampling value out of range (`check_sampling`) or a token id outside
+  the model's vocabulary.
   """
+  _check_overrides(method, config_overrides)
+  check_sampling(temperature=temperature, top_p=top_p, seed=seed)
   progress = progress or (lambda msg: None)
   loop = LoopConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     stop_ids=stop_ids(model, tokenizer, chat))
   cfg = model.config
   ids = encode_prompts(tokenizer, prompts, chat)
+  check_token_ids(ids, cfg.vocab_size)
   B = len(ids)
   lengths = np.array([len(x) for x in ids], np.int32)
   T = int(lengths.max())
@@ -136,6 +202,16 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
                           progress=progress)
 
 
+def _check_overrides(method: str, overrides: dict) -> None:
+  """TypeError naming the keywords that are neither generate's parameters nor fields of the method's config."""
+  fields = sorted(f.name for f in dataclasses.fields(get_method(method)))
+  unknown = sorted(set(overrides) - set(fields))
+  if unknown:
+    own = [n for n, p in inspect.signature(generate).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    raise TypeError(f"generate() got unknown keyword argument(s) {unknown}: generate's own keywords are {own}; "
+                    f"other keywords must be fields of the {method!r} method's config ({fields})")
+
+
 def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefilled, config, loop: LoopConfig, *,
                      token_budget: int, seed: int = 0, progress=None) -> GenerateResult:
   """Runs the decode loop from a prefilled batch (its caches are donated) and builds the result: texts without
@@ -162,11 +238,13 @@ def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefille
   del out
 
   token_ids = [[int(t) for t in row if t >= 0] for row in tokens]
-  texts = [tokenizer.decode(row[:-1] if row and row[-1] in loop.stop_ids else row) for row in token_ids]
+  reasons = [finish_reason(row, loop.stop_ids) for row in token_ids]
+  texts = [tokenizer.decode(row[:-1] if why == "stop" else row) for row, why in zip(token_ids, reasons)]
   stats = GenerateStats(
       method=config.method, token_budget=token_budget, batch=B, prompt_tokens=list(prefilled.lengths),
       new_tokens=[len(r) for r in token_ids], kv_bytes=kv_bytes, full_kv_bytes=full_kv_bytes,
-      compression=full_kv_bytes / max(kv_bytes, 1), capacity=int(config.capacity),
+      compression=full_kv_bytes / max(kv_bytes, 1), compression_ratio=1 - kv_bytes / max(full_kv_bytes, 1),
+      capacity=int(config.capacity),
       prefill_s=prefilled.prefill_s, decode_s=decode_s, decode_steps=steps,
       tokens_per_s=B * steps / decode_s if decode_s > 0 else 0.0, compile_s=prefilled.compile_s + (t3 - t2))
-  return GenerateResult(texts=texts, token_ids=token_ids, stats=stats)
+  return GenerateResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=reasons)

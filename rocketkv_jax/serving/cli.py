@@ -2,13 +2,18 @@
 OpenAI-compatible API. It lives in the serving layer, the top one, since `serve` needs it.
 
   rocketkv generate --model smollm2 --method rocketkv --token-budget 256 --max-new-tokens 64 \
-      (--prompt TEXT | --prompt-file FILE) [--chat] [--json]
+      (--prompt TEXT | --prompt-file FILE) [--no-chat] [--json]
   rocketkv demo [--token-budget 256] [--methods full,rocketkv]
   rocketkv serve --model smollm2 --method rocketkv --token-budget 256 --port 8000 --max-slots 8 \
       [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64] \
       [--history-gb 4] [--sessions-dir DIR]
+  rocketkv --version
 
-Results go to stdout; progress (loading, prefill, decode) and the server's log go to stderr.
+Results go to stdout; progress (loading, compiling, prefill, decode) and the server's log go to stderr. Every
+flag is checked before the model loads: a bad value or an unreadable --prompt-file exits with status 2 at once
+(like argparse's usage errors), a missing model or a failure later with status 1. Compiled programs are kept
+in a persistent cache (<weight cache>/xla, see --cache; --no-compile-cache turns it off), so a repeated call
+skips XLA compilation (tracing and lowering remain: a few seconds on a CPU).
 """
 
 from __future__ import annotations
@@ -16,11 +21,27 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import time
 import warnings
+
+
+class FlagError(ValueError):
+  """A flag's value is wrong, found before the model loads (exit status 2, like argparse's usage errors)."""
+
+
+DTYPES = {"float32": ("float32", "f32", "fp32"), "bfloat16": ("bfloat16", "bf16"),
+          "float16": ("float16", "f16", "fp16")}
+
+BUDGET_HELP = ("token budget t (default 256): KV pairs per KV head that one decode step reads (scoring plus exact "
+               "attention), not the size of the cache. RocketKV keeps prompt_budget + max_new_tokens slots per KV "
+               "head and layer, where prompt_budget grows with the prompt (t=256 over 16k tokens: 1,339), plus "
+               "page key min/max; a sequence not much longer than t is not compressed at all. The run reports the "
+               "KV held vs full (docs/ALGORITHM.md §1). Baselines get the same per-step traffic; full ignores t. "
+               "At least {min}")
 
 
 def _console(stderr: bool):
@@ -35,62 +56,239 @@ def _mb(n: int) -> str:
   return f"{n / 2**20:.1f} MiB"
 
 
-def _cmd_generate(args) -> int:
-  from rocketkv_jax.models import generate, load
-  err = _console(True)
-  log = lambda msg: err.log(msg)  # noqa: E731
+def _version() -> str:
+  from importlib.metadata import PackageNotFoundError, version
+  try:
+    return version("rocketkv-jax")
+  except PackageNotFoundError:
+    return "unknown (not installed)"
+
+
+# Flag types: argparse reports their ArgumentTypeError as "argument --flag: message" and exits with status 2.
+
+def _number(kind, *, low=None, high=None, low_open=False, high_open=False, high_text=None):
+  """A flag type: an int or a finite float within [low, high] (an open end excludes the bound)."""
+  def parse(text: str):
+    try:
+      v = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(v):
+      raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    bad_low = low is not None and (v <= low if low_open else v < low)
+    bad_high = high is not None and (v >= high if high_open else v > high)
+    if bad_low or bad_high:
+      lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+      hi = "" if high is None else f"{'<' if high_open else '<='} {high_text or high}"
+      raise argparse.ArgumentTypeError(f"must be {' and '.join(x for x in (lo, hi) if x)}, got {text!r}")
+    return v
+  parse.__name__ = kind.__name__
+  return parse
+
+
+def parse_dtype(text: str) -> str:
+  """The canonical dtype name of one of DTYPES' spellings (case-insensitive)."""
+  key = text.strip().lower()
+  for name, spellings in DTYPES.items():
+    if key in spellings:
+      return name
+  raise argparse.ArgumentTypeError(
+      f"unknown dtype {text!r}: use one of " + "; ".join(" / ".join(v) for v in DTYPES.values()))
+
+
+def _methods_list(text: str) -> tuple[str, ...]:
+  from rocketkv_jax import METHODS
+  methods = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+  if not methods:
+    raise argparse.ArgumentTypeError(f"no method named in {text!r}: give a comma-separated list of "
+                                     f"{', '.join(METHODS)}")
+  unknown = [m for m in methods if m not in METHODS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(map(repr, unknown))}: choose from "
+                                     f"{', '.join(METHODS)}")
+  return methods
+
+
+def _check_model_source(model: str) -> None:
+  """Fails fast, before any loading, when the model's file or folder (or the smollm2 package) is missing."""
+  from rocketkv_jax.models.weights import smollm2_path
+  if model == "smollm2":
+    smollm2_path()  # CheckpointError (a ValueError) naming the missing package or file
+    return
+  path = os.path.expanduser(model)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"model source {model!r} not found: expected 'smollm2', a .gguf file or a HF Llama "
+                            f"directory (looked at {os.path.abspath(path)})")
+
+
+def compile_cache_dir(args) -> str | None:
+  """Turns on JAX's persistent compilation cache in <weight cache dir>/xla (--cache, else $ROCKETKV_CACHE, else
+  ~/.cache/rocketkv_jax) unless --no-compile-cache; returns the folder, or None when off or not writable."""
+  if args.no_compile_cache:
+    return None
+  import jax
+
+  from rocketkv_jax.models.weights import default_cache_dir
+  path = os.path.join(os.path.expanduser(args.cache) if args.cache else default_cache_dir(), "xla")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    _console(True).print(f"warning: compile cache off, cannot create {path}: {e}", style="yellow", markup=False)
+    return None
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+class _Progress:
+  """The progress callback: each message is logged to stderr and, on a terminal, also shown next to a spinner
+  until the next one (compilation and prefill take seconds to minutes on a CPU)."""
+
+  def __init__(self, console):
+    self.console, self.status = console, None
+
+  def __enter__(self):
+    if self.console.is_terminal:
+      self.status = self.console.status("starting", spinner="dots")
+      self.status.start()
+    return self
+
+  def __call__(self, msg: str) -> None:
+    self.console.log(msg)
+    if self.status is not None:
+      self.status.update(f"{msg} ...")
+
+  def __exit__(self, *exc):
+    if self.status is not None:
+      self.status.stop()
+    return False
+
+
+def _read_prompt(args) -> str:
   if args.prompt_file:
     try:
       if args.prompt_file == "-":
-        prompt = sys.stdin.read()
-      else:
-        with open(args.prompt_file, encoding="utf-8") as f:
-          prompt = f.read()
-    except OSError as e:
-      err.print(f"[red]cannot read --prompt-file {args.prompt_file!r}: {e}[/red]")
-      return 2
-  else:
-    prompt = args.prompt
-  log(f"loading {args.model}")
-  model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log,
-                    dtype=args.dtype)
-  ids = tok.encode(prompt, chat=args.chat)
-  # one prompt, no companions: plan the cache for this prompt's own length (the tightest cache)
-  res = generate(model, tok, [ids], method=args.method, token_budget=args.token_budget,
-                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                 seed=args.seed, chat=args.chat, progress=log, plan_prompt_len=max(len(ids), 1))
-  s = res.stats
+        return sys.stdin.read()
+      with open(args.prompt_file, encoding="utf-8") as f:
+        return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise FlagError(f"cannot read --prompt-file {args.prompt_file!r}: {e}") from None
+  return args.prompt
+
+
+def _tokens_per_s(s, row: int = 0) -> float | None:
+  """Decode tokens/s, or None when fewer than 2 tokens were generated (no decode step ran: nothing to time)."""
+  return s.tokens_per_s if s.new_tokens[row] >= 2 and s.decode_steps > 0 else None
+
+
+def _round(v: float, digits: int) -> float:
+  return round(v, digits) + 0.0  # + 0.0: no -0.0 (full's ratio is a hair under 0: its length arrays)
+
+
+def _json_stats(s) -> dict:
+  d = s.as_dict()
+  for k, v in d.items():
+    if isinstance(v, float):
+      d[k] = _round(v, 1 if k == "tokens_per_s" else 4 if k == "compression_ratio" else 3)
+  d["tokens_per_s"] = None if _tokens_per_s(s) is None else d["tokens_per_s"]
+  return d
+
+
+def kv_report(s, max_new_tokens: int) -> tuple[str, str | None]:
+  """(the line saying the KV held vs full and the compression, a warning or None): the warning says why when the
+  method holds more than full would (a sequence not much longer than the budget is not compressed, and the
+  method's auxiliary state comes on top)."""
+  full_tokens = max(s.prompt_tokens) + max_new_tokens
+  slot_bytes = s.full_kv_bytes / max(full_tokens, 1)
+  held = s.kv_bytes / max(s.full_kv_bytes, 1)
+  size = (f"{s.compression:.2f}x smaller" if held < 0.99 else f"{held:.2f}x LARGER" if held > 1.01 else
+          "about the same")
+  line = (f"KV held {_mb(s.kv_bytes)} ({s.capacity} slots per KV head and layer) vs full {_mb(s.full_kv_bytes)} "
+          f"({full_tokens} = prompt + max new tokens): {size}; compression ratio {_round(s.compression_ratio, 3):.3f}"
+          " (kvpress-style: the fraction of full's KV not held)")
+  if held <= 1.01:
+    return line, None
+  aux = s.kv_bytes - s.capacity * slot_bytes
+  more = 100 * (held - 1)
+  why = (f"the token budget ({s.token_budget}) counts the KV pairs a decode step reads per KV head, not the cache "
+         f"size; the cache keeps {s.capacity} slots per KV head for these {full_tokens} tokens")
+  if s.capacity >= full_tokens:
+    why += " (a sequence this short relative to the budget is not compressed at all)"
+  if aux > 0:
+    why += f", plus {_mb(int(aux))} of auxiliary state (page key min/max, indices)"
+  return line, (f"warning: {s.method} holds {more:.0f}% MORE KV than full would here: {why}. Compression pays "
+                "off when the prompt is several times longer than the token budget.")
+
+
+def _cmd_generate(args) -> int:
+  err = _console(True)
+  prompt = _read_prompt(args)
+  if not prompt:
+    raise FlagError("the prompt is empty" + (f" (--prompt-file {args.prompt_file!r})" if args.prompt_file else ""))
+  _check_model_source(args.model)
+  compile_cache_dir(args)
+  from rocketkv_jax.models import load
+  from rocketkv_jax.models.generate import generate
+  with _Progress(err) as log:
+    log(f"loading {args.model}")
+    model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
+    chat = bool(tok.chat_template) if args.chat is None else args.chat
+    if args.chat is None and chat:
+      log("wrapping the prompt in the model's chat template (--no-chat sends it as raw text)")
+    ids = tok.encode(prompt, chat=chat)
+    # one prompt, no companions: plan the cache for this prompt's own length (the tightest cache)
+    res = generate(model, tok, [ids], method=args.method, token_budget=args.token_budget,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   seed=args.seed, chat=chat, progress=log, plan_prompt_len=max(len(ids), 1))
+  s, text, reason = res.stats, res.texts[0], res.finish_reasons[0]
+  token_ids = res.token_ids[0][:-1] if reason == "stop" else res.token_ids[0]  # the stop id: out of both
   if args.json:
-    print(json.dumps(dict(text=res.texts[0], token_ids=res.token_ids[0], stats=s.as_dict())))
+    print(json.dumps(dict(text=text, token_ids=token_ids, finish_reason=reason, stats=_json_stats(s))))
   else:
-    out = _console(False)
-    out.print(res.texts[0], markup=False)
-    err.print(f"[dim]{args.method} (budget {args.token_budget}): prompt {s.prompt_tokens[0]} tokens, "
-              f"{s.new_tokens[0]} new; KV held {_mb(s.kv_bytes)} vs full {_mb(s.full_kv_bytes)} "
-              f"({s.compression:.1f}x); prefill {s.prefill_s:.2f}s, decode {s.decode_s:.2f}s "
-              f"({s.tokens_per_s:.1f} tok/s), compile {s.compile_s:.1f}s[/dim]")
+    _console(False).print(text, markup=False)
+    tps = _tokens_per_s(s)
+    line, warning = kv_report(s, args.max_new_tokens)
+    err.print(f"{args.method} (budget {args.token_budget}): prompt {s.prompt_tokens[0]} tokens, {s.new_tokens[0]} "
+              f"new ({reason}); prefill {s.prefill_s:.2f}s, decode {s.decode_s:.2f}s "
+              f"({'n/a' if tps is None else f'{tps:.1f}'} tok/s), compile {s.compile_s:.1f}s", style="dim",
+              markup=False)
+    err.print(line, style="dim", markup=False)
+    if warning:
+      err.print(warning, style="yellow", markup=False)
+  if not text.strip():
+    n = s.new_tokens[0]
+    why = (f"the model ended its answer at once (finish_reason stop after {n} token{'s' if n != 1 else ''})"
+           if reason == "stop" else f"the {n} generated tokens decode to whitespace or special tokens only")
+    hint = (" The prompt went to the model as raw text; an instruct model usually needs its chat template "
+            "(drop --no-chat)." if not chat and tok.chat_template else "")
+    err.print(f"warning: empty output: {why}.{hint}", style="yellow", markup=False)
   return 0
 
 
 def _cmd_demo(args) -> int:
   from rich.table import Table
-
-  from rocketkv_jax.models.demo import run_demo
   err, out = _console(True), _console(False)
   t0 = time.perf_counter()
-  methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-  r = run_demo(model=args.model, methods=methods, token_budget=args.token_budget,
-               max_new_tokens=args.max_new_tokens, log=lambda msg: err.log(msg), cache_dir=args.cache)
+  _check_model_source(args.model)
+  compile_cache_dir(args)
+  from rocketkv_jax.models.demo import run_demo
+  with _Progress(err) as log:
+    r = run_demo(model=args.model, methods=args.methods, token_budget=args.token_budget,
+                 max_new_tokens=args.max_new_tokens, log=log, cache_dir=args.cache, dtype=args.dtype,
+                 use_cache=not args.no_cache)
   out.print(f"\n[bold]Question[/bold] (about {r['prompt_tokens']} tokens of Alice's Adventures in "
             f"Wonderland, ch. I, with one planted fact): {r['question']}   expected: {r['answer']}")
   table = Table(title=f"token budget {args.token_budget}; prefill {r['prefill_s']:.1f}s (shared)")
-  for col in ("method", "answer", "correct", "KV held", "full KV", "saved", "decode tok/s"):
+  for col in ("method", "answer", "correct", "KV held", "full KV", "saved", "compression ratio", "decode tok/s"):
     table.add_column(col, overflow="fold")
   for method, res in r["results"].items():
     s = res.stats
     ok = r["answer"] in res.texts[0]
+    tps = _tokens_per_s(s)
     table.add_row(method, res.texts[0].strip(), "yes" if ok else "no", _mb(s.kv_bytes), _mb(s.full_kv_bytes),
-                  f"{s.compression:.1f}x", f"{s.tokens_per_s:.1f}")
+                  f"{s.compression:.1f}x", f"{_round(s.compression_ratio, 2):.2f}",
+                  "n/a" if tps is None else f"{tps:.1f}")
   out.print(table)
   out.print(f"total wall time {time.perf_counter() - t0:.1f}s (CPU; includes loading and compilation)")
   return 0
@@ -110,7 +308,7 @@ def _cmd_serve(args) -> int:
     try:
       buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
     except ValueError:
-      raise ValueError(f"--prefill-buckets={args.prefill_buckets!r} must be comma-separated integers") from None
+      raise FlagError(f"--prefill-buckets={args.prefill_buckets!r} must be comma-separated integers") from None
   engine_config = EngineConfig(method=args.method, token_budget=args.token_budget, max_slots=args.max_slots,
                                max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                                steps_per_call=args.steps_per_call, prefill_buckets=buckets, max_queue=args.max_queue,
@@ -121,6 +319,11 @@ def _cmd_serve(args) -> int:
   if args.sessions_dir is not None and os.path.exists(args.sessions_dir) and \
       not os.path.isfile(os.path.join(args.sessions_dir, "meta.json")):
     raise ValueError(f"--sessions-dir={args.sessions_dir!r} exists but holds no saved sessions (no meta.json)")
+  if args.history_spill_dir is not None and os.path.exists(args.history_spill_dir) and \
+      not os.path.isdir(args.history_spill_dir):
+    raise FlagError(f"--history-spill-dir={args.history_spill_dir!r} exists and is not a folder")
+  _check_model_source(args.model)
+  compile_cache_dir(args)
   from rich.logging import RichHandler
   serving_log = logging.getLogger("rocketkv_jax.serving")
   if not serving_log.handlers:
@@ -161,78 +364,109 @@ def _model_name(model: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   from rocketkv_jax import METHODS
+  from rocketkv_jax.budget import MIN_TOKEN_BUDGET
   p = argparse.ArgumentParser(prog="rocketkv", description="RocketKV KV-cache compression for JAX Llama models")
+  p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   sub = p.add_subparsers(dest="command", required=True)
+  count = _number(int, low=1)
 
-  def common(sp):
+  def common(sp, max_new_tokens: int):
     sp.add_argument("--model", default="smollm2",
                     help="'smollm2' (embedded SmolLM2-135M-Instruct GGUF), a .gguf path or a HF Llama dir")
-    sp.add_argument("--token-budget", type=int, default=256,
-                    help="RocketKV token budget t: sets the kept prompt tokens and the per-step top-k (default 256)")
-    sp.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    sp.add_argument("--cache", default=None, help="converted-weight cache dir (default ~/.cache/rocketkv_jax)")
+    sp.add_argument("--token-budget", type=_number(int, low=MIN_TOKEN_BUDGET), default=256,
+                    help=BUDGET_HELP.format(min=MIN_TOKEN_BUDGET))
+    sp.add_argument("--max-new-tokens", type=count, default=max_new_tokens,
+                    help=f"tokens to generate at most (default {max_new_tokens})")
+    sp.add_argument("--cache", default=None,
+                    help="converted-weight cache dir (default $ROCKETKV_CACHE or ~/.cache/rocketkv_jax); compiled "
+                         "programs are cached in its xla/ folder")
+    sp.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")
+    sp.add_argument("--no-compile-cache", action="store_true",
+                    help="do not read or write the persistent compilation cache (every call compiles afresh)")
+    sp.add_argument("--dtype", type=parse_dtype, default=None,
+                    help="parameter dtype: float32 (f32, fp32; the default), bfloat16 (bf16) or float16 (f16, fp16)")
+    sp.set_defaults(max_new_tokens=max_new_tokens)
 
   g = sub.add_parser("generate", help="generate text for one prompt")
-  common(g)
+  common(g, 64)
   g.add_argument("--method", default="rocketkv", choices=list(METHODS), help="KV-cache method (default rocketkv)")
   src = g.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", help="the prompt text")
   src.add_argument("--prompt-file", help="read the prompt from this file (- for stdin)")
-  g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-  g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-  g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-  g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-  g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-  g.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
-  g.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")
+  chat = g.add_mutually_exclusive_group()
+  chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
+                    help="wrap the prompt in the model's chat template (the default when the model has one)")
+  chat.add_argument("--no-chat", "--raw", dest="chat", action="store_const", const=False,
+                    help="send the prompt as raw text (continuation), without the chat template")
+  g.add_argument("--json", action="store_true",
+                 help="print one JSON object: text, token_ids, finish_reason ('stop': the model emitted a stop "
+                      "token; 'length': --max-new-tokens reached) and stats. The stop token is in neither text "
+                      "nor token_ids; stats.new_tokens counts it. stats.tokens_per_s is null when fewer than 2 "
+                      "tokens were generated; compression_ratio is kvpress-style (1 - KV held / full KV)")
+  g.add_argument("--temperature", type=_number(float, low=0), default=0.0,
+                 help="sampling temperature, a finite number >= 0; 0 = greedy (default)")
+  g.add_argument("--top-p", type=_number(float, low=0, high=1, low_open=True), default=1.0,
+                 help="nucleus sampling mass, in (0, 1] (default 1.0)")
+  g.add_argument("--seed", type=_number(int, low=0, high=2**32, high_open=True, high_text="2**32"), default=0,
+                 help="sampling seed, an int in [0, 2**32) (default 0)")
   g.set_defaults(func=_cmd_generate)
 
   d = sub.add_parser("demo", help="long-document question with full KV and RocketKV side by side")
-  common(d)
-  d.add_argument("--methods", default="full,rocketkv", help="comma-separated methods to compare")
-  d.set_defaults(func=_cmd_demo, max_new_tokens=24)
+  from rocketkv_jax.models.demo import DEFAULT_MAX_NEW_TOKENS
+  common(d, DEFAULT_MAX_NEW_TOKENS)
+  d.add_argument("--methods", type=_methods_list, default=("full", "rocketkv"),
+                 help=f"comma-separated methods to compare (default full,rocketkv; any of {', '.join(METHODS)})")
+  d.set_defaults(func=_cmd_demo)
 
   s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-  common(s)
+  common(s, 256)
   s.add_argument("--method", default="rocketkv", choices=list(METHODS), help="KV-cache method (default rocketkv)")
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-  s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-  s.add_argument("--max-slots", type=int, default=8, help="requests decoded at once (default 8)")
-  s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted (default 2048)")
-  s.add_argument("--max-queue", type=int, default=64,
+  s.add_argument("--port", type=_number(int, low=0, high=65535), default=8000,
+                 help="port (default 8000; 0 = any free port)")
+  s.add_argument("--max-slots", type=count, default=8, help="requests decoded at once (default 8)")
+  s.add_argument("--max-prompt-tokens", type=count, default=2048, help="longest prompt accepted (default 2048)")
+  s.add_argument("--max-queue", type=_number(int, low=0), default=64,
                  help="requests waiting for a slot before new ones get 429 (default 64)")
-  s.add_argument("--steps-per-call", type=int, default=4, help="decode steps per engine call (default 4)")
+  s.add_argument("--steps-per-call", type=count, default=4, help="decode steps per engine call (default 4)")
   s.add_argument("--prefill-buckets", default=None,
                  help="comma-separated prefill lengths compiled at most (default: the engine's choice)")
   s.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
-  s.add_argument("--drain-s", type=float, default=10.0,
+  s.add_argument("--drain-s", type=_number(float, low=0), default=10.0,
                  help="on shutdown, seconds requests in flight may finish before they are aborted (default 10)")
   s.add_argument("--no-warmup", action="store_true",
                  help="skip compiling every prefill bucket before accepting requests (the first ones then wait)")
-  s.add_argument("--history-gb", type=float, default=4.0,
+  s.add_argument("--history-gb", type=_number(float, low=0), default=4.0,
                  help="host memory for the K/V history of past prompts, so a conversation's next turn (or a new "
                       "question after a long context) prefills only its new tokens (default 4; 0 = off)")
   s.add_argument("--history-spill-dir", default=None,
                  help="move history that no longer fits in host memory to files here (default: drop it)")
-  s.add_argument("--history-disk-gb", type=float, default=16.0, help="disk for spilled history (default 16)")
+  s.add_argument("--history-disk-gb", type=_number(float, low=0), default=16.0,
+                 help="disk for spilled history (default 16)")
   s.add_argument("--sessions-dir", default=None,
                  help="load stored histories from here at start-up and save them here at shutdown (orbax)")
-  s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
-  s.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
-  s.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")
-  s.set_defaults(func=_cmd_serve, max_new_tokens=256)
+  s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                 help="uvicorn log level (default info)")
+  s.set_defaults(func=_cmd_serve)
   return p
 
 
 def main(argv=None) -> int:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
   try:
     return args.func(args)
+  except FlagError as e:
+    _console(True).print(f"rocketkv {args.command}: error: {e}", style="red", markup=False)
+    return 2
   except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
     _console(True).print(f"error: {e}", style="red", markup=False)
     return 1
+  except KeyboardInterrupt:
+    _console(True).print("interrupted", style="red", markup=False)
+    return 130
 
 
 if __name__ == "__main__":

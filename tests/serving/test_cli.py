@@ -1,21 +1,43 @@
-"""`rocketkv generate` end to end on a tiny GGUF written by the loader tests."""
+"""`rocketkv` end to end on a tiny GGUF written by the loader tests: generate's output (JSON, chat template by
+default, the stop token, warnings), every bad flag refused before the model loads, the persistent compilation
+cache, --version. In-process calls pass --no-compile-cache so that this process's JAX config is left alone."""
 
+import importlib
 import json
+import os
+import subprocess
+import sys
+import time
 
-from rocketkv_jax.serving.cli import main
+import pytest
+
+from rocketkv_jax.serving.cli import build_parser, kv_report, main, parse_dtype
 
 from tests.models.test_loaders import write_gguf
 
+PROMPT = "the cat sat on the mat and then the cat sat again"
 
-def test_generate_json(tmp_path, capsys):
-  path = write_gguf(str(tmp_path / "tiny.gguf"))
-  args = ["generate", "--model", path, "--method", "rocketkv", "--token-budget", "64", "--max-new-tokens", "5",
-          "--prompt", "the cat sat on the mat and then the cat sat again", "--json", "--no-cache"]
-  assert main(args) == 0
-  out = json.loads(capsys.readouterr().out)
-  assert set(out) == {"text", "token_ids", "stats"}
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+  return write_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
+
+
+def run_json(capsys, args):
+  assert main(args + ["--json", "--no-cache", "--no-compile-cache"]) == 0
+  captured = capsys.readouterr()
+  return json.loads(captured.out), captured.err
+
+
+def test_generate_json(tiny_gguf, capsys):
+  out, _ = run_json(capsys, ["generate", "--model", tiny_gguf, "--method", "rocketkv", "--token-budget", "64",
+                             "--max-new-tokens", "5", "--prompt", PROMPT])
+  assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+  assert out["finish_reason"] in ("stop", "length")
   assert 1 <= len(out["token_ids"]) <= 5
-  assert out["stats"]["method"] == "rocketkv" and out["stats"]["kv_bytes"] > 0
+  s = out["stats"]
+  assert s["method"] == "rocketkv" and s["kv_bytes"] > 0
+  assert s["compression_ratio"] == round(s["compression_ratio"], 4) and s["prefill_s"] == round(s["prefill_s"], 3)
 
 
 def test_generate_reports_missing_model(tmp_path, capsys):
@@ -23,14 +45,161 @@ def test_generate_reports_missing_model(tmp_path, capsys):
   assert "not found" in capsys.readouterr().err
 
 
-def test_generate_reads_the_prompt_from_stdin(tmp_path, capsys, monkeypatch):
+def test_generate_reads_the_prompt_from_stdin(tiny_gguf, capsys, monkeypatch):
   import io
-  path = write_gguf(str(tmp_path / "tiny.gguf"))
-  prompt = "the cat sat on the mat and then the cat sat again"
-  monkeypatch.setattr("sys.stdin", io.StringIO(prompt))
-  common = ["generate", "--model", path, "--method", "full", "--max-new-tokens", "3", "--json", "--no-cache"]
-  assert main(common + ["--prompt-file", "-"]) == 0
-  from_stdin = json.loads(capsys.readouterr().out)
-  assert main(common + ["--prompt", prompt]) == 0
-  assert json.loads(capsys.readouterr().out)["token_ids"] == from_stdin["token_ids"]
+  monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
+  common = ["generate", "--model", tiny_gguf, "--method", "full", "--max-new-tokens", "3"]
+  from_stdin, _ = run_json(capsys, common + ["--prompt-file", "-"])
+  assert run_json(capsys, common + ["--prompt", PROMPT])[0]["token_ids"] == from_stdin["token_ids"]
   assert from_stdin["stats"]["prompt_tokens"][0] > 5
+
+
+def test_chat_template_is_the_default(tiny_gguf, capsys):
+  common = ["generate", "--model", tiny_gguf, "--method", "full", "--max-new-tokens", "2", "--prompt", PROMPT]
+  chat, err = run_json(capsys, common)
+  assert "chat template" in err
+  assert run_json(capsys, common + ["--chat"])[0]["stats"]["prompt_tokens"] == chat["stats"]["prompt_tokens"]
+  raw, _ = run_json(capsys, common + ["--no-chat"])
+  assert run_json(capsys, common + ["--raw"])[0]["stats"]["prompt_tokens"] == raw["stats"]["prompt_tokens"]
+  assert raw["stats"]["prompt_tokens"][0] < chat["stats"]["prompt_tokens"][0]
+
+
+def test_stop_token_is_in_neither_text_nor_token_ids(tiny_gguf, capsys, monkeypatch):
+  gen = importlib.import_module("rocketkv_jax.models.generate")  # (the package's `generate` is the function)
+  common = ["generate", "--model", tiny_gguf, "--method", "full", "--max-new-tokens", "6", "--prompt", PROMPT]
+  first, _ = run_json(capsys, common)
+  assert first["finish_reason"] == "length" and len(first["token_ids"]) == 6
+  stop = first["token_ids"][2]
+  monkeypatch.setattr(gen, "stop_ids", lambda model, tok, chat: (stop,))  # make the 3rd token a stop token
+  out, _ = run_json(capsys, common)
+  k = first["token_ids"].index(stop)
+  assert out["finish_reason"] == "stop" and out["token_ids"] == first["token_ids"][:k]
+  assert out["stats"]["new_tokens"] == [k + 1]  # stats count the stop token
+
+
+def test_one_token_has_no_rate_and_empty_output_warns(tiny_gguf, capsys, monkeypatch):
+  import dataclasses
+  gen = importlib.import_module("rocketkv_jax.models.generate")
+  out, _ = run_json(capsys, ["generate", "--model", tiny_gguf, "--max-new-tokens", "1", "--prompt", PROMPT])
+  assert out["stats"]["new_tokens"] == [1] and out["stats"]["tokens_per_s"] is None
+  real = gen.generate
+  monkeypatch.setattr(gen, "generate", lambda *a, **k: dataclasses.replace(real(*a, **k), texts=[" "]))
+  assert main(["generate", "--model", tiny_gguf, "--max-new-tokens", "2", "--prompt", PROMPT, "--no-chat",
+               "--no-cache", "--no-compile-cache"]) == 0
+  err = capsys.readouterr().err
+  assert "empty output" in err and "drop --no-chat" in err
+
+
+def test_kv_report_warns_when_the_cache_holds_more_than_full(tiny_gguf, capsys):
+  assert main(["generate", "--model", tiny_gguf, "--method", "rocketkv", "--token-budget", "256",
+               "--max-new-tokens", "4", "--prompt", PROMPT, "--no-cache", "--no-compile-cache"]) == 0
+  err = capsys.readouterr().err
+  assert "compression ratio" in err and "kvpress" in err
+  assert "MORE KV than full" in err and "not the cache size" in err
+
+
+def test_kv_report_without_warning():
+  from rocketkv_jax.models.generate import GenerateStats
+  s = GenerateStats(method="rocketkv", token_budget=64, batch=1, prompt_tokens=[1000], new_tokens=[8],
+                    kv_bytes=250, full_kv_bytes=1000, compression=4.0, compression_ratio=0.75, capacity=200,
+                    prefill_s=1.0, decode_s=1.0, decode_steps=7, tokens_per_s=7.0, compile_s=0.0)
+  line, warning = kv_report(s, 8)
+  assert warning is None and "4.00x smaller" in line and "0.750" in line and "1008" in line
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["generate", "--prompt", "x", "--temperature", "nan"], "--temperature: must be a finite number"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature: must be >= 0"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "--top-p: must be > 0 and <= 1"),
+    (["generate", "--prompt", "x", "--top-p", "inf"], "--top-p: must be a finite number"),
+    (["generate", "--prompt", "x", "--seed", "-1"], "--seed: must be >= 0"),
+    (["generate", "--prompt", "x", "--seed", str(2**32)], "< 2**32"),
+    (["generate", "--prompt", "x", "--token-budget", "8"], "--token-budget: must be >= 16"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+    (["generate", "--prompt", "x", "--dtype", "bogus"], "bf16"),
+    (["generate", "--prompt", "x", "--method", "bogus"], "invalid choice"),
+    (["generate", "--prompt", ""], "the prompt is empty"),
+    (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "cannot read --prompt-file"),
+    (["generate", "--prompt", "x", "--model", "/nonexistent/m.gguf"], "not found"),
+    (["demo", "--methods", ""], "no method named"),
+    (["demo", "--methods", "full,bogus"], "'bogus'"),
+    (["demo", "--token-budget", "8"], "--token-budget: must be >= 16"),
+    (["serve", "--token-budget", "8"], "--token-budget: must be >= 16"),
+    (["serve", "--port", "70000"], "--port: must be"),
+    (["serve", "--history-gb", "nan"], "--history-gb: must be a finite number"),
+    (["serve", "--drain-s", "-1"], "--drain-s: must be >= 0"),
+    (["serve", "--prefill-buckets", "a,b"], "comma-separated integers"),
+    (["serve", "--max-prompt-tokens", "64", "--prefill-buckets", "128"], "must not exceed max_prompt_tokens"),
+])
+def test_bad_flags_fail_fast_without_loading_the_model(args, shown, capsys, monkeypatch):
+  import rocketkv_jax.models as models
+  import rocketkv_jax.models.demo as demo
+
+  def no_load(*a, **k):
+    raise AssertionError("the model was loaded")
+  monkeypatch.setattr(models, "load", no_load)
+  monkeypatch.setattr(demo, "load", no_load)
+  t0 = time.perf_counter()
+  try:
+    rc = main(args + ["--no-compile-cache"])
+  except SystemExit as e:  # argparse's usage errors
+    rc = e.code
+  assert time.perf_counter() - t0 < 10
+  assert rc not in (0, None)
+  assert shown in capsys.readouterr().err
+
+
+def test_a_bad_flag_exits_fast_in_a_fresh_process():
+  t0 = time.perf_counter()
+  p = subprocess.run([sys.executable, "-m", "rocketkv_jax.serving.cli", "generate", "--prompt", "x",
+                      "--token-budget", "8"], capture_output=True, text=True, timeout=60)
+  assert time.perf_counter() - t0 < 10
+  assert p.returncode == 2 and "--token-budget: must be >= 16" in p.stderr
+
+
+def test_dtype_spellings():
+  for spellings, name in ((("float32", "f32", "FP32"), "float32"), (("bfloat16", "bf16"), "bfloat16"),
+                          (("float16", "f16", "fp16"), "float16")):
+    assert all(parse_dtype(s) == name for s in spellings)
+  assert build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "bf16"]).dtype == "bfloat16"
+
+
+def test_help_states_the_defaults_used(capsys):
+  p = build_parser()
+  for cmd, default in (("generate", 64), ("demo", 24), ("serve", 256)):
+    args = p.parse_args([cmd] + (["--prompt", "x"] if cmd == "generate" else []))
+    assert args.max_new_tokens == default
+    with pytest.raises(SystemExit):
+      p.parse_args([cmd, "--help"])
+    assert f"(default {default})" in " ".join(capsys.readouterr().out.split())
+  from rocketkv_jax.models.demo import DEFAULT_MAX_NEW_TOKENS
+  assert DEFAULT_MAX_NEW_TOKENS == 24
+
+
+def test_version(capsys):
+  from importlib.metadata import version
+  with pytest.raises(SystemExit) as e:
+    main(["--version"])
+  assert e.value.code == 0 and capsys.readouterr().out.strip() == f"rocketkv {version('rocketkv-jax')}"
+
+
+def test_persistent_compile_cache_gives_the_same_tokens(tiny_gguf, tmp_path):
+  """Two fresh processes: the first fills <cache>/xla, the second reads it; the tokens are the same (sampled, so
+  the sampling path is covered too)."""
+  def run(cache, *extra):
+    p = subprocess.run([sys.executable, "-m", "rocketkv_jax.serving.cli", "generate", "--model", tiny_gguf,
+                        "--method", "rocketkv", "--token-budget", "16", "--max-new-tokens", "6", "--temperature",
+                        "0.8", "--seed", "3", "--prompt", PROMPT * 4, "--json", "--cache", str(cache), *extra],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+  first = run(tmp_path / "c")
+  assert os.listdir(tmp_path / "c" / "xla")
+  second = run(tmp_path / "c")
+  assert second["token_ids"] == first["token_ids"] and second["text"] == first["text"]
+
+
+def test_no_compile_cache_writes_no_cache(tiny_gguf, tmp_path, capsys):
+  assert main(["generate", "--model", tiny_gguf, "--max-new-tokens", "2", "--prompt", PROMPT, "--cache",
+               str(tmp_path), "--no-compile-cache"]) == 0
+  assert not os.path.exists(tmp_path / "xla")
