@@ -326,6 +326,11 @@ def _flatten(d, prefix=()):
       yield "/".join(str(p) for p in prefix + (k,)), v
 
 
+def unflatten_params(flat: dict) -> dict:
+  """{"a/b/c": x} -> {"a": {"b": {"c": x}}} (numeric keys become list indices where the module has lists)."""
+  return _unflatten(flat)
+
+
 def _unflatten(flat: dict) -> dict:
   out: dict = {}
   for name, v in flat.items():
