@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
 import json
 import os
 import re
@@ -58,6 +60,42 @@ def tokenizer_from_gguf_metadata(tokens: Sequence[str], token_types: Sequence[in
   return tok
 
 
+class ChatTemplateError(ValueError):
+  """A chat template that cannot be rendered (a syntax error, or its own raise_exception)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+  import jinja2
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  def raise_exception(message):
+    raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  try:
+    return env.from_string(template)
+  except jinja2.TemplateError as e:
+    raise ChatTemplateError(f"the model's chat template does not parse: {e}") from None
+
+
+def render_chat_template(template: str, messages: list[dict], **variables) -> str:
+  """A Hugging Face chat template rendered as transformers renders it: jinja2's immutable sandbox (a template
+  cannot touch Python objects or change the messages), trim_blocks and lstrip_blocks, loop controls, and the
+  `raise_exception`, `tojson` and `strftime_now` helpers templates use."""
+  import jinja2
+  try:
+    return _compiled_template(template).render(messages=messages, **variables)
+  except jinja2.TemplateError as e:
+    raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+
+
 @dataclasses.dataclass
 class TextTokenizer:
   """Text <-> ids for one model. `eos_id` ends raw generations; `chat_eos_id` ends chat turns."""
@@ -94,24 +132,19 @@ class TextTokenizer:
 
   def apply_chat(self, messages: list[dict], *, system: str | None = None,
                  add_generation_prompt: bool = True) -> str:
-    """Renders messages with the model's template: jinja2 when installed, else built-in ChatML /
-    Llama-3 formats (SmolLM2's ChatML adds a default system turn when none is given)."""
+    """Renders messages with the model's own chat template (jinja2, in Hugging Face's sandbox settings:
+    `render_chat_template`); a model without one gets ChatML (or Llama-3's format when its tokens say so)."""
     tpl = self.chat_template or ""
     if system is not None:
       messages = [{"role": "system", "content": system}] + list(messages)
-    try:
-      import jinja2  # optional
-      env = jinja2.Environment(loader=jinja2.BaseLoader(), trim_blocks=False, lstrip_blocks=False)
+    if tpl:
       bos = self.tokenizer.id_to_token(self.bos_id) if self.bos_id is not None else ""
       eos = self.tokenizer.id_to_token(self.eos_id) if self.eos_id is not None else ""
-      if tpl:
-        text = env.from_string(tpl).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           bos_token=bos, eos_token=eos)
-        if self.add_bos and bos and text.startswith(bos):
-          text = text[len(bos):]  # encode() adds BOS itself
-        return text
-    except ImportError:
-      pass
+      text = render_chat_template(tpl, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                                  eos_token=eos)
+      if self.add_bos and bos and text.startswith(bos):
+        text = text[len(bos):]  # encode() adds BOS itself
+      return text
     if "<|start_header_id|>" in tpl:
       out = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
                     for m in messages)
