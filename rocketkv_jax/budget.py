@@ -47,31 +47,75 @@ def stage2_pages(c2: float, head_dim: int) -> tuple[int, int]:
   return page_size, max(1, int(head_dim * page_size / c2))
 
 
-def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_dim: int, *,
-                max_len: int | None = None, window_size: int = 32) -> BudgetPlan:
-  """Plans RocketKV for one request, exactly by the formula of ALGORITHM.md §1.
-
-  Raises ValueError for a budget under 16 tokens or a prompt budget smaller than the window.
-  """
-  for name, value, low in (("token_budget", token_budget, MIN_TOKEN_BUDGET), ("prompt_len", prompt_len, 1),
-                           ("max_new_tokens", max_new_tokens, 0), ("head_dim", head_dim, 1),
-                           ("window_size", window_size, 1)):
-    check_int(name, value, low)
-  if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
-    raise ValueError(f"max_len={max_len!r} must be a positive int or None")
-  t, d = token_budget, head_dim
+def _stage1_sizes(t: int, prompt_len: int, max_new_tokens: int, max_len: int | None) -> tuple[int, int, int]:
+  """(S, capacity, prompt_budget) of the plan (ALGORITHM.md §1)."""
   seq_len = prompt_len + max_new_tokens
   if max_len is not None:
     seq_len = min(seq_len, max_len)
   c = max(1.0, seq_len / t)
   r = min(0.2 + 0.06 * math.log2(c), 0.8)
-  capacity = int(seq_len / c**r)
-  capacity = max(capacity, min(2 * max_new_tokens, seq_len))
-  prompt_budget = capacity - max_new_tokens
+  capacity = max(int(seq_len / c**r), min(2 * max_new_tokens, seq_len))
+  return seq_len, capacity, capacity - max_new_tokens
+
+
+def _smallest(lo: int, hi: int, ok) -> int | None:
+  """The smallest n in [lo, hi] with ok(n), for ok monotone (False then True); None if ok(hi) is False."""
+  if lo > hi or not ok(hi):
+    return None
+  while lo < hi:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+  return lo
+
+
+def _window_error(t: int, prompt_len: int, max_new_tokens: int, max_len: int | None, window_size: int) -> str:
+  """Why the plan's prompt budget is under the window, and each change that would fix it, with its value."""
+  seq_len, capacity, prompt_budget = _stage1_sizes(t, prompt_len, max_new_tokens, max_len)
+  fits = lambda **kw: _stage1_sizes(**{**dict(t=t, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                                                max_len=max_len), **kw})[2] >= window_size
+  fixes = []
+  budget = _smallest(t + 1, max(t + 1, seq_len), lambda n: fits(t=n))  # prompt_budget grows with t, up to S - new
+  if budget is not None:
+    fixes.append(f"token_budget >= {budget}")
+  if prompt_budget >= 1:
+    fixes.append(f"window_size <= {prompt_budget}")
+  if max_len is not None and max_len < prompt_len + max_new_tokens:
+    if fits(max_len=None):  # (capacity is not monotone in S, so only the uncapped sequence is offered)
+      fixes.append(f"max_len >= prompt_len + max_new_tokens = {prompt_len + max_new_tokens}")
+  fewer = next((n for n in range(max_new_tokens - 1, max(-1, max_new_tokens - 100_000), -1)
+                if fits(max_new_tokens=n)), None)
+  if fewer is not None:
+    fixes.append(f"max_new_tokens <= {fewer}")
+  if budget is None:
+    why = (f"; no token_budget can help: even keeping the whole sequence S={seq_len} leaves "
+           f"S - max_new_tokens={seq_len - max_new_tokens} prompt tokens")
+  else:
+    why = ""
+  return (f"prompt_budget={prompt_budget} (capacity={capacity} - max_new_tokens={max_new_tokens}, at "
+          f"token_budget={t}, S={seq_len}) is smaller than window_size={window_size}{why}. What would help: "
+          f"{' or '.join(fixes) if fixes else 'a longer prompt'}")
+
+
+def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_dim: int, *,
+                max_len: int | None = None, window_size: int = 32) -> BudgetPlan:
+  """Plans RocketKV for one request, exactly by the formula of ALGORITHM.md §1.
+
+  Raises ValueError for a budget under 16 tokens or a prompt budget smaller than the window; the latter
+  names each change that would fix it (a larger token_budget where one exists, a smaller window_size, a larger
+  max_len, fewer max_new_tokens), with its value.
+  """
+  for name, value, low in (("token_budget", token_budget, MIN_TOKEN_BUDGET), ("prompt_len", prompt_len, 1),
+                           ("max_new_tokens", max_new_tokens, 0), ("head_dim", head_dim, 1),
+                           ("window_size", window_size, 1)):
+    check_int(name, value, low)
+  if max_len is not None:
+    check_int("max_len", max_len)
+  t, d = token_budget, head_dim
+  seq_len, capacity, prompt_budget = _stage1_sizes(t, prompt_len, max_new_tokens, max_len)
   if prompt_budget < window_size:
-    raise ValueError(
-        f"prompt_budget={prompt_budget} (capacity={capacity} - max_new_tokens={max_new_tokens}) is smaller "
-        f"than window_size={window_size}: raise token_budget={t} or lower max_new_tokens")
+    raise ValueError(_window_error(t, prompt_len, max_new_tokens, max_len, window_size))
+  c = max(1.0, seq_len / t)
+  r = min(0.2 + 0.06 * math.log2(c), 0.8)
   top_k = t // 2
   c2 = max(1.0, capacity / t)
   page_size, top_r = stage2_pages(c2, d)

@@ -113,9 +113,17 @@ def concat_caches(caches):
   compressed on its own (prefill_compress is per sequence), then the compressed caches are assembled.
   All parts must come from the same config (same spec, leaves and dtypes).
   """
+  if isinstance(caches, KVCache):
+    raise ValueError("concat_caches takes a list of caches (or of tuples of per-layer caches); got one KVCache: "
+                     "pass [cache, ...]")
   caches = list(caches)
   if not caches:
     raise ValueError("concat_caches needs at least one cache")
+  for i, c in enumerate(caches):
+    layers = c if isinstance(c, (tuple, list)) else (c,)
+    if not layers or not all(isinstance(x, KVCache) for x in layers):
+      raise ValueError(f"caches[{i}] must be a KVCache or a non-empty tuple of per-layer KVCaches; got "
+                       f"{type(c).__name__}")
   ref = jax.tree.structure(caches[0])
   ref_shapes = [(x.shape[1:], x.dtype) for x in jax.tree.leaves(caches[0])]
   for i, c in enumerate(caches[1:], 1):

@@ -27,24 +27,24 @@ METHODS = tuple(REGISTRY)
 
 def get_method(name: str) -> type[MethodConfig]:
   """The config class (the method) registered as `name`."""
-  if name not in REGISTRY:
+  if not isinstance(name, str) or name not in REGISTRY:
     raise ValueError(f"method={name!r} must be one of {METHODS}")
   return REGISTRY[name]
 
 
 def make_config(method: str, *, token_budget: int, prompt_len: int, max_new_tokens: int, head_dim: int,
                 max_len: int | None = None, **overrides) -> MethodConfig:
-  """The config of `method` for one token budget (ALGORITHM.md §5), then `overrides` (e.g. impl="xla").
-  Overrides that the budget plan itself uses (RocketKV's window_size) are passed to the plan."""
+  """The config of `method` for one token budget (ALGORITHM.md §5), with `overrides` (e.g. impl="xla",
+  window_size=8) in place of the planned or default values, validated once, as a whole: an override can make a
+  budget valid that the defaults would not allow (snapkv at token_budget=16 with window_size=8). Overrides that
+  the budget plan itself uses (RocketKV's window_size) are inputs of the plan."""
   cls = get_method(method)
   check_int("head_dim", head_dim)
   check_budget(token_budget)
   unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
   if unknown:
     raise ValueError(f"{sorted(unknown)} are not fields of {cls.__name__}")
-  plan_kw = {k: overrides.pop(k) for k in cls.plan_fields if k in overrides}
-  config = cls.from_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len, **plan_kw)
-  return dataclasses.replace(config, **overrides)
+  return cls.from_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len, **overrides)
 
 
 __all__ = ["REGISTRY", "METHODS", "MethodConfig", "get_method", "make_config", "ExactTopKConfig", "FullConfig",

@@ -75,7 +75,7 @@ class MethodConfig:
   evicts: ClassVar[bool] = False  # the cache never runs out of slots: a decode step may overwrite a token
   budgeted: ClassVar[bool] = True  # the token budget changes the method (False: full)
   uses_kt_pages: ClassVar[bool] = False  # the cache keeps per-page key min/max (methods that score pages)
-  plan_fields: ClassVar[tuple[str, ...]] = ()  # fields `from_budget` takes as inputs of the plan
+  plan_fields: ClassVar[tuple[str, ...]] = ()  # fields `from_budget` takes as inputs of the plan (documentation)
   impl: str = "auto"
 
   def __post_init__(self):
@@ -89,7 +89,8 @@ class MethodConfig:
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
-    """The config for one token budget (ALGORITHM.md §5)."""
+    """The config for one token budget (ALGORITHM.md §5). `kw` (any fields) take the place of the planned or
+    default values before the one validation (`__post_init__`)."""
     raise NotImplementedError
 
   def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
@@ -199,8 +200,9 @@ class KeepAllConfig(MethodConfig):
 
   def check_prompt(self, prompt_len: int) -> None:
     if prompt_len > self.capacity:
-      raise ValueError(f"prompt length T={prompt_len} exceeds {self.method} capacity={self.capacity} "
-                       "(raise max_len)")
+      raise ValueError(f"prompt length T={prompt_len} exceeds {self.method} capacity={self.capacity}: plan the "
+                       f"config for at least {prompt_len} tokens (make_config's prompt_len + max_new_tokens and "
+                       f"max_len, or max_len={prompt_len} or more)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -221,7 +223,7 @@ class FixedCacheConfig(MethodConfig):
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
     seq_len(prompt_len, max_new_tokens, max_len)
-    return cls(token_budget=token_budget, **kw)
+    return cls(**{"token_budget": token_budget, **kw})
 
 
 class SelectingMixin:

@@ -18,7 +18,7 @@ class ExactTopKConfig(SelectingMixin, KeepAllConfig):
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
     check_budget(token_budget)
-    return cls(max_len=seq_len(prompt_len, max_new_tokens, max_len), topk=token_budget, **kw)
+    return cls(**{"max_len": seq_len(prompt_len, max_new_tokens, max_len), "topk": token_budget, **kw})
 
   def select(self, cache, q_BKGH):
     return topk_tokens(attention_probs(q_BKGH, cache.k, cache.length).mean(axis=2), cache.length, self.topk)

@@ -17,4 +17,4 @@ class FullConfig(KeepAllConfig):
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
     del token_budget, head_dim  # full reads everything
-    return cls(max_len=seq_len(prompt_len, max_new_tokens, max_len), **kw)
+    return cls(**{"max_len": seq_len(prompt_len, max_new_tokens, max_len), **kw})

@@ -25,7 +25,7 @@ class HSAConfig(SelectingMixin, KeepAllConfig):
     check_budget(token_budget)
     s = seq_len(prompt_len, max_new_tokens, max_len)
     page_size, topr = stage2_pages(max(1.0, s / token_budget), head_dim)  # no stage-1 share: c2 = c
-    return cls(max_len=s, page_size=page_size, topr=topr, topk=token_budget // 2, **kw)
+    return cls(**{"max_len": s, "page_size": page_size, "topr": topr, "topk": token_budget // 2, **kw})
 
   def select(self, cache, q_BKGH):
     return hsa.select(self, cache, q_BKGH)

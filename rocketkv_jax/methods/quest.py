@@ -28,7 +28,7 @@ class QuestConfig(SelectingMixin, KeepAllConfig):
     check_budget(token_budget)
     s = seq_len(prompt_len, max_new_tokens, max_len)
     # One page's min+max costs one KV pair of traffic: S / P pages read = half the budget.
-    return cls(max_len=s, page_size=math.ceil(2 * s / token_budget), topk=token_budget // 2, **kw)
+    return cls(**{"max_len": s, "page_size": math.ceil(2 * s / token_budget), "topk": token_budget // 2, **kw})
 
   def page_scores(self, cache, q_BKGH):
     """Quest's upper bound per page, sum_c max(q_c k_min_c, q_c k_max_c), summed over the group's heads."""

@@ -43,14 +43,16 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, window_size=None,
                   **kw):
     """The plan of ALGORITHM.md §1. The window defaults to 32 tokens, or the whole prompt when it is shorter
-    (the observation window cannot exceed the prompt)."""
+    (the observation window cannot exceed the prompt). `kw` take the place of planned values; with an explicit
+    prompt_budget the plan's own prompt budget is not checked against the window (the config checks yours)."""
     if window_size is None:
       window_size = min(DEFAULT_WINDOW, prompt_len) if isinstance(prompt_len, int) and prompt_len >= 1 \
           else DEFAULT_WINDOW
     plan = plan_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len,
-                       window_size=window_size)
-    return cls(prompt_budget=plan.prompt_budget, max_new_tokens=max_new_tokens, topk=plan.top_k,
-               topr=plan.top_r, page_size=plan.page_size, window_size=window_size, **kw)
+                       window_size=1 if "prompt_budget" in kw else window_size)
+    planned = dict(prompt_budget=plan.prompt_budget, max_new_tokens=max_new_tokens, topk=plan.top_k,
+                   topr=plan.top_r, page_size=plan.page_size)
+    return cls(**{**planned, **kw, "window_size": window_size})
 
   @classmethod
   def from_tensorrt_llm(cls, *, prompt_budget, topk, topr, page_size, max_new_tokens, window_size=32,

@@ -8,6 +8,8 @@ from typing import ClassVar
 from rocketkv_jax import stage1
 from rocketkv_jax.methods.base import MethodConfig, check_budget, seq_len
 
+DEFAULT_WINDOW = 32  # SnapKV's observation window (its original setting)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapKVConfig(MethodConfig):
@@ -17,7 +19,7 @@ class SnapKVConfig(MethodConfig):
   method: ClassVar[str] = "snapkv"
   prompt_budget: int
   max_new_tokens: int
-  window_size: int = 32
+  window_size: int = DEFAULT_WINDOW
   kernel_size: int = 7
   sink_tokens: int = 0
 
@@ -31,9 +33,15 @@ class SnapKVConfig(MethodConfig):
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    """prompt_budget = token_budget: the cache holds t prompt tokens (window included) plus the new ones."""
     check_budget(token_budget)
     seq_len(prompt_len, max_new_tokens, max_len)
-    return cls(prompt_budget=token_budget, max_new_tokens=max_new_tokens, **kw)
+    window = kw.get("window_size", DEFAULT_WINDOW)
+    if "prompt_budget" not in kw and isinstance(window, int) and token_budget < window:
+      raise ValueError(f"snapkv keeps token_budget={token_budget} prompt tokens (its prompt_budget, window included), "
+                       f"fewer than window_size={window}: use token_budget >= {window} or window_size <= "
+                       f"{token_budget}")
+    return cls(**{"prompt_budget": token_budget, "max_new_tokens": max_new_tokens, **kw})
 
   @property
   def prompt_queries(self):

@@ -29,7 +29,7 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
     check_budget(token_budget)
     s = seq_len(prompt_len, max_new_tokens, max_len)
     topr = min(head_dim, max(1, int(token_budget * head_dim / s)))
-    return cls(max_len=s, topr=topr, topk=token_budget // 2, **kw)
+    return cls(**{"max_len": s, "topr": topr, "topk": token_budget // 2, **kw})
 
   def cache_shapes(self, batch, n_kv_heads, head_dim):
     return dict(super().cache_shapes(batch, n_kv_heads, head_dim), v_sum=(batch, n_kv_heads, head_dim))

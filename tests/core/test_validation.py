@@ -131,7 +131,7 @@ def test_decode_refuses_a_cache_of_another_spec(built, used):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda c: dataclasses.replace(c, kt_min=None), r"cache.kt_min.shape=None must be"),
+    (lambda c: dataclasses.replace(c, kt_min=None), r"cache.kt_min is missing \(None\), but rocketkv needs it"),
     (lambda c: dataclasses.replace(c, kt_max=c.kt_max[..., :-1]), r"cache.kt_max.shape=\(2, 2, 16, \d+\) must be"),
     (lambda c: dataclasses.replace(c, scores=jnp.zeros(c.k.shape[:3])), r"cache.scores is set, but rocketkv"),
     (lambda c: dataclasses.replace(c, kt_min=c.kt_min.astype(jnp.bfloat16), kt_max=c.kt_max.astype(jnp.bfloat16)),

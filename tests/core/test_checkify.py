@@ -1,0 +1,117 @@
+"""Inside a caller's jit the value checks cannot raise on the host; under `checkify.checkify` they are reported,
+without it they are dropped: the compiled code is the same as with no check at all (api.py's module doc)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import rocketkv_jax as rk
+
+B, T, N, K, H = 2, 32, 4, 2, 16
+
+
+def _qkv(t=T, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return (jax.random.normal(ks[0], (B, t, N, H)), jax.random.normal(ks[1], (B, t, K, H)),
+          jax.random.normal(ks[2], (B, t, K, H)))
+
+
+def _cfg(method, **kw):
+  return rk.make_config(method, token_budget=64, prompt_len=T, max_new_tokens=2, head_dim=H, impl="xla", **kw)
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv", "hsa"])
+def test_decode_past_capacity_in_jit_is_reported_under_checkify(method):
+  q, k, v = _qkv()
+  cfg = _cfg(method)
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, T]), config=cfg)
+  step = lambda c: rk.decode_step(c, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+  checked = jax.jit(checkify.checkify(step, errors=checkify.user_checks))
+  for _ in range(cfg.capacity - int(np.max(cache.length))):  # fill the cache: no error
+    err, (_, cache) = checked(cache)
+    assert err.get() is None
+  err, (out, cache) = checked(cache)
+  assert err.get() is not None and f"has reached capacity={cfg.capacity}" in err.get() and method in err.get()
+  with pytest.raises(checkify.JaxRuntimeError, match=rf"cache.length=\[{cfg.capacity} {cfg.capacity}\]"):
+    err.throw()
+  assert np.isfinite(np.asarray(out)).all()
+
+
+def test_evicting_method_never_reports_capacity():
+  q, k, v = _qkv()
+  cfg = _cfg("streaming_llm")
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, T]), config=cfg)
+  checked = jax.jit(checkify.checkify(lambda c: rk.decode_step(c, q[:, 0], k[:, 0], v[:, 0], config=cfg)))
+  for _ in range(3):
+    err, (_, cache) = checked(cache)
+    assert err.get() is None
+
+
+@pytest.mark.parametrize("lengths", [[0, 5], [T + 1, 5], [-3, 5]])
+@pytest.mark.parametrize("method", ["full", "snapkv", "h2o"])
+def test_prefill_lengths_out_of_range_in_jit_are_reported(lengths, method):
+  q, k, v = _qkv()
+  cfg = _cfg(method, window_size=8) if method == "snapkv" else _cfg(method)
+  f = checkify.checkify(jax.jit(lambda lengths: rk.prefill_compress(q, k, v, lengths, config=cfg)))
+  err, _ = f(jnp.array(lengths, jnp.int32))
+  assert err.get() is not None and f"must all lie in [1, T={T}]" in err.get()
+  assert str(lengths[0]) in err.get()
+  err, _ = f(jnp.array([T, 1], jnp.int32))
+  assert err.get() is None
+
+
+def test_hand_edited_length_in_jit_is_reported():
+  q, k, v = _qkv()
+  cfg = _cfg("streaming_llm")
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, T]), config=cfg)
+  bad = cache.__class__(**{**{f: getattr(cache, f) for f in ("k", "v", "pos", "spec")},
+                           "length": jnp.array([-1, 3], jnp.int32)})
+  err, _ = checkify.checkify(jax.jit(lambda c: rk.decode_step(c, q[:, 0], k[:, 0], v[:, 0], config=cfg)))(bad)
+  assert "cache.length=[-1  3] must lie in [0, capacity=64]" in err.get()
+
+
+def test_without_checkify_results_are_unchanged():
+  """Plain jit: no trace-time error, the same outputs as eager decoding, the token past capacity dropped."""
+  q, k, v = _qkv()
+  cfg = _cfg("rocketkv")
+  lengths = jnp.array([T, 20])
+  eager = rk.prefill_compress(q, k, v, lengths, config=cfg)
+  jitted = jax.jit(lambda q, k, v, l: rk.prefill_compress(q, k, v, l, config=cfg))(q, k, v, lengths)
+  for name in ("k", "v", "length", "pos", "kt_min", "kt_max"):
+    np.testing.assert_array_equal(np.asarray(getattr(eager, name)), np.asarray(getattr(jitted, name)))
+  step = jax.jit(lambda c, i: rk.decode_step(c, q[:, i], k[:, i], v[:, i], config=cfg))
+  for i in range(cfg.max_new_tokens):
+    want, eager = rk.decode_step(eager, q[:, i], k[:, i], v[:, i], config=cfg)
+    got, jitted = step(jitted, i)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  before = np.asarray(jitted.k)
+  _, jitted = step(jitted, 5)  # sequence 0 is full: its token is dropped, nothing raised
+  assert np.asarray(jitted.length).tolist()[0] == cfg.capacity
+  np.testing.assert_array_equal(np.asarray(jitted.k)[0], before[0])
+
+
+def _hlo(fn, *args):
+  """The optimized HLO, without metadata (source lines differ, the instructions must not)."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  text = text.split("FileLocations")[0]
+  return re.sub(r",? metadata=\{[^}]*\}", "", text)
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv", "h2o"])
+def test_checks_compile_away_without_checkify(method, monkeypatch):
+  q, k, v = _qkv()
+  cfg = _cfg(method)
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, 20]), config=cfg)
+
+  def fn(cache, q, k, v, lengths):
+    c2 = rk.prefill_compress(q, k, v, lengths, config=cfg)
+    out, cache = rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+    return out, cache, c2
+
+  args = (cache, q, k, v, jnp.array([T, 20]))
+  with_checks = _hlo(fn, *args)
+  monkeypatch.setattr(checkify, "debug_check", lambda *a, **kw: None)
+  assert _hlo(fn, *args) == with_checks
