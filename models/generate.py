@@ -6,6 +6,7 @@ the tokens to text. Compilation is timed apart from prefill and decode.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -21,6 +22,7 @@ from flax import nnx
 from rocketkv_jax import cache_nbytes, get_method, make_config
 
 from .llama import Llama, prefill_jit
+from .sharding import shard_batch
 from .loop import LoopConfig, LoopOutput, check_loop_args, compile_once, decode_loop_jit
 from .tokenizer import TextTokenizer
 
@@ -146,7 +148,7 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
              token_budget: int = 256, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, chat: bool = False,
              progress: Callable[[str], None] | None = None, plan_prompt_len: int | None = None,
-             **config_overrides) -> GenerateResult:
+             mesh=None, **config_overrides) -> GenerateResult:
   """Generates for a batch of prompts (strings or token-id lists) of different lengths.
 
   method/token_budget pick the KV cache (any method of the core; "full" ignores the budget).
@@ -184,14 +186,19 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   tokens = np.zeros((B, T), np.int32)
   for b, x in enumerate(ids):
     tokens[b, :len(x)] = x
+  if mesh is not None and len(mesh.devices.flat) > 1:
+    config_overrides.setdefault("impl", "xla")  # the Pallas kernels are not partitioned over a mesh yet
   config = make_config(method, token_budget=token_budget, prompt_len=plan_prompt_len,
                        max_new_tokens=max_new_tokens, head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
 
   graphdef, state = nnx.split(model)
   tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
+  if mesh is not None:  # the batch split over the data axis; the model's placement is load(mesh=)'s
+    tokens_j, lengths_j = shard_batch(tokens_j, mesh), shard_batch(lengths_j, mesh)
   t0 = time.perf_counter()
   progress(f"compiling prefill ({B} x {T} tokens, {method})")
-  pre = compile_once(prefill_jit, graphdef, state, tokens_j, lengths_j, config=config)
+  with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+    pre = compile_once(prefill_jit, graphdef, state, tokens_j, lengths_j, config=config)
   t1 = time.perf_counter()
   progress(f"prefill {B} x {T} tokens ({method}, budget {token_budget})")
   logits, caches = pre(state, tokens_j, lengths_j)

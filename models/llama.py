@@ -38,6 +38,8 @@ from flax import nnx
 
 from rocketkv_jax import decode_step, ops, prefill_compress
 
+from .sharding import constrain_cache
+
 __all__ = [
     "LlamaConfig", "Llama", "LayerStep", "prefill", "prefill_jit", "decode", "decode_body", "forward_full",
     "prefill_dense", "prefill_dense_jit", "compress_layers", "embed_tokens", "decode_layer", "final_logits",
@@ -539,7 +541,7 @@ def prefill_jit(graphdef, state, tokens_BT, lengths_B, config):
   lengths_B = lengths_B.astype(jnp.int32)
   return _layers_prefill(
       model, tokens_BT, lengths_B,
-      lambda q, k, v: prefill_compress(q, k, v, lengths_B, config=config))
+      lambda q, k, v: constrain_cache(prefill_compress(q, k, v, lengths_B, config=config)))
 
 
 def prefill(model: Llama, tokens_BT, lengths_B, config):

@@ -240,11 +240,13 @@ _COMPILED: dict = {}
 
 
 def compile_once(fn, *args, **static):
-  """fn (a jax.jit function) AOT-compiled for these arguments' shapes and these static arguments, cached, so
+  """fn (a jax.jit function) AOT-compiled for these arguments' shapes, shardings and these static arguments (and
+  the mesh set, if any), cached, so
   that compile time can be measured apart: call the result with the non-static arguments after the first
   (args[0] is the static graphdef)."""
   key = (fn, args[0], jax.tree.structure(args[1:]),
-         tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args[1:])), tuple(sorted(static.items())))
+         tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in jax.tree.leaves(args[1:])),
+         tuple(sorted(static.items())), jax.sharding.get_abstract_mesh())
   if key not in _COMPILED:
     if len(_COMPILED) >= 64:  # many distinct prompt shapes: drop old executables
       _COMPILED.clear()

@@ -635,6 +635,13 @@ def _load_cache(dirname: str, dtype):
   return cfg, params, tok
 
 
+def _placed(model, mesh):
+  if mesh is None:
+    return model
+  from .sharding import shard_model
+  return shard_model(model, mesh)
+
+
 def checkpoint_dtype(path: str) -> str:
   """The dtype a checkpoint's weights are stored in: a HF config's torch_dtype (or dtype), else float32."""
   cfg_path = os.path.join(path, "config.json")
@@ -651,7 +658,7 @@ def checkpoint_dtype(path: str) -> str:
 
 
 def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, use_cache: bool = True,
-         log=None):
+         log=None, mesh=None):
   """(model, tokenizer) from "smollm2", a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
   mistral or qwen2), or a hub id "org/name" found in the local Hugging Face cache (`hub.resolve`: nothing is
   downloaded; HF_HUB_CACHE / HF_HOME say where the cache is).
@@ -662,6 +669,8 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
   Each cache folder carries a manifest (size and sha256 of every file), checked on every load: a cache
   that fails the check (or cannot be read) is never used; it is reported (a CacheIntegrityWarning and
   `log`) and rebuilt from the source. Temp folders left by killed saves are removed.
+  mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): the parameters are placed
+  on it (`sharding.param_spec`: tensor parallel over "model"); None keeps them on the default device.
   dtype: parameter dtype (default float32); "auto" takes the checkpoint's own (a HF config's torch_dtype /
   dtype, e.g. bfloat16; float32 for GGUF, whose quantized tensors are dequantized).
   """
@@ -710,7 +719,7 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
           model = from_params(cfg, params, dtype)
           log(f"loaded converted weights from {cdir} in {time.perf_counter() - t0:.1f}s "
               f"(integrity check {t_check:.2f}s)")
-          return model, tok
+          return _placed(model, mesh), tok
         except Exception as e:  # intact but unreadable (another version's layout?): rebuild it
           reject(cdir, f"is unreadable: {type(e).__name__}: {e}")
           rejected = True
@@ -718,7 +727,7 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
   if not is_gguf:  # safetensors: streamed to the device, no converted copy kept (it would be the same bytes)
     model, tok = stream_hf_dir(path, dtype, log)
     log(f"loaded {path} ({dtype.name}) in {time.perf_counter() - t0:.1f}s")
-    return model, tok
+    return _placed(model, mesh), tok
   cfg, params, tok = read_gguf(path)
   model = from_params(cfg, params, dtype)
   log(f"converted {path} in {time.perf_counter() - t0:.1f}s")
@@ -730,4 +739,4 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
       log(f"could not save the weight cache to {cdir}: {e}")
       if rejected:  # do not leave a cache that failed its check for the next load to re-check
         shutil.rmtree(cdir, ignore_errors=True)
-  return model, tok
+  return _placed(model, mesh), tok

@@ -50,6 +50,8 @@ from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models.generate import stop_ids as default_stop_ids
 from rocketkv_jax.models.llama import fingerprint, prefill_extend, prefill_extend_layer_jit, prefill_jit
 from rocketkv_jax.models.loop import LoopConfig, RowSampling, decode_loop_jit
+from rocketkv_jax.models.sharding import cache_spec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import saved
 from .history import HistoryStore
@@ -268,17 +270,20 @@ class Engine:
   """Continuous batching over `config.max_slots` slots (module doc). Thread-safe: submit / abort may be called
   while another thread runs step()."""
 
-  def __init__(self, model, tokenizer, config: EngineConfig):
+  def __init__(self, model, tokenizer, config: EngineConfig, *, mesh=None):
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config={config!r} must be an EngineConfig")
     cfg = model.config
     if config.max_prompt_tokens + config.max_new_tokens > cfg.max_len:
       raise ValueError(f"max_prompt_tokens={config.max_prompt_tokens} + max_new_tokens={config.max_new_tokens} "
                        f"exceeds the model's max_len={cfg.max_len}")
-    self.model, self.tokenizer, self.config = model, tokenizer, config
+    self.model, self.tokenizer, self.config, self.mesh = model, tokenizer, config, mesh
+    overrides = dict(config.method_overrides)
+    if mesh is not None and len(mesh.devices.flat) > 1:
+      overrides.setdefault("impl", "xla")  # the Pallas kernels are not partitioned over a mesh yet
     self.method_config = make_config(config.method, token_budget=config.token_budget,
                                      prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
-                                     head_dim=cfg.head_dim, max_len=cfg.max_len, **dict(config.method_overrides))
+                                     head_dim=cfg.head_dim, max_len=cfg.max_len, **overrides)
     self.stop_ids = default_stop_ids(model, tokenizer, chat=True)
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
     self._graphdef, self._state = nnx.split(model)
@@ -297,8 +302,9 @@ class Engine:
                             self._state, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
     logits_shape, cache_shapes = shapes
     self._one_shapes = shapes  # (logits, caches) of one request: what a saved context must match
-    self._caches = jax.tree.map(lambda s: jnp.zeros((B,) + s.shape[1:], s.dtype), cache_shapes)
-    self._logits = jnp.zeros((B,) + logits_shape.shape[1:], logits_shape.dtype)
+    self._caches = jax.tree.map(lambda s: self._place(jnp.zeros((B,) + s.shape[1:], s.dtype), rows=True), cache_shapes)
+    self._logits = self._place(jnp.zeros((B,) + logits_shape.shape[1:], logits_shape.dtype), rows=True)
+    self._placement = jax.tree.map(lambda x: x.sharding, (self._logits, self._caches))
     self.model_id = fingerprint(model)
     self._reused = self._prefilled = 0  # prompt tokens taken from history / context, and prefilled
     self.history = None
@@ -306,6 +312,25 @@ class Engine:
       self.history = HistoryStore(cfg.n_layers, (cfg.n_kv_heads, cfg.head_dim), np.dtype(model.dtype),
                                   max_bytes=config.history_bytes, spill_dir=config.history_spill_dir,
                                   max_disk_bytes=config.history_disk_bytes)
+
+  def _keep_placement(self, logits, caches):
+    """The batched logits and caches put back where the engine keeps them (with a mesh, XLA may return a call's
+    outputs partitioned otherwise than its inputs, and every executable expects the engine's placement)."""
+    if self.mesh is None:
+      return logits, caches
+    return jax.tree.map(lambda x, s: x if x.sharding == s else jax.device_put(x, s), (logits, caches),
+                        self._placement)
+
+  def _place(self, x, rows: bool = False):
+    """x on the engine's mesh: slot rows over "data" and KV heads over "model" (`rows`: a batched cache or
+    logits leaf), else replicated; unchanged without a mesh."""
+    if self.mesh is None:
+      return x
+    if rows:
+      spec = cache_spec(x.shape, self.mesh, 1 if x.ndim >= 2 and x.shape[1] != self.model.config.vocab_size else None)
+    else:
+      spec = PartitionSpec()
+    return jax.device_put(x, NamedSharding(self.mesh, spec))
 
   # ------------------------------------------------------------------ requests
 
@@ -424,6 +449,7 @@ class Engine:
     tokens = np.zeros((1, T), np.int32)
     tokens[0, :n] = request.prompt_ids
     lengths = np.array([n], np.int32)
+    tokens, lengths = self._place(jnp.asarray(tokens)), self._place(jnp.asarray(lengths))
     exe = self._compiled(("prefill", T), lambda: prefill_jit.lower(
         self._graphdef, self._state, tokens, lengths, config=self.method_config))
     logits, caches = exe(self._state, tokens, lengths)
@@ -572,6 +598,7 @@ class Engine:
       slot_j = np.int32(slot)
       exe = self._compiled(("insert",), lambda: insert_jit.lower(self._caches, self._logits, caches, logits, slot_j))
       self._caches, self._logits = exe(self._caches, self._logits, caches, logits, slot_j)
+      self._logits, self._caches = self._keep_placement(self._logits, self._caches)
       req = prefilled.request
       self._slots[slot] = _Active(request=req, stops=frozenset(self.stop_ids) | frozenset(req.sampling.stop_ids),
                                   cached=getattr(prefilled, "cached", 0))
@@ -629,7 +656,7 @@ class Engine:
     exe = self._compiled(("decode", kind), lambda: decode_loop_jit.lower(
         self._graphdef, *args, config=self.method_config, loop=loop))
     out = exe(*args)
-    self._caches, self._logits = out.caches, out.logits_BV
+    self._logits, self._caches = self._keep_placement(out.logits_BV, out.caches)
     return out.tokens
 
   def step(self) -> list[TokenEvent]:
