@@ -34,7 +34,7 @@ class FlagError(ValueError):
 
 
 DTYPES = {"float32": ("float32", "f32", "fp32"), "bfloat16": ("bfloat16", "bf16"),
-          "float16": ("float16", "f16", "fp16")}
+          "float16": ("float16", "f16", "fp16"), "auto": ("auto",)}
 
 BUDGET_HELP = ("token budget t (default 256): KV pairs per KV head that one decode step reads (scoring plus exact "
                "attention), not the size of the cache. RocketKV keeps prompt_budget + max_new_tokens slots per KV "
@@ -384,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-compile-cache", action="store_true",
                     help="do not read or write the persistent compilation cache (every call compiles afresh)")
     sp.add_argument("--dtype", type=parse_dtype, default=None,
-                    help="parameter dtype: float32 (f32, fp32; the default), bfloat16 (bf16) or float16 (f16, fp16)")
+                    help="parameter dtype: float32 (f32, fp32; the default), bfloat16 (bf16), float16 (f16, fp16) or "
+                         "auto (the checkpoint's own: bfloat16 for most HF checkpoints)")
     sp.set_defaults(max_new_tokens=max_new_tokens)
 
   g = sub.add_parser("generate", help="generate text for one prompt")
