@@ -15,6 +15,7 @@ subprocess per point, since the peak counter cannot be reset.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -30,12 +31,18 @@ from flax import nnx
 import rocketkv_jax as rk
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.loop import LoopConfig, decode_loop_jit
+from rocketkv_jax.models.sharding import make_mesh, shard_batch, shard_model
 
 LLAMA_31_8B = llama.LlamaConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
     rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     norm_eps=1e-5, tie_embeddings=False, max_len=131072 + 1024)
+LLAMA_31_70B = llama.LlamaConfig(
+    vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672,
+    rope_theta=500000.0, rope_scaling=LLAMA_31_8B.rope_scaling, norm_eps=1e-5, tie_embeddings=False,
+    max_len=131072 + 1024)
+SHAPES = {"8b": LLAMA_31_8B, "70b": LLAMA_31_70B}
 TINY = llama.LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
                          tie_embeddings=False, max_len=8192)
 NEW_TOKENS = 256  # max_new_tokens every plan is made for (capacity holds warm-up + timed steps)
@@ -97,7 +104,7 @@ def build_model(cfg, seed=0):
   return llama.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
 
 
-def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed: int):
+def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed: int, mesh=None):
   """Prefills `batch` random prompts of `context` tokens in sub-batches, each compressed per layer, and
   assembles the caches. Returns (caches, seconds of one sub-batch prefill, compile excluded).
 
@@ -107,7 +114,10 @@ def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed
   vocab = model.config.vocab_size
   tokens = jax.random.randint(jax.random.PRNGKey(seed), (sub_batch, context), 0, vocab, jnp.int32)
   lengths = jnp.full((sub_batch,), context, jnp.int32)
-  compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
+  if mesh is not None:
+    tokens, lengths = shard_batch(tokens, mesh), shard_batch(lengths, mesh)
+  with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+    compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
   t0 = time.perf_counter()
   logits, caches = compiled(state, tokens, lengths)
   jax.block_until_ready((logits, caches))
@@ -206,9 +216,23 @@ def main(argv=None):
                        "print its top ops")
   ap.add_argument("--profile-batches", default="1", help="comma list of batch sizes that --profile traces")
   ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test)")
+  ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="model shape (default 8b: Llama-3.1-8B)")
+  ap.add_argument("--mesh", default=None,
+                  help="DP,TP: a mesh of DP x TP devices (batch over DP, tensor parallel over TP); floors are "
+                       "per device. The kernels are not partitioned yet: a mesh of more than one device runs "
+                       "the XLA path")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
-  cfg = TINY if args.tiny else LLAMA_31_8B
+  cfg = TINY if args.tiny else SHAPES[args.shape]
+  mesh = None
+  if args.mesh:
+    try:
+      dp, tp = (int(x) for x in args.mesh.split(","))
+    except ValueError:
+      raise SystemExit(f"--mesh={args.mesh!r} must be DP,TP (two integers)") from None
+    mesh = make_mesh(dp, tp)
+    if dp * tp > 1 and args.impl == "auto":
+      args.impl = "xla"
 
   if args.peak_point:
     m, t, c = args.peak_point.split(":")
@@ -227,7 +251,8 @@ def main(argv=None):
   header = dict(kind="header", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=dev.device_kind, jax=jax.__version__, command="python -m benchmarks.decode " + " ".join(
                     sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
-                xla_flags=os.environ.get("XLA_FLAGS", ""))
+                xla_flags=os.environ.get("XLA_FLAGS", ""), mesh=args.mesh,
+                shape="tiny" if args.tiny else args.shape)
 
   def emit(rec):
     line = json.dumps(rec)
@@ -240,7 +265,11 @@ def main(argv=None):
   header["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
   header["copy_bandwidth_rounds_GBps"] = [round(r / 1e9, 1) for r in rounds]
   model = build_model(cfg)
+  if mesh is not None:
+    model = shard_model(model, mesh)
   wbytes = weight_bytes(model)
+  n_dev, tp = (1, 1) if mesh is None else (mesh.devices.size, mesh.shape["model"])
+  kv_split = n_dev if mesh is None or cfg.n_kv_heads % tp == 0 else n_dev // tp  # KV heads split only if tp divides
   header["weight_bytes"] = wbytes
   emit(header)
   reps = max(1, -(-args.steps // args.chunk))
@@ -258,7 +287,7 @@ def main(argv=None):
         base = dict(kind="point", method=method, token_budget=budget if budgeted else None,
                     context=context, capacity=config.capacity)
         try:
-          caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context)
+          caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context, mesh=mesh)
         except Exception as e:  # noqa: BLE001 - reported, not dropped
           emit(dict(base, batch=1, status="OOM in prefill" if _is_oom(e) else "error in prefill",
                     error=f"{type(e).__name__}: {str(e)[:400]}"))
@@ -288,7 +317,8 @@ def main(argv=None):
                                                       profile_dir=prof)
               del caches
               kv_bytes = kv_bytes_needed(config, cfg, length, batch)
-              floor = (wbytes + kv_bytes) / bw
+              # per device: its share of the weights (split over the model axis) and of the KV
+              floor = (wbytes / tp + kv_bytes / kv_split) / bw
               rec.update(status="ok", ms_per_step=round(ms * 1e3, 3), floor_ms=round(floor * 1e3, 3),
                          ratio_to_floor=round(ms / floor, 3), tokens_per_s=round(batch / ms, 1),
                          step_ms_min=round(min(per_step) * 1e3, 3), step_ms_max=round(max(per_step) * 1e3, 3),

@@ -3,7 +3,7 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2)
+#        serve32max turn2 mesh70b)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -46,6 +46,9 @@ for part in "$@"; do
     serve32max)  # the most slots that fit (admission auto: prefills are shared once real ones would take over
                  # 90 s, i.e. RocketKV's hundreds of slots)
       serve 540 --methods full,rocketkv --token-budget 256 --prompt 32k --slots max ;;
+    mesh70b)  # issue 18, on a multi-GPU kind: the 70B shape, tensor parallel over 8 GPUs (the XLA path: the
+              # kernels are not partitioned yet)
+      run 580 --shape 70b --mesh 1,8 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
     turn2)  # a second turn of 512 / 4096 new tokens over a stored 32k first turn, against re-prefilling it all
       serve 300 --methods rocketkv --token-budget 256 --prompt 32k --slots "" --turn2 512,4096 ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;

@@ -27,3 +27,19 @@ def test_mesh_and_placement_errors():
     make_mesh(1, 0)
   mesh = make_mesh(1, 1)
   assert param_spec("layers/0/wqkv", (64, 128), mesh) == param_spec("layers/0/wqkv", (64, 128), mesh)
+
+
+def test_decode_benchmark_on_a_mesh(tmp_path):
+  """`benchmarks/decode.py --mesh DP,TP` runs every point on 8 fake CPU devices (per-device floors)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = tmp_path / "d.jsonl"
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+  r = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--tiny", "--contexts", "256", "--methods",
+                      "rocketkv,full", "--budgets", "64", "--batches", "1,8", "--steps", "4", "--chunk", "2",
+                      "--mesh", "4,2", "--out", str(out)], cwd=root, env=env, capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  recs = [json.loads(line) for line in out.read_text().splitlines()]
+  assert recs[0]["kind"] == "header" and recs[0]["mesh"] == "4,2"
+  points = [x for x in recs if x["kind"] == "point"]
+  assert len(points) == 4 and all(p["status"] == "ok" and p["floor_ms"] > 0 for p in points), points
