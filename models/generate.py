@@ -205,8 +205,9 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   jax.block_until_ready((logits, caches))
   prefilled = Prefilled(logits_BV=logits, caches=caches, lengths=lengths.tolist(),
                         prefill_s=time.perf_counter() - t1, compile_s=t1 - t0)
-  return decode_prefilled(model, tokenizer, prefilled, config, loop, token_budget=token_budget, seed=seed,
-                          progress=progress)
+  with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+    return decode_prefilled(model, tokenizer, prefilled, config, loop, token_budget=token_budget, seed=seed,
+                            progress=progress)
 
 
 def _check_overrides(method: str, overrides: dict) -> None:

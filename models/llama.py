@@ -38,7 +38,7 @@ from flax import nnx
 
 from rocketkv_jax import decode_step, ops, prefill_compress
 
-from .sharding import constrain_cache
+from .sharding import WHOLE, active_mesh, constrain_cache, per_shard
 
 __all__ = [
     "LlamaConfig", "Llama", "LayerStep", "prefill", "prefill_jit", "decode", "decode_body", "forward_full",
@@ -403,7 +403,10 @@ def _decode_qkv(blk: Block, cfg: LlamaConfig, normed_B1D, pos_B, impl: str):
   """q [B, N, H], k and v [B, K, H] of one token per row from the attention-normed input [B, 1, D]: the
   projection, then the core's `ops.qkv_rope` (one kernel with kernels; else its reference, which computes
   exactly `rope_heads`' numbers: tests/models/test_decode_kernels.py)."""
-  qkv_BX = _qkv_projection(blk, cfg, normed_B1D)[:, 0]
+  return _rope_split(cfg, _qkv_projection(blk, cfg, normed_B1D)[:, 0], pos_B, impl)
+
+
+def _rope_split(cfg: LlamaConfig, qkv_BX, pos_B, impl: str):
   inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
   return ops.qkv_rope(qkv_BX, pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                       impl=impl)
@@ -728,16 +731,34 @@ def decode_layer(blk: Block, cfg: LlamaConfig, x_B1D, delta_B1D, cache, config) 
   select, attend), the attention's residual add fused with mlp_norm, the MLP. With config.impl running
   kernels (`ops.uses_kernels`) each (add, norm) pair and the RoPE + head split are one kernel each."""
   impl, eps = config.impl, cfg.norm_eps
-  x, h = add_norm(x_B1D, delta_B1D, blk.attn_norm[...], eps, impl)
-  q, k, v = _decode_qkv(blk, cfg, h, cache.pos, impl)
-  o, cache = decode_step(cache, q, k, v, config=config)
-  x, h = add_norm(x, _attn_out(blk, o[:, None], x.dtype), blk.mlp_norm[...], eps, impl)
+  kernels = ops.uses_kernels(impl) and active_mesh() is not None  # kernels run per device on a mesh
+  x, h = _norm(x_B1D, delta_B1D, blk.attn_norm[...], eps, impl, kernels)
+  if kernels:
+    qkv = _qkv_projection(blk, cfg, h)[:, 0]
+    q, k, v = per_shard(lambda qkv, pos: _rope_split(cfg, qkv, pos, impl), (qkv, cache.pos), (None, None),
+                        (None, None, None))
+    o, cache = per_shard(lambda c, q, k, v: decode_step(c, q, k, v, config=config), (cache, q, k, v),
+                         (1, 1, 1, 1), (1, 1), heads=cfg.n_kv_heads)
+  else:
+    q, k, v = _decode_qkv(blk, cfg, h, cache.pos, impl)
+    o, cache = decode_step(cache, q, k, v, config=config)
+  x, h = _norm(x, _attn_out(blk, o[:, None], x.dtype), blk.mlp_norm[...], eps, impl, kernels)
   return LayerStep(x=x, delta=_mlp(blk, h), cache=cache, q=q, k=k)
+
+
+def _norm(x, delta, w, eps, impl, per_device: bool):
+  """add_norm, run per device (by batch) when its kernel runs on a mesh."""
+  if not per_device:
+    return add_norm(x, delta, w, eps, impl)
+  if delta is None:
+    return per_shard(lambda x, w: add_norm(x, None, w, eps, impl), (x, w), (None, WHOLE), (None, None))
+  return per_shard(lambda x, d, w: add_norm(x, d, w, eps, impl), (x, delta, w), (None, None, WHOLE), (None, None))
 
 
 def final_logits(model: Llama, x_B1D, delta_B1D, impl: str) -> jax.Array:
   """Logits [B, V] (float32) after the last layer: its residual add fused with the final norm, the head."""
-  _, h = add_norm(x_B1D, delta_B1D, model.norm[...], model.config.norm_eps, impl)
+  per_device = ops.uses_kernels(impl) and active_mesh() is not None
+  _, h = _norm(x_B1D, delta_B1D, model.norm[...], model.config.norm_eps, impl, per_device)
   return _logits(model, h[:, 0])
 
 

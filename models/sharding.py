@@ -7,8 +7,10 @@ model axis does not divide is left whole (replicated), so any head count runs on
 over "data". Caches (`constrain_cache`, applied by the model right after each layer's compression while a
 mesh is set with `jax.set_mesh`) are split by batch over "data" and by KV head over "model" where the KV heads
 divide, else kept whole along heads. XLA (GSPMD) partitions the computation from these placements and adds
-the collectives, so sharded and unsharded runs compute the same thing. The Pallas kernels are not partitioned
-yet: a sharded run uses the XLA path (`impl="xla"`; `generate` picks it when a mesh is given).
+the collectives, so sharded and unsharded runs compute the same thing. Pallas kernels, which XLA cannot
+partition, run per device under `jax.shard_map` (`per_shard`: the decode step's attention by batch and KV
+head, the norms and RoPE by batch); tested in interpret mode on CPU devices only, so `generate` and the engine
+still default to the XLA path on a mesh (pass impl="pallas" to use the kernels).
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["DATA", "MODEL", "cache_spec", "constrain_cache", "make_mesh", "param_spec", "shard_batch",
-           "shard_model"]
+__all__ = ["DATA", "MODEL", "active_mesh", "cache_spec", "constrain_cache", "make_mesh", "param_spec", "per_shard",
+           "shard_batch", "shard_model"]
 
 DATA, MODEL = "data", "model"
+WHOLE = "whole"  # per_shard: an argument every device gets whole
 _COLUMNS = ("wqkv", "w_gate_up", "lm_head", "bqkv")  # split along the last (output) axis
 _ROWS = ("wo", "w_down")                              # split along the first (input) axis
 
@@ -95,3 +98,47 @@ def constrain_cache(cache):
   def put(x):
     return jax.lax.with_sharding_constraint(x, cache_spec(x.shape, mesh, 1 if x.ndim >= 2 else None))
   return jax.tree.map(put, cache)
+
+
+def active_mesh():
+  """The mesh set with `jax.set_mesh` (with axes data and model), or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or DATA not in mesh.axis_names or MODEL not in mesh.axis_names:
+    return None
+  return mesh
+
+
+def per_shard(fn, args, head_axes, out_head_axes, *, heads: int | None = None):
+  """fn(*args) run per device with jax.shard_map over the active mesh, for functions (kernel calls) that XLA
+  cannot partition: every array is split by batch (axis 0) over "data" and, where `head_axes` names an axis
+  (one entry per arg pytree; None for none), by heads over "model" when the model axis divides `heads`, else
+  kept whole (every model shard then computes the same thing). Without a mesh: fn(*args).
+
+  args: a tuple of pytrees; head_axes / out_head_axes: per arg / per output pytree, an int axis or None
+  (applied to every leaf of rank > that axis; leaves of rank 1 are split by batch only), or WHOLE (not split:
+  weights)."""
+  mesh = active_mesh()
+  if mesh is None:
+    return fn(*args)
+  split_heads = heads is not None and heads % mesh.shape[MODEL] == 0
+
+  def specs(tree, axis):
+    def one(x):
+      shape = x.shape
+      spec = [None] * len(shape)
+      if axis == WHOLE:  # e.g. a norm's weight: every device gets all of it
+        return P(*spec)
+      if shape and shape[0] % mesh.shape[DATA] == 0:
+        spec[0] = DATA
+      if split_heads and axis is not None and len(shape) > axis:
+        spec[axis] = MODEL
+      return P(*spec)
+    return jax.tree.map(one, tree)
+
+  in_specs = tuple(specs(a, ax) for a, ax in zip(args, head_axes))
+  out_shapes = jax.eval_shape(fn, *args)
+  if isinstance(out_head_axes, tuple):
+    out_specs = tuple(specs(o, ax) for o, ax in zip(out_shapes, out_head_axes))
+  else:
+    out_specs = specs(out_shapes, out_head_axes)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -34,6 +34,7 @@ after each call, as are `stop_strings` (on the detokenized text; the string and 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -421,7 +422,8 @@ class Engine:
   def _compiled(self, key, lower):
     exe = self._executables.get(key)
     if exe is None:
-      exe = self._executables[key] = lower().compile()
+      with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()):
+        exe = self._executables[key] = lower().compile()
     return exe
 
   def bucket(self, n_tokens: int) -> int:

@@ -1,7 +1,8 @@
 """Run by tests/models/test_sharding.py in a fresh process with 8 fake CPU devices (the flag must be set before
 jax starts): generate and the serving engine on meshes dp=8, tp=2 x dp=4, tp=8 and dp=2 x tp=4 against the
 same runs unsharded. The tiny model has 4 query and 2 KV heads, so tp=2 divides the KV heads and tp=4 / tp=8
-do not. Prints one JSON line: {case: tokens equal}."""
+do not; the Pallas kernels (interpret mode) run per device under shard_map. Prints one JSON line:
+{case: tokens equal}."""
 import json
 import os
 import sys
@@ -37,6 +38,15 @@ def main():
       got = generate(shard_model(model, mesh), Tok(), prompts, method=method, token_budget=32, max_new_tokens=12,
                      plan_prompt_len=200, mesh=mesh).token_ids
       result[f"generate {method} dp={dp} tp={tp}"] = got == ref
+
+  # the Pallas kernels (interpret mode on CPU) per device under shard_map
+  ref = generate(model, Tok(), prompts, method="rocketkv", token_budget=32, max_new_tokens=6, plan_prompt_len=200,
+                 impl="interpret").token_ids
+  for dp, tp in ((4, 2), (1, 8)):
+    mesh = make_mesh(dp, tp)
+    got = generate(shard_model(model, mesh), Tok(), prompts, method="rocketkv", token_budget=32, max_new_tokens=6,
+                   plan_prompt_len=200, mesh=mesh, impl="interpret").token_ids
+    result[f"generate kernels dp={dp} tp={tp}"] = got == ref
 
   kw = dict(method="rocketkv", token_budget=32, max_slots=8, max_prompt_tokens=200, max_new_tokens=16,
             steps_per_call=4, method_overrides=dict(impl="xla"))
