@@ -72,7 +72,8 @@ def parse_args(argv=None):
   return a
 
 
-def _machine() -> dict:
+def machine() -> dict:
+  """Where the run ran: host, platform, python, jax, backend, devices."""
   import jax
   return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
           "jax": jax.__version__, "backend": jax.default_backend(),
@@ -92,9 +93,26 @@ def _configs(methods, budgets, context, max_new, model_cfg, impl="auto"):
   return out
 
 
-def run(args, progress=None, log=print, checkpoint=None) -> dict:
+def task_key(r) -> tuple:
+  """A task row's identity: (context, method, budget, task, seed)."""
+  return (r["context"], r["method"], r["budget"], r["task"], r["seed"])
+
+
+def fidelity_key(r) -> tuple:
+  """A fidelity row's identity: (context, method, budget, sequences, tail)."""
+  return (r["context"], r["method"], r["budget"], r["sequences"], r["tail"])
+
+
+def run(args, progress=None, log=print, checkpoint=None, done=None, record=None) -> dict:
   """The grid. `checkpoint(res)`, if given, is called after every prompt batch and fidelity pass, so a run
-  stopped early (a time limit) keeps what it measured."""
+  stopped early (a time limit) keeps what it measured.
+
+  Resuming: `done` = {"tasks": [rows], "fidelity": [rows], "skipped": [rows]} of an earlier run with the same
+  model, dtype, max_new, chat, fid_tail and diagnostic setting; those rows go into the result as they are and
+  their work is not redone: a prompt batch whose every (method, budget) row is done skips its prefill, a
+  config runs only where a row is missing, a context's fidelity pass runs only for missing rows (plus the
+  full-KV reference they are compared with). `record(kind, row)`, if given, gets every new row as soon as it
+  exists (kind "tasks", "fidelity" or "skipped")."""
   import jax
   import jax.numpy as jnp
 
@@ -102,20 +120,33 @@ def run(args, progress=None, log=print, checkpoint=None) -> dict:
   from rocketkv_jax.models.generate import stop_ids
 
   t_start = time.time()
-  model, tok = load(args.model, dtype=getattr(jnp, args.dtype), log=log) if isinstance(args.model, str) else args.model
+  model, tok = load(args.model, dtype=args.dtype, log=log) if isinstance(args.model, str) else args.model
   runner = Runner(model)
   cfg = model.config
   chat = args.chat == "on"
   eos = stop_ids(model, tok, chat)
+  done = done or {}
+  record = record or (lambda kind, row: None)
   res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-                  "machine": _machine(), "model": args.model if isinstance(args.model, str) else "given",
+                  "command": getattr(args, "command_line", None) or
+                  "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+                  "machine": machine(),
+                  "model": getattr(args, "model_name", None) or (args.model if isinstance(args.model, str) else "given"),
                   "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
                                    "head_dim": cfg.head_dim, "max_len": cfg.max_len},
                   "grid": {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks",
                                                            "fid_samples", "fid_tail", "max_new", "chat", "dtype", "impl")
                            if hasattr(args, k)}},
-         "tasks": [], "fidelity": [], "skipped": []}
+         "tasks": list(done.get("tasks", ())), "fidelity": list(done.get("fidelity", ())),
+         "skipped": list(done.get("skipped", ()))}
+  done_tasks = {task_key(r) for r in res["tasks"]}
+  done_skips = {(r["context"], r["method"], r["budget"], r["why"]) for r in res["skipped"]}
+
+  def skip(row):
+    if (row["context"], row["method"], row["budget"], row["why"]) not in done_skips:
+      done_skips.add((row["context"], row["method"], row["budget"], row["why"]))
+      res["skipped"].append(row)
+      record("skipped", row)
   res["meta"]["haystack"] = {"files": sorted(n for n in os.listdir(T.DATA_DIR) if n.endswith(".txt")),
                              "sentences": len(T.haystack_sentences())}
   n_cfg = {c: len(_configs(args.methods, args.budgets, c, args.max_new, cfg)) for c in args.contexts}
@@ -130,16 +161,23 @@ def run(args, progress=None, log=print, checkpoint=None) -> dict:
     confs = _configs(args.methods, args.budgets, C, args.max_new, cfg, getattr(args, "impl", "auto"))
     for m, b, c in confs:
       if isinstance(c, str):
-        res["skipped"].append({"context": C, "method": m, "budget": b, "why": c})
+        skip({"context": C, "method": m, "budget": b, "why": c})
     for i0 in range(0, len(samples), args.batch):
       chunk = samples[i0:i0 + args.batch]
+      todo = {(m, b) for m, b, c in confs if not isinstance(c, str)
+              and any((C, m, b, s.task, s.seed) not in done_tasks for s in chunk)}
+      if not todo:  # every row of this batch was measured by an earlier run
+        if prog: prog.describe(f"{C} tok: {len(chunk)} prompts already done")
+        for _ in confs:
+          if prog: prog.advance()
+        continue
       ids = np.array([s.ids for s in chunk], np.int32)
       lengths = np.full((len(chunk),), C, np.int32)
       if prog: prog.describe(f"{C} tok: dense prefill of {len(chunk)} prompts")
       logits, qkv = runner.prefill_dense(ids, lengths)
       jax.block_until_ready(logits)
       for m, b, config in confs:
-        if isinstance(config, str):
+        if isinstance(config, str) or (m, b) not in todo:
           if prog: prog.advance()
           continue
         if prog: prog.describe(f"{C} tok: tasks {m} t={b}")
@@ -148,16 +186,21 @@ def run(args, progress=None, log=print, checkpoint=None) -> dict:
         out = runner.greedy(logits, caches, config, args.max_new, eos)
         dt = time.time() - t0
         for s, row in zip(chunk, out):
+          if (C, m, b, s.task, s.seed) in done_tasks:
+            continue
           body = [int(x) for x in row if x >= 0 and x not in eos]
           text = tok.decode(body)
-          res["tasks"].append({"context": C, "method": m, "budget": b, "task": s.task, "seed": s.seed,
-                               "answers": list(s.answers), "output": text, "score": T.score(text, s.answers),
-                               "seconds": dt / len(chunk)})
+          r = {"context": C, "method": m, "budget": b, "task": s.task, "seed": s.seed,
+               "answers": list(s.answers), "output": text, "score": T.score(text, s.answers),
+               "seconds": dt / len(chunk)}
+          res["tasks"].append(r)
+          done_tasks.add(task_key(r))
+          record("tasks", r)
         if prog: prog.advance()
       del qkv, logits
       if checkpoint: checkpoint(res)
     if args.fid_samples:
-      _fidelity(args, runner, tok, C, confs, res, prog)
+      _fidelity(args, runner, tok, C, res, prog, skip, record)
       if checkpoint: checkpoint(res)
   res["meta"]["seconds"] = time.time() - t_start
   res["summary"] = summarize(res)
@@ -165,27 +208,34 @@ def run(args, progress=None, log=print, checkpoint=None) -> dict:
   return res
 
 
-def _fidelity(args, runner, tok, C, confs, res, prog):
+def _fidelity(args, runner, tok, C, res, prog, skip, record):
   import jax
 
   F = args.fid_tail
   prefix = C - F
-  seqs = [T.fidelity_text(tok, C, s)[0] for s in range(args.fid_samples)]
-  ids = np.array(seqs, np.int32)
-  if prog: prog.describe(f"{C} tok: dense prefill of {len(seqs)} prose sequences")
-  logits, qkv = runner.prefill_dense(ids, np.full((len(seqs),), prefix, np.int32))
-  jax.block_until_ready(logits)
   # plan each method for what this run decodes: a prompt of `prefix` tokens and F - 1 new ones (the
   # task configs are planned for C + max_new and would overflow a non-evicting cache)
   confs = _configs(args.methods, args.budgets, prefix, F, runner.cfg, getattr(args, "impl", "auto"))
   for m, b, c in confs:
     if isinstance(c, str):
-      res["skipped"].append({"context": C, "method": m, "budget": b, "why": f"fidelity {c}"})
+      skip({"context": C, "method": m, "budget": b, "why": f"fidelity {c}"})
+  have = {fidelity_key(r) for r in res["fidelity"]}
+  todo = {(m, b) for m, b, c in confs if not isinstance(c, str) and (C, m, b, args.fid_samples, F) not in have}
+  if not todo:  # every row measured by an earlier run
+    for _ in confs:
+      if prog: prog.advance()
+    return
+  seqs = [T.fidelity_text(tok, C, s)[0] for s in range(args.fid_samples)]
+  ids = np.array(seqs, np.int32)
+  if prog: prog.describe(f"{C} tok: dense prefill of {len(seqs)} prose sequences")
+  logits, qkv = runner.prefill_dense(ids, np.full((len(seqs),), prefix, np.int32))
+  jax.block_until_ready(logits)
   order = sorted(confs, key=lambda x: x[1] is not None)  # the reference (budget None: full KV) first
   ref = None
   target = ids[:, prefix:]
   for m, b, config in order:
-    if isinstance(config, str):
+    # a done row is skipped, except the reference (budget None) when rows compared with it remain
+    if isinstance(config, str) or ((m, b) not in todo and (b is not None or ref is not None)):
       if prog: prog.advance()
       continue
     if prog: prog.describe(f"{C} tok: fidelity {m} t={b}")
@@ -214,11 +264,117 @@ def _fidelity(args, runner, tok, C, confs, res, prog):
       row["mass"] = float(mass.mean())
       row["oracle"] = float(oracle.mean())
       row["selected_tokens"] = float(d["n_sel"].mean())
-    res["fidelity"].append(row)
+    if (m, b) in todo:
+      res["fidelity"].append(row)
+      record("fidelity", row)
     if prog: prog.advance()
 
 
-class _RichProgress:
+# ----------------------------------------------------------------------------- resumable runs (`rocketkv eval`)
+#
+# <out>.cells.jsonl, one JSON object a line, appended and flushed as each row is measured:
+#   {"kind": "meta", "version": 1, "settings": {...}}   first line: what every row depends on (model, dtype,
+#                                                       max_new, chat, fid_tail, no_diag, impl); a re-run
+#                                                       with other settings is refused
+#   {"kind": "run", "date": ..., "command": ..., "machine": {...}, "model_config": {...}}   each run that loaded the model
+#   {"kind": "tasks", <a task row of the result JSON>}       one prompt x method x budget
+#   {"kind": "fidelity", <a fidelity row>}                    one context x method x budget
+#   {"kind": "skipped", <a skipped row>}                      a config the budget/context cannot make
+# A last line cut short by a kill is ignored (and dropped by the next run's writer). Cells: a task cell (context, method, budget, task) is done when
+# its rows for seeds 0 .. samples-1 are there (or its config is skipped); a fidelity cell (context, method,
+# budget) when its row for these fid_samples and fid_tail is.
+
+CELLS_VERSION = 1
+RESUME_SETTINGS = ("model", "dtype", "max_new", "chat", "fid_tail", "no_diag", "impl")
+
+
+def resume_settings(args) -> dict:
+  return {k: getattr(args, k) for k in RESUME_SETTINGS}
+
+
+def read_cells(path: str) -> dict | None:
+  """The rows of a cells file: {"settings", "runs", "tasks", "fidelity", "skipped"}, or None when absent."""
+  if not os.path.exists(path):
+    return None
+  out = {"settings": None, "runs": [], "tasks": [], "fidelity": [], "skipped": []}
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError:
+      if i >= len(lines) - 2:  # the last line, cut short by a kill
+        continue
+      raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+    kind = rec.pop("kind", None)
+    if kind == "meta":
+      out["settings"] = rec.get("settings")
+    elif kind == "run":
+      out["runs"].append(rec)
+    elif kind in ("tasks", "fidelity", "skipped"):
+      out[kind].append(rec)
+  return out
+
+
+class CellLog:
+  """Appends records to a cells file, one flushed line each (see above)."""
+
+  def __init__(self, path: str, settings: dict):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    started = os.path.exists(path) and os.path.getsize(path) > 0
+    if started:  # drop a last line cut short by a kill (read_cells ignores it), so the next record starts clean
+      with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+          f.truncate(data.rfind(b"\n") + 1)
+      started = os.path.getsize(path) > 0
+    self.f = open(path, "a", encoding="utf-8")
+    if not started:
+      self.write("meta", {"version": CELLS_VERSION, "settings": settings})
+
+  def write(self, kind: str, row: dict) -> None:
+    self.f.write(json.dumps({"kind": kind, **row}, default=str) + "\n")
+    self.f.flush()
+
+  def close(self):
+    self.f.close()
+
+
+def select(rows: dict, args) -> dict:
+  """The rows of `rows` (tasks / fidelity / skipped lists) inside this grid."""
+  budgets = set(args.budgets) | {None}
+  in_grid = lambda r: r["context"] in args.contexts and r["method"] in args.methods and r["budget"] in budgets
+  return {"tasks": [r for r in rows["tasks"] if in_grid(r) and r["task"] in args.tasks and r["seed"] < args.samples],
+          "fidelity": [r for r in rows["fidelity"] if in_grid(r) and args.fid_samples
+                       and r["sequences"] == args.fid_samples and r["tail"] == args.fid_tail],
+          "skipped": [r for r in rows["skipped"] if in_grid(r)]}
+
+
+def cell_status(args, rows: dict) -> tuple[int, int]:
+  """(cells done, cells in the grid) of task and fidelity cells, from rows already measured (no model needed)."""
+  have_t = {task_key(r) for r in rows["tasks"]}
+  have_f = {fidelity_key(r) for r in rows["fidelity"]}
+  skipped_t = {(r["context"], r["method"], r["budget"]) for r in rows["skipped"] if not r["why"].startswith("fidelity")}
+  skipped_f = {(r["context"], r["method"], r["budget"]) for r in rows["skipped"] if r["why"].startswith("fidelity")}
+  done = total = 0
+  for C in args.contexts:
+    for m in args.methods:
+      for b in (args.budgets if rocketkv_jax.get_method(m).budgeted else [None]):
+        if args.samples:
+          for t in args.tasks:
+            total += 1
+            done += (C, m, b) in skipped_t or all((C, m, b, t, s) in have_t for s in range(args.samples))
+        if args.fid_samples:
+          total += 1
+          done += (C, m, b) in skipped_f or (C, m, b, args.fid_samples, args.fid_tail) in have_f
+  return done, total
+
+
+class RichProgress:
+  """The suite's progress bar on stderr (one plain line per unit when stderr is not a terminal)."""
+
   def __init__(self, total):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -253,7 +409,7 @@ def main(argv=None):
     with open(args.out + ".partial.json", "w") as f:
       json.dump(res, f, default=str)
 
-  res = run(args, progress=_RichProgress, log=log, checkpoint=checkpoint)
+  res = run(args, progress=RichProgress, log=log, checkpoint=checkpoint)
   if os.path.exists(args.out + ".partial.json"):
     os.remove(args.out + ".partial.json")
   paths = write_outputs(res, args.out)

@@ -7,6 +7,8 @@ OpenAI-compatible API. It lives in the serving layer, the top one, since `serve`
   rocketkv serve --model smollm2 --method rocketkv --token-budget 256 --port 8000 --max-slots 8 \
       [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64] \
       [--history-gb 4] [--sessions-dir DIR]
+  rocketkv eval --model DIR_OR_HUB_ID --contexts 16k,32k --methods full,rocketkv,snapkv --budgets 256,1024 \
+      [--tasks passkey,multikey] [--samples 10] [--fid-samples 4] [--out PREFIX] [--dtype auto]
   rocketkv --version
 
 Results go to stdout; progress (loading, compiling, prefill, decode) and the server's log go to stderr. Every
@@ -23,6 +25,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -110,10 +113,15 @@ def _methods_list(text: str) -> tuple[str, ...]:
 
 
 def _check_model_source(model: str) -> None:
-  """Fails fast, before any loading, when the model's file or folder (or the smollm2 package) is missing."""
+  """Fails fast, before any loading, when the model's file or folder (or the smollm2 package, or a hub id's
+  checkpoint in the local Hugging Face cache) is missing."""
+  from rocketkv_jax.models import hub
   from rocketkv_jax.models.weights import smollm2_path
   if model == "smollm2":
     smollm2_path()  # CheckpointError (a ValueError) naming the missing package or file
+    return
+  if hub.is_hub_id(model):
+    hub.resolve(model)  # HubCheckpointMissing (a ValueError) saying where it looked and how to download
     return
   path = os.path.expanduser(model)
   if not os.path.exists(path):
@@ -352,6 +360,146 @@ def _cmd_serve(args) -> int:
   return 0
 
 
+def _size_list(text: str) -> tuple[int, ...]:
+  """Comma-separated token counts: 16384, 16k (= 16384) or 0.5k."""
+  out = []
+  for part in text.split(","):
+    x = part.strip().lower()
+    if not x:
+      continue
+    try:
+      v = float(x[:-1]) * 1024 if x.endswith("k") else int(x)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a token count (e.g. 16384 or 16k)") from None
+    if not math.isfinite(v) or v != int(v) or v < 1:
+      raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a positive whole number of tokens")
+    out.append(int(v))
+  if not out:
+    raise argparse.ArgumentTypeError(f"no value in {text!r}")
+  return tuple(dict.fromkeys(out))
+
+
+def _budget_list(text: str) -> tuple[int, ...]:
+  from rocketkv_jax.budget import MIN_TOKEN_BUDGET
+  budgets = _size_list(text)
+  low = [b for b in budgets if b < MIN_TOKEN_BUDGET]
+  if low:
+    raise argparse.ArgumentTypeError(f"token budget(s) {', '.join(map(str, low))} below the minimum "
+                                     f"{MIN_TOKEN_BUDGET}")
+  return budgets
+
+
+def _import_suite():
+  """The accuracy suite (benchmarks/accuracy), which ships with a checkout of the repository, not the package."""
+  # a console script does not put the working folder on sys.path: look for the checkout that holds this
+  # package (an editable install) or the working folder
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  for root in (here, os.getcwd()):
+    if os.path.isfile(os.path.join(root, "benchmarks", "accuracy", "runner.py")) and root not in sys.path:
+      sys.path.append(root)
+      break
+  try:
+    from benchmarks.accuracy import report, runner, tasks
+  except ModuleNotFoundError as e:
+    if e.name and e.name.split(".")[0] == "benchmarks":
+      raise SuiteMissing("rocketkv eval runs the accuracy suite in benchmarks/accuracy/, which is part of a "
+                         "checkout of the rocketkv-jax repository, not of the installed package: run it from the "
+                         "repository's root folder (or put that folder on PYTHONPATH)") from None
+    raise
+  return runner, tasks, report
+
+
+class SuiteMissing(RuntimeError):
+  """rocketkv eval outside a checkout (exit status 1)."""
+
+
+def _cmd_eval(args) -> int:
+  err = _console(True)
+  log = lambda msg: err.log(msg)  # noqa: E731
+  R, T, report = _import_suite()
+  args.methods = args.methods or R.DEFAULT_METHODS
+  grid = R.GRIDS["default"]
+  args.budgets = args.budgets or grid["budgets"]
+  args.tasks = tuple(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
+  unknown = [t for t in args.tasks if t not in T.TASKS]
+  if unknown or not args.tasks:
+    raise FlagError(f"unknown task(s) {', '.join(map(repr, unknown)) or 'none given'}: choose from "
+                    f"{', '.join(T.TASKS)}")
+  if not args.samples and not args.fid_samples:
+    raise FlagError("--samples 0 and --fid-samples 0: nothing to measure")
+  if args.fid_samples and args.fid_tail >= min(args.contexts):
+    raise FlagError(f"--fid-tail {args.fid_tail} must be shorter than every context (the shortest is "
+                    f"{min(args.contexts)}): it is the teacher-forced end of a context-long sequence")
+  args.dtype = args.dtype or "float32"
+  args.chat = "on" if args.chat else "off"
+  out = args.out or f"rocketkv_eval_{_model_name(args.model)}"
+  cells_path = out + ".cells.jsonl"
+  settings = R.resume_settings(args)
+  prior = R.read_cells(cells_path) or {"settings": settings, "runs": [], "tasks": [], "fidelity": [], "skipped": []}
+  if prior["settings"] is not None and prior["settings"] != settings:
+    diff = ", ".join(f"{k}: {prior['settings'].get(k)!r} there, {v!r} now" for k, v in settings.items()
+                     if prior["settings"].get(k) != v)
+    raise FlagError(f"{cells_path} holds cells measured with other settings ({diff}): give another --out, or "
+                    "delete that file to start afresh")
+  rows = R.select(prior, args)
+  n_done, n_cells = R.cell_status(args, rows)
+  command = "rocketkv eval " + " ".join(shlex.quote(x) for x in args.argv)
+  if n_done:
+    log(f"{cells_path}: {n_done} of {n_cells} cells already done; skipping them")
+  if n_done == n_cells and prior["runs"]:
+    log("every cell is done: not loading the model, only writing the report")
+    res = {"meta": {**prior["runs"][-1], "command": command, "model": args.model, "grid": _eval_grid(args),
+                    "runs": prior["runs"]}, **rows}
+    res["meta"]["haystack"] = {"files": sorted(n for n in os.listdir(T.DATA_DIR) if n.endswith(".txt")),
+                               "sentences": len(T.haystack_sentences())}
+  else:
+    _check_model_source(args.model)
+    compile_cache_dir(args)
+    from rocketkv_jax.models import load
+    log(f"loading {args.model}")
+    model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
+    cfg = model.config
+    too_long = [c for c in args.contexts if c + max(args.max_new, 1) > cfg.max_len]
+    if too_long:
+      raise FlagError(f"context(s) {', '.join(map(str, too_long))} + --max-new {args.max_new} exceed the model's "
+                      f"max_len {cfg.max_len}")
+    import datetime
+    this_run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": command, "machine": R.machine(),
+                "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+                                 "head_dim": cfg.head_dim, "max_len": cfg.max_len}}
+    cell_log = R.CellLog(cells_path, settings)
+    cell_log.write("run", this_run)
+    ran = {"tasks": 0, "fidelity": 0}
+
+    def record(kind, row):
+      cell_log.write(kind, row)
+      ran[kind] = ran.get(kind, 0) + 1
+
+    run_args = argparse.Namespace(**{**vars(args), "model": (model, tok), "model_name": args.model,
+                                     "command_line": command})
+    try:
+      res = R.run(run_args, progress=R.RichProgress, log=log, done=rows, record=record)
+    finally:
+      cell_log.close()
+    res["meta"]["runs"] = prior["runs"] + [this_run]
+    log(f"measured {ran['tasks']} task rows and {ran['fidelity']} fidelity rows; {n_done} of {n_cells} cells "
+        "came from earlier runs")
+  res["meta"]["cells"] = {"file": cells_path, "done_before": n_done, "total": n_cells}
+  if n_done:
+    res["meta"]["note"] = (f"resumed: {n_done} of {n_cells} cells measured by earlier runs ({len(prior['runs'])} "
+                           f"in {cells_path}); runtime counts this run only")
+  res["summary"] = report.summarize(res)
+  for path in report.write_outputs(res, out):
+    log(f"wrote {path}")
+  return 0
+
+
+def _eval_grid(args) -> dict:
+  return {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks", "fid_samples",
+                                        "fid_tail", "max_new", "chat", "dtype", "impl")}
+
+
 def _interrupt(signum, frame):
   raise KeyboardInterrupt
 
@@ -449,6 +597,41 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                  help="uvicorn log level (default info)")
   s.set_defaults(func=_cmd_serve)
+
+  e = sub.add_parser("eval", help="the accuracy suite (tasks and fidelity vs full KV) on any checkpoint; resumable",
+                     description="Runs benchmarks/accuracy (a checkout of the repository is needed) over methods x "
+                                 "budgets x contexts and writes PREFIX.json, PREFIX.md and PREFIX_*.png. Every "
+                                 "measured row is appended to PREFIX.cells.jsonl as it is measured: the same "
+                                 "command again skips the cells already there (a killed run continues).")
+  e.add_argument("--model", default="smollm2",
+                 help="'smollm2', a .gguf path, a HF checkpoint dir or a hub id org/name in the local HF cache")
+  e.add_argument("--contexts", type=_size_list, required=True,
+                 help="context lengths in tokens, e.g. 16k,32k,64k,128k (1k = 1024)")
+  e.add_argument("--methods", type=_methods_list, default=None,
+                 help=f"comma-separated methods (default: all of {', '.join(METHODS)})")
+  e.add_argument("--budgets", type=_budget_list, default=None,
+                 help=f"token budgets, e.g. 256,1024 (default 64,128,256,512; each at least {MIN_TOKEN_BUDGET})")
+  e.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack",
+                 help="comma-separated tasks (default passkey,multikey,multivalue,vartrack)")
+  e.add_argument("--samples", type=_number(int, low=0), default=10, help="samples per task and context (default 10)")
+  e.add_argument("--fid-samples", type=_number(int, low=0), default=4,
+                 help="prose sequences per context for fidelity (default 4; 0 = no fidelity)")
+  e.add_argument("--fid-tail", type=count, default=256,
+                 help="teacher-forced tokens at the end of each fidelity sequence (default 256)")
+  e.add_argument("--no-diag", action="store_true", help="skip the per-layer attention-mass diagnostic")
+  e.add_argument("--max-new", type=count, default=24, help="greedy tokens per task prompt (default 24)")
+  e.add_argument("--batch", type=count, default=8, help="prompts per prefill/decode batch (default 8)")
+  e.add_argument("--chat", action="store_true", help="wrap task prompts in the chat template (default: plain)")
+  e.add_argument("--impl", default="auto", choices=("auto", "xla", "pallas"),
+                 help="the core's hot path: auto = Pallas kernels on GPU, XLA elsewhere")
+  e.add_argument("--out", default=None,
+                 help="output prefix (default rocketkv_eval_<model name>): PREFIX.json, .md, _*.png, .cells.jsonl")
+  e.add_argument("--dtype", type=parse_dtype, default=None,
+                 help="parameter dtype: float32 (default), bfloat16, float16 or auto (the checkpoint's own)")
+  e.add_argument("--cache", default=None, help="converted-weight cache dir (as for generate)")
+  e.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")
+  e.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
+  e.set_defaults(func=_cmd_eval)
   return p
 
 
@@ -457,8 +640,12 @@ def main(argv=None) -> int:
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
   parser = build_parser()
   args = parser.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)
   try:
     return args.func(args)
+  except SuiteMissing as e:
+    _console(True).print(f"error: {e}", style="red", markup=False)
+    return 1
   except FlagError as e:
     _console(True).print(f"rocketkv {args.command}: error: {e}", style="red", markup=False)
     return 2
