@@ -15,7 +15,6 @@ subprocess per point, since the peak counter cannot be reset.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -31,7 +30,7 @@ from flax import nnx
 import rocketkv_jax as rk
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.loop import LoopConfig, decode_loop_jit
-from rocketkv_jax.models.sharding import make_mesh, shard_batch, shard_model
+from rocketkv_jax.models.sharding import default_impl, make_mesh, shard_batch, shard_model, using
 
 LLAMA_31_8B = llama.LlamaConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
@@ -116,7 +115,7 @@ def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed
   lengths = jnp.full((sub_batch,), context, jnp.int32)
   if mesh is not None:
     tokens, lengths = shard_batch(tokens, mesh), shard_batch(lengths, mesh)
-  with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+  with using(mesh):
     compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
   t0 = time.perf_counter()
   logits, caches = compiled(state, tokens, lengths)
@@ -231,8 +230,8 @@ def main(argv=None):
     except ValueError:
       raise SystemExit(f"--mesh={args.mesh!r} must be DP,TP (two integers)") from None
     mesh = make_mesh(dp, tp)
-    if dp * tp > 1 and args.impl == "auto":
-      args.impl = "xla"
+    if args.impl == "auto":
+      args.impl = default_impl(mesh) or args.impl
 
   if args.peak_point:
     m, t, c = args.peak_point.split(":")

@@ -6,7 +6,6 @@ the tokens to text. Compilation is timed apart from prefill and decode.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import math
@@ -22,7 +21,7 @@ from flax import nnx
 from rocketkv_jax import cache_nbytes, get_method, make_config
 
 from .llama import Llama, prefill_jit
-from .sharding import shard_batch
+from .sharding import default_impl, shard_batch, using
 from .loop import LoopConfig, LoopOutput, check_loop_args, compile_once, decode_loop_jit
 from .tokenizer import TextTokenizer
 
@@ -186,8 +185,8 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   tokens = np.zeros((B, T), np.int32)
   for b, x in enumerate(ids):
     tokens[b, :len(x)] = x
-  if mesh is not None and len(mesh.devices.flat) > 1:
-    config_overrides.setdefault("impl", "xla")  # the Pallas kernels are not partitioned over a mesh yet
+  if default_impl(mesh):
+    config_overrides.setdefault("impl", default_impl(mesh))
   config = make_config(method, token_budget=token_budget, prompt_len=plan_prompt_len,
                        max_new_tokens=max_new_tokens, head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
 
@@ -197,7 +196,7 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
     tokens_j, lengths_j = shard_batch(tokens_j, mesh), shard_batch(lengths_j, mesh)
   t0 = time.perf_counter()
   progress(f"compiling prefill ({B} x {T} tokens, {method})")
-  with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+  with using(mesh):
     pre = compile_once(prefill_jit, graphdef, state, tokens_j, lengths_j, config=config)
   t1 = time.perf_counter()
   progress(f"prefill {B} x {T} tokens ({method}, budget {token_budget})")
@@ -205,7 +204,7 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   jax.block_until_ready((logits, caches))
   prefilled = Prefilled(logits_BV=logits, caches=caches, lengths=lengths.tolist(),
                         prefill_s=time.perf_counter() - t1, compile_s=t1 - t0)
-  with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+  with using(mesh):
     return decode_prefilled(model, tokenizer, prefilled, config, loop, token_budget=token_budget, seed=seed,
                             progress=progress)
 

@@ -14,13 +14,15 @@ still default to the XLA path on a mesh (pass impl="pallas" to use the kernels).
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["DATA", "MODEL", "active_mesh", "cache_spec", "constrain_cache", "make_mesh", "param_spec", "per_shard",
-           "shard_batch", "shard_model"]
+__all__ = ["DATA", "MODEL", "active_mesh", "cache_spec", "constrain_cache", "default_impl", "make_mesh", "param_spec",
+           "per_shard", "shard_batch", "shard_model", "using"]
 
 DATA, MODEL = "data", "model"
 WHOLE = "whole"  # per_shard: an argument every device gets whole
@@ -100,6 +102,17 @@ def constrain_cache(cache):
   return jax.tree.map(put, cache)
 
 
+def using(mesh):
+  """`jax.set_mesh(mesh)` (traces under it place caches and run kernels per device), or nothing for None."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def default_impl(mesh) -> str | None:
+  """The decode path a mesh of several devices runs unless asked otherwise: "xla" (the kernels run per device
+  under shard_map, but are checked in interpret mode on CPU devices only); None without such a mesh."""
+  return "xla" if mesh is not None and mesh.devices.size > 1 else None
+
+
 def active_mesh():
   """The mesh set with `jax.set_mesh` (with axes data and model), or None."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -124,15 +137,9 @@ def per_shard(fn, args, head_axes, out_head_axes, *, heads: int | None = None):
 
   def specs(tree, axis):
     def one(x):
-      shape = x.shape
-      spec = [None] * len(shape)
       if axis == WHOLE:  # e.g. a norm's weight: every device gets all of it
-        return P(*spec)
-      if shape and shape[0] % mesh.shape[DATA] == 0:
-        spec[0] = DATA
-      if split_heads and axis is not None and len(shape) > axis:
-        spec[axis] = MODEL
-      return P(*spec)
+        return P()
+      return cache_spec(x.shape, mesh, axis if split_heads and axis is not None and x.ndim > axis else None)
     return jax.tree.map(one, tree)
 
   in_specs = tuple(specs(a, ax) for a, ax in zip(args, head_axes))

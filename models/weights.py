@@ -85,22 +85,37 @@ def _field(reader, key, default=None):
   return f.contents()
 
 
+def layer_tensors(cfg: LlamaConfig) -> dict:
+  """Each layer's tensors, one table for every format: loader name -> (GGUF name, HF name within a layer,
+  shape in the file: [out, in]); with the q/k/v biases when the model has them (Qwen2)."""
+  D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+  tensors = {
+      "attn_norm": ("attn_norm.weight", "input_layernorm.weight", (D,)),
+      "wq": ("attn_q.weight", "self_attn.q_proj.weight", (N * H, D)),
+      "wk": ("attn_k.weight", "self_attn.k_proj.weight", (K * H, D)),
+      "wv": ("attn_v.weight", "self_attn.v_proj.weight", (K * H, D)),
+      "wo": ("attn_output.weight", "self_attn.o_proj.weight", (D, N * H)),
+      "mlp_norm": ("ffn_norm.weight", "post_attention_layernorm.weight", (D,)),
+      "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight", (F, D)),
+      "w_up": ("ffn_up.weight", "mlp.up_proj.weight", (F, D)),
+      "w_down": ("ffn_down.weight", "mlp.down_proj.weight", (D, F)),
+  }
+  if cfg.qkv_bias:
+    tensors.update(bq=("attn_q.bias", "self_attn.q_proj.bias", (N * H,)),
+                   bk=("attn_k.bias", "self_attn.k_proj.bias", (K * H,)),
+                   bv=("attn_v.bias", "self_attn.v_proj.bias", (K * H,)))
+  return tensors
+
+
 def _layer_params(cfg: LlamaConfig, get) -> dict:
   """Every layer's weights in the loader layout ("layers/{i}/{name}", matrices [in, out]) from a GGUF's
   `get(tensor_name, shape_in_file)` (blk.{i}.*, Q/K rows un-permuted)."""
-  D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-  tensors = {  # ours: (GGUF name, shape in the file: [out, in])
-      "attn_norm": ("attn_norm.weight", (D,)), "wq": ("attn_q.weight", (N * H, D)),
-      "wk": ("attn_k.weight", (K * H, D)), "wv": ("attn_v.weight", (K * H, D)),
-      "wo": ("attn_output.weight", (D, N * H)), "mlp_norm": ("ffn_norm.weight", (D,)),
-      "w_gate": ("ffn_gate.weight", (F, D)), "w_up": ("ffn_up.weight", (F, D)), "w_down": ("ffn_down.weight", (D, F)),
-  }
   params = {}
   for i in range(cfg.n_layers):
-    for ours, (name, shape) in tensors.items():
+    for ours, (name, _, shape) in layer_tensors(cfg).items():
       w = get(f"blk.{i}.{name}", shape)
       if ours in ("wq", "wk"):
-        w = gguf_unpermute(w, N if ours == "wq" else K)
+        w = gguf_unpermute(w, cfg.n_heads if ours == "wq" else cfg.n_kv_heads)
       params[f"layers/{i}/{ours}"] = w if w.ndim == 1 else w.T
   return params
 
@@ -351,7 +366,7 @@ def stream_hf_dir(directory: str, dtype, log=None):
   wanted = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
   if not cfg.tie_embeddings:
     wanted["lm_head.weight"] = (V, D)
-  names = _hf_layer_names(cfg)
+  names = {ours: (hf_name, shape) for ours, (_, hf_name, shape) in layer_tensors(cfg).items()}
   for i in range(cfg.n_layers):
     for hf_name, shape in names.values():
       wanted[f"model.layers.{i}.{hf_name}"] = shape
@@ -386,20 +401,6 @@ def stream_hf_dir(directory: str, dtype, log=None):
   graphdef, state = nnx.split(abstract)
   nnx.replace_by_pure_dict(state, unflatten_params(flat))
   return nnx.merge(graphdef, state), tokenizer_from_hf_dir(directory, hf)
-
-
-def _hf_layer_names(cfg: LlamaConfig) -> dict:
-  """Loader name -> (HF tensor name within a layer, shape in the file: [out, in])."""
-  D, N, K, H, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-  names = {"attn_norm": ("input_layernorm.weight", (D,)), "wq": ("self_attn.q_proj.weight", (N * H, D)),
-           "wk": ("self_attn.k_proj.weight", (K * H, D)), "wv": ("self_attn.v_proj.weight", (K * H, D)),
-           "wo": ("self_attn.o_proj.weight", (D, N * H)), "mlp_norm": ("post_attention_layernorm.weight", (D,)),
-           "w_gate": ("mlp.gate_proj.weight", (F, D)), "w_up": ("mlp.up_proj.weight", (F, D)),
-           "w_down": ("mlp.down_proj.weight", (D, F))}
-  if cfg.qkv_bias:
-    names.update(bq=("self_attn.q_proj.bias", (N * H,)), bk=("self_attn.k_proj.bias", (K * H,)),
-                 bv=("self_attn.v_proj.bias", (K * H,)))
-  return names
 
 
 # ----------------------------------------------------------------------------- orbax cache

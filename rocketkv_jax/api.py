@@ -255,9 +255,8 @@ def prefill_compress(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   host = _host_lengths(lengths)
   q, k, v = (_as_array(x) for x in (q, k, v))
   _validate_prefill(q, k, v, lengths if host is None else host, host, config)
-  if host is None:
-    if _IN_JIT_CHECKS.get():
-      _checkify_prefill(lengths, q.shape[1])
+  if host is None and _IN_JIT_CHECKS.get():
+    _checkify_prefill(lengths, q.shape[1])
   return _prefill_jit(q, k, v, jnp.asarray(lengths if host is None else host, jnp.int32), config=config)
 
 
@@ -270,12 +269,11 @@ def decode_step(cache: KVCache, q: jax.Array, k_new: jax.Array, v_new: jax.Array
   Raises ValueError (naming the value) for a cache another config built, a missing, extra, deleted or
   mis-shaped leaf, dtypes that differ (q, k_new, v_new must have cache.k's dtype), and, when the cache is
   concrete, cache.length outside [0, capacity], cache.pos < cache.length, or no slot left for this token (a
-  method that does not evict). Inside a caller's jit the value checks run only under `checkify.checkify`
-  (module doc); without it a step past capacity drops its token.
+  method that does not evict). Inside a caller's jit the value checks run only when traced inside
+  `in_jit_checks()` and run under `checkify.checkify` (module doc); otherwise a step past capacity drops its token.
   """
   q, k_new, v_new = (_as_array(x) for x in (q, k_new, v_new))
   _validate_decode(cache, q, k_new, v_new, config)
-  if not (_is_concrete(cache.length) and _is_concrete(cache.pos)):
-    if _IN_JIT_CHECKS.get():
-      _checkify_decode(cache, config)
+  if _IN_JIT_CHECKS.get() and not (_is_concrete(cache.length) and _is_concrete(cache.pos)):
+    _checkify_decode(cache, config)
   return _decode_jit(cache, q, k_new, v_new, config=config)

@@ -34,7 +34,6 @@ after each call, as are `stop_strings` (on the detokenized text; the string and 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import math
@@ -51,7 +50,7 @@ from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models.generate import stop_ids as default_stop_ids
 from rocketkv_jax.models.llama import fingerprint, prefill_extend, prefill_extend_layer_jit, prefill_jit
 from rocketkv_jax.models.loop import LoopConfig, RowSampling, decode_loop_jit
-from rocketkv_jax.models.sharding import cache_spec
+from rocketkv_jax.models.sharding import cache_spec, default_impl, using
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import saved
@@ -280,8 +279,8 @@ class Engine:
                        f"exceeds the model's max_len={cfg.max_len}")
     self.model, self.tokenizer, self.config, self.mesh = model, tokenizer, config, mesh
     overrides = dict(config.method_overrides)
-    if mesh is not None and len(mesh.devices.flat) > 1:
-      overrides.setdefault("impl", "xla")  # the Pallas kernels are not partitioned over a mesh yet
+    if default_impl(mesh):
+      overrides.setdefault("impl", default_impl(mesh))
     self.method_config = make_config(config.method, token_budget=config.token_budget,
                                      prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
                                      head_dim=cfg.head_dim, max_len=cfg.max_len, **overrides)
@@ -303,8 +302,10 @@ class Engine:
                             self._state, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
     logits_shape, cache_shapes = shapes
     self._one_shapes = shapes  # (logits, caches) of one request: what a saved context must match
-    self._caches = jax.tree.map(lambda s: self._place(jnp.zeros((B,) + s.shape[1:], s.dtype), rows=True), cache_shapes)
-    self._logits = self._place(jnp.zeros((B,) + logits_shape.shape[1:], logits_shape.dtype), rows=True)
+    self._caches = jax.tree.map(
+        lambda s: self._place(jnp.zeros((B,) + s.shape[1:], s.dtype), batch=True, heads=len(s.shape) >= 2),
+        cache_shapes)
+    self._logits = self._place(jnp.zeros((B,) + logits_shape.shape[1:], logits_shape.dtype), batch=True)
     self._placement = jax.tree.map(lambda x: x.sharding, (self._logits, self._caches))
     self.model_id = fingerprint(model)
     self._reused = self._prefilled = 0  # prompt tokens taken from history / context, and prefilled
@@ -322,15 +323,12 @@ class Engine:
     return jax.tree.map(lambda x, s: x if x.sharding == s else jax.device_put(x, s), (logits, caches),
                         self._placement)
 
-  def _place(self, x, rows: bool = False):
-    """x on the engine's mesh: slot rows over "data" and KV heads over "model" (`rows`: a batched cache or
-    logits leaf), else replicated; unchanged without a mesh."""
+  def _place(self, x, batch: bool = False, heads: bool = False):
+    """x on the engine's mesh (`cache_spec`): slot rows over "data" (`batch`), KV heads (axis 1) over "model"
+    (`heads`), else replicated; unchanged without a mesh."""
     if self.mesh is None:
       return x
-    if rows:
-      spec = cache_spec(x.shape, self.mesh, 1 if x.ndim >= 2 and x.shape[1] != self.model.config.vocab_size else None)
-    else:
-      spec = PartitionSpec()
+    spec = cache_spec(x.shape, self.mesh, 1 if heads else None) if batch else PartitionSpec()
     return jax.device_put(x, NamedSharding(self.mesh, spec))
 
   # ------------------------------------------------------------------ requests
@@ -422,7 +420,7 @@ class Engine:
   def _compiled(self, key, lower):
     exe = self._executables.get(key)
     if exe is None:
-      with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()):
+      with using(self.mesh):
         exe = self._executables[key] = lower().compile()
     return exe
 
@@ -446,6 +444,10 @@ class Engine:
       return self._continue_context(request)
     if self.history is not None:
       return self._prefill_over_history(request)
+    return self._prefill_alone(request)
+
+  def _prefill_alone(self, request: Request) -> Prefilled:
+    """A plain prefill at the prompt's bucket (no history read or written)."""
     n = len(request.prompt_ids)
     T = self.bucket(n)
     tokens = np.zeros((1, T), np.int32)
@@ -464,11 +466,13 @@ class Engine:
     all of it for H2O), and at least the last token (its logits start the decode)."""
     if self.history is None:
       return 0
-    q = self.method_config.prompt_queries
-    if q is None:
-      return 0
     _, common = self.history.match(prompt_ids)
-    return max(0, min(common, len(prompt_ids) - max(q, 1)))
+    return self._reuse(len(prompt_ids), common)
+
+  def _reuse(self, n: int, common: int) -> int:
+    """`reusable` of a prompt of n tokens whose longest stored prefix has `common` tokens."""
+    q = self.method_config.prompt_queries
+    return 0 if q is None else max(0, min(common, n - max(q, 1)))
 
   def remember(self, prompt_ids) -> int:
     """Prefills a prompt into the history without answering it (a document that questions will follow:
@@ -486,8 +490,8 @@ class Engine:
   def _prefill_over_history(self, request: Request) -> Prefilled:
     ids = list(request.prompt_ids)
     n = len(ids)
-    seg, _ = self.history.match(ids)
-    r = self.reusable(ids)
+    seg, common = self.history.match(ids)
+    r = self._reuse(n, common)
     S, T = self.bucket(n), self.bucket(n - r)
     tokens = np.zeros((1, T), np.int32)
     tokens[0, :n - r] = ids[r:]
@@ -517,11 +521,7 @@ class Engine:
     probe = Request("context", list(prompt_ids), SamplingParams(max_tokens=1))
     self.validate(probe)
     with self._lock:
-      history, self.history = self.history, None
-      try:
-        logits, caches = self.prefill(probe)
-      finally:
-        self.history = history
+      logits, caches = self._prefill_alone(probe)
     return Context(list(prompt_ids), logits, caches)
 
   def _feed(self, logits, caches, tokens: list[int]):

@@ -18,7 +18,7 @@ import pytest
 if importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("aiohttp") is None:
   pytest.skip("lm-eval[api] is not installed (pip install -e '.[test]')", allow_module_level=True)
 
-from tests.serving.test_server import MODEL, Served  # noqa: E402
+from tests.serving.test_server import MODEL, serving  # noqa: E402
 
 TASK_DIR = pathlib.Path(__file__).parent / "lm_eval_task"
 TASK = "rocketkv_smoke"
@@ -28,13 +28,8 @@ N = 8                              # items in lm_eval_task/smoke.jsonl
 
 @pytest.fixture(scope="module")
 def lm_served(smollm2):
-  model, tok = smollm2
-  s = Served(model, tok, method="rocketkv", token_budget=64, max_slots=4, max_prompt_tokens=512, max_new_tokens=32,
-             steps_per_call=4, max_queue=64)
-  try:
+  with serving(*smollm2, max_new_tokens=32) as s:
     yield s
-  finally:
-    s.stop()
 
 
 def _ok_requests(served) -> float:

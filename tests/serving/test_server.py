@@ -2,6 +2,7 @@
 SmolLM2 behind it, the official `openai` client as the caller."""
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import socket
@@ -92,15 +93,25 @@ class Served:
       time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def served(smollm2):
-  model, tok = smollm2
-  s = Served(model, tok, method="rocketkv", token_budget=64, max_slots=4, max_prompt_tokens=512, max_new_tokens=16,
-             steps_per_call=4, max_queue=64)
+# The SmolLM2 server the tests talk to (test_lm_eval.py starts one with longer answers).
+SERVED = dict(method="rocketkv", token_budget=64, max_slots=4, max_prompt_tokens=512, max_new_tokens=16,
+              steps_per_call=4, max_queue=64)
+
+
+@contextlib.contextmanager
+def serving(model, tok, **overrides):
+  """A running `Served` with SERVED's engine settings (and `overrides`), always stopped."""
+  s = Served(model, tok, **dict(SERVED, **overrides))
   try:
     yield s
   finally:
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+  with serving(*smollm2) as s:
+    yield s
 
 
 # --- requests as a user makes them -----------------------------------------------------------------------------
