@@ -1,12 +1,19 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
 KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks) (or (B, K, 1) with a loop over the
-row's page blocks). Each program takes the group's query [G, H] and does the whole per-(b, k) selection
-itself, so no XLA op runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
-ranks from [H, H] compares: ties toward the lower channel), the signs of the group's summed query on them,
-the per-head temperatures tau_g. It then reads
-only the selected channel rows, and of each row only the min or the max page summary (by that sign):
-R * block_p values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
+row's page blocks). Two layouts, picked by row count (B * K):
+
+- "rank" (few rows): each program takes the group's query [G, H] and does the whole per-(b, k) selection
+  itself, so no XLA op runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
+  ranks from [H, H] compares: ties toward the lower channel), the signs of the group's summed query on them,
+  the per-head temperatures tau_g. It then reads only the selected channel rows (masked loads of the
+  [H, block_p] tile).
+- "gather" (many rows): `row_channels` does that choice once per row in XLA (lax.top_k, same ties), and
+  each program gets the group's query on the chosen channels [G, Rp], their row indices and signs, and
+  1 / tau: no per-program ranking, and a compact [Rp, block_p] gather of the chosen rows.
+
+Either way each chosen row is read from the min or the max page summary only (by that sign): R * block_p
+values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
 weighted sum) over its pages (`hsa_page_partials`). `hsa_page_scores` normalises them in XLA (per head over
 all pages, then the group mean); the decode path hands them to `page_topk.hsa_page_topk` instead, which
 normalises and selects in one kernel.
@@ -144,11 +151,95 @@ def _hsa_scores_kernel(
   lax.fori_loop(0, blocks_per_program, page_block, 0)
 
 
+def row_channels(q_BKGH, topr: int, dot_dtype):
+  """The gather layout's per-row preparation, in XLA, once per (b, k) row: the group's top-r channels of
+  sum_g |q_g| (lax.top_k: ties toward the lower channel, as the reference), padded to Rp = max(16,
+  next_pow2(topr)) entries. Returns q_BKGR (the group's query on those channels, in `dot_dtype`, 0 on
+  pads), ch_BKR int32 (channel index, 0 on pads), use_max_BKR int32 (1: score against kt_max, the
+  group's summed query is > 0 there; 0: kt_min or a pad) and inv_tau_BKG float32 (1 / tau per head)."""
+  qf = q_BKGH.astype(jnp.float32)
+  _, ch = lax.top_k(jnp.abs(qf).sum(axis=2), topr)  # [B, K, R]
+  qr = jnp.take_along_axis(qf, ch[:, :, None, :], axis=-1)  # [B, K, G, R]
+  use_max = (qr.sum(axis=2) > 0).astype(jnp.int32)
+  inv_tau = 1.0 / _temperature(qr, qf)
+  pad = max(MIN_DOT_DIM, next_pow2(topr)) - topr
+  if pad:
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, pad)))
+    ch = jnp.pad(ch, ((0, 0), (0, 0), (0, pad)))
+    use_max = jnp.pad(use_max, ((0, 0), (0, 0), (0, pad)))
+  return qr.astype(dot_dtype), ch.astype(jnp.int32), use_max, inv_tau
+
+
+def _hsa_scores_gather_kernel(
+    # inputs
+    q_ref,  # [G, Rp] the group's query on the chosen channels (0 on pads), in the dot dtype
+    ch_ref,  # [Rp] int32 chosen channel rows
+    use_max_ref,  # [Rp] int32 1: the row's kt_max, 0: its kt_min
+    inv_tau_ref,  # [G] float32
+    kt_min_ref,  # [H, P]
+    kt_max_ref,  # [H, P]
+    length_ref,  # []
+    # outputs: as _hsa_scores_kernel
+    s_ref, m_ref, l_ref,
+    *,
+    block_p: int,
+    blocks_per_program: int,
+    page_size: int,
+    num_pages: int,
+    dot_dtype,
+):
+  G, Rp = q_ref.shape
+  q, row_ok = load_query_group(q_ref)  # [Gp, Rp], pad rows 0
+  inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
+  ch = ch_ref[...]
+  use_max = use_max_ref[...] > 0
+  prec = dot_precision(dot_dtype)
+  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
+  first_block = pl.program_id(2) * blocks_per_program
+
+  def page_block(i, carry):
+    p0 = (first_block + i) * block_p
+    page = p0 + jnp.arange(block_p)
+    n = page_slots(length, page, page_size)
+    p_ok = (n > 0) & (page < num_pages)
+    # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
+    rows, cols = ch[:, None], page[None, :]
+    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & p_ok[None, :])
+    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=~use_max[:, None] & p_ok[None, :])
+    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
+    rep = jnp.where(p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [Rp, block_p]
+    s = jnp.dot(q, rep, precision=prec, preferred_element_type=jnp.float32) * inv_tau[:, None]
+    s = jnp.where(p_ok[None, :], s, MASK_VALUE)
+    m = s.max(axis=-1)
+    e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
+    l = (e * n[None, :].astype(jnp.float32)).sum(axis=-1)
+    Gp = row_ok.shape[0]
+    pltriton.store(s_ref.at[pl.ds(0, Gp), pl.ds(i * block_p, block_p)], s, mask=row_ok[:, None])
+    pltriton.store(m_ref.at[pl.ds(0, Gp), i], m, mask=row_ok)
+    pltriton.store(l_ref.at[pl.ds(0, Gp), i], l, mask=row_ok)
+    return carry
+
+  del G, Rp
+  lax.fori_loop(0, blocks_per_program, page_block, 0)
+
+
+# Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row in XLA)
+# over in-kernel ranking, and from which the gather layout runs one program per row rather than one per
+# page block. H200, 32k context, t=256 (K=8, 539 pages, R=60), us per layer (benchmarks/kernels.py and
+# benchmarks/tune_hsa.py, results in benchmarks/results/hsa_gather_h200_2026-12-01/):
+#   B=8: rank 18.1, gather 18.5; B=32: rank 39.6, gather 28.7; B=108: rank 121, gather 78 (page blocks)
+#   / 84 (rows); B=391: rank 375, gather 251 (page blocks) / 223 (rows).
+GATHER_MIN_ROWS = 256
+GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
+# Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
+_GATHER_TILE_ELEMS = 4096
+
+
 @functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "num_warps", "num_stages"])
+                                             "num_warps", "num_stages", "layout"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
-                      interpret: bool = False, block_p: int | None = None, split_pages: bool = True,
-                      num_warps: int = 4, num_stages: int = 1):
+                      interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
+                      num_warps: int = 4, num_stages: int = 1, layout: str = "auto"):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -160,7 +251,11 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     length_B: int32 valid slots per sequence.
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.
-    split_pages: one program per page block (True), or one program per row looping over its blocks.
+    split_pages: one program per page block (True), or one program per row looping over its blocks; None:
+      page blocks, except the gather layout from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
+    layout: "rank" (each program ranks the group's channels itself: no XLA op before the kernel, best when
+      rows are few), "gather" (`row_channels` chooses them once per row in XLA; programs read only the
+      chosen rows, compacted: best at large batch), or "auto" (gather from GATHER_MIN_ROWS rows of B * K).
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -179,10 +274,19 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   if page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1")
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
+  if layout == "auto":
+    layout = "gather" if B * K >= GATHER_MIN_ROWS else "rank"
+  if layout not in ("rank", "gather"):
+    raise ValueError(f"layout={layout!r} must be 'rank', 'gather' or 'auto'")
+  Rp = max(MIN_DOT_DIM, next_pow2(topr))
   if block_p is None:
-    # Enough page blocks to fill the GPU, between 32 pages and a tile of _TILE_ELEMS per program.
+    # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
+    # ranking in the kernel, [Rp, block_p] when gathering the chosen rows).
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
-    block_p = min(max(32, _TILE_ELEMS // H), max(32, next_pow2(want)))
+    tile = _GATHER_TILE_ELEMS // Rp if layout == "gather" else _TILE_ELEMS // H
+    block_p = min(max(32, tile), max(32, next_pow2(want)))
+  if split_pages is None:
+    split_pages = not (layout == "gather" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
   if block_p < MIN_DOT_DIM or block_p & (block_p - 1):
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)
@@ -191,9 +295,41 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   # bf16 queries against bf16 or float8 pages: a bf16 dot multiplies exactly; anything float32: float32.
   exact_in_bf16 = (jnp.dtype(q_BKGH.dtype) == jnp.dtype(jnp.bfloat16) and
                    jnp.dtype(kt_min_BKHP.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2)))
+  dot_dtype = jnp.bfloat16 if exact_in_bf16 else jnp.float32
+  out_specs = [
+      pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
+      pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
+      pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((B, K, G, P_pad), jnp.float32),
+      jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
+      jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
+  ]
+  if layout == "gather":
+    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = row_channels(q_BKGH, topr, dot_dtype)
+    kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp,
+                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, K, num_blocks // bpp),
+        in_specs=[
+            pl.BlockSpec((None, None, G, Rp), lambda b, k, j: (b, k, 0, 0)),
+            pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
+            pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
+            pl.BlockSpec((None, None, G), lambda b, k, j: (b, k, 0)),
+            pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
+            pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
+            pl.BlockSpec((None,), lambda b, k, j: (b,)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="rocketkv_hsa_scores_gather",
+    )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B.astype(jnp.int32))
   kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                             page_size=page_size, num_pages=P,
-                             dot_dtype=jnp.bfloat16 if exact_in_bf16 else jnp.float32)
+                             page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
   return pl.pallas_call(
       kernel,
       grid=(B, K, num_blocks // bpp),
@@ -203,16 +339,8 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
           pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
           pl.BlockSpec((None,), lambda b, k, j: (b,)),
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
-          pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
-          pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((B, K, G, P_pad), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
-      ],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="rocketkv_hsa_scores",

@@ -67,6 +67,32 @@ def test_one_program_per_row_walking_its_pages(c):
         split_pages=False)
 
 
+@pytest.mark.parametrize("split_pages", [True, False])
+@pytest.mark.parametrize("c,page_size,R,kt_dtype",
+                         [pytest.param(c.values[0], *_KT_SETS[(i + 1) % len(_KT_SETS)], id=c.id)
+                          for i, c in enumerate(CASES)])
+def test_gather_layout_matches_reference_interpret(c, page_size, R, kt_dtype, split_pages):
+  """layout="gather": the channels chosen once per row in XLA, the kernel reading only those rows."""
+  check(c, seed=6, page_size=page_size, R=min(R, c["H"]), kt_dtype=kt_dtype, interpret=True, block_p=16,
+        split_pages=split_pages, layout="gather")
+
+
+def test_auto_layout_picks_by_rows():
+  """Both layouts give the same scores; "auto" switches at GATHER_MIN_ROWS rows of B * K."""
+  c = dict(B=3, K=1, G=4, H=64, S=40, dtype=jnp.float32)
+  q, kt_min, kt_max, length, _ = make_inputs(c, 7, 3, 9, jnp.float32)
+  run = lambda **kw: np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=9, page_size=3,
+                                                interpret=True, block_p=16, **kw))
+  a, b = run(layout="rank"), run(layout="gather")
+  live = np.isfinite(a)
+  assert (np.isfinite(b) == live).all() and rel_err(b, a, where=live) < 1e-5
+  with pytest.raises(ValueError, match="layout='rows'"):
+    run(layout="rows")
+  lowered = jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True)).lower(
+      q, kt_min, kt_max, length).as_text()
+  assert "top_k" not in lowered  # 3 rows < GATHER_MIN_ROWS: ranking stays in the kernel
+
+
 def test_single_channel_and_all_channels():
   c = dict(B=2, K=2, G=4, H=64, S=50, dtype=jnp.float32)
   check(c, seed=2, page_size=5, R=1, kt_dtype=jnp.float32, interpret=True)
@@ -99,6 +125,9 @@ def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages)
   text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages),
                         q, kt, kt, length)
   assert "rocketkv_hsa_scores" in text
+  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
+                                                   layout="gather"), q, kt, kt, length)
+  assert "rocketkv_hsa_scores_gather" in text
 
 
 @pytest.mark.gpu
@@ -110,3 +139,6 @@ def test_matches_reference_gpu(c, kt_dtype):
   check(c, seed=3, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False)
   check(c, seed=4, page_size=1, R=c["H"] // 2, kt_dtype=kt_dtype, interpret=False, block_p=32)
   check(c, seed=5, page_size=3, R=min(40, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=False)
+  for split in (True, False):
+    check(c, seed=8, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=split,
+          layout="gather")
