@@ -22,6 +22,10 @@ def main():
   ap.add_argument("--length", type=int, default=32768)
   ap.add_argument("--budget", type=int, default=256)
   ap.add_argument("--out", default="tune_hsa.jsonl")
+  ap.add_argument("--layouts", default="gather,rank")
+  ap.add_argument("--block-p", default="64,128,256")
+  ap.add_argument("--warps", default="4,8")
+  ap.add_argument("--stages", default="1,2")
   a = ap.parse_args()
   bw = copy_bandwidth(True)[0]
   cfg = rocketkv_config(a.length, a.budget, "pallas")
@@ -32,7 +36,8 @@ def main():
     ks = jax.random.split(jax.random.PRNGKey(B), 2)
     sets = [(jax.random.normal(ks[0], (B, K_HEADS, G, H), jnp.bfloat16), random_cache(ks[1], B, cfg))]
     nbytes = B * K_HEADS * R * P * sets[0][1].kt_min.dtype.itemsize
-    grid = itertools.product(("gather", "rank"), (False, True), (64, 128, 256), (4, 8), (1, 2))
+    ints = lambda x: [int(v) for v in x.split(",")]  # noqa: E731
+    grid = itertools.product(a.layouts.split(","), (False, True), ints(a.block_p), ints(a.warps), ints(a.stages))
     for layout, split, block_p, warps, stages in grid:
       if layout == "rank" and (block_p > 64 or stages > 1):
         continue

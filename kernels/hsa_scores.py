@@ -156,7 +156,8 @@ def row_channels(q_BKGH, topr: int, dot_dtype):
   sum_g |q_g| (lax.top_k: ties toward the lower channel, as the reference), padded to Rp = max(16,
   next_pow2(topr)) entries. Returns q_BKGR (the group's query on those channels, in `dot_dtype`, 0 on
   pads), ch_BKR int32 (channel index, 0 on pads), use_max_BKR int32 (1: score against kt_max, the
-  group's summed query is > 0 there; 0: kt_min or a pad) and inv_tau_BKG float32 (1 / tau per head)."""
+  group's summed query is > 0 there; 0: kt_min; -1: a pad, read from neither) and inv_tau_BKG float32
+  (1 / tau per head)."""
   qf = q_BKGH.astype(jnp.float32)
   _, ch = lax.top_k(jnp.abs(qf).sum(axis=2), topr)  # [B, K, R]
   qr = jnp.take_along_axis(qf, ch[:, :, None, :], axis=-1)  # [B, K, G, R]
@@ -166,7 +167,7 @@ def row_channels(q_BKGH, topr: int, dot_dtype):
   if pad:
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, pad)))
     ch = jnp.pad(ch, ((0, 0), (0, 0), (0, pad)))
-    use_max = jnp.pad(use_max, ((0, 0), (0, 0), (0, pad)))
+    use_max = jnp.pad(use_max, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
   return qr.astype(dot_dtype), ch.astype(jnp.int32), use_max, inv_tau
 
 
@@ -174,7 +175,7 @@ def _hsa_scores_gather_kernel(
     # inputs
     q_ref,  # [G, Rp] the group's query on the chosen channels (0 on pads), in the dot dtype
     ch_ref,  # [Rp] int32 chosen channel rows
-    use_max_ref,  # [Rp] int32 1: the row's kt_max, 0: its kt_min
+    use_max_ref,  # [Rp] int32 1: the row's kt_max, 0: its kt_min, -1: a pad row (not read)
     inv_tau_ref,  # [G] float32
     kt_min_ref,  # [H, P]
     kt_max_ref,  # [H, P]
@@ -193,21 +194,27 @@ def _hsa_scores_gather_kernel(
   inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
   ch = ch_ref[...]
   use_max = use_max_ref[...] > 0
+  use_min = use_max_ref[...] == 0
   prec = dot_precision(dot_dtype)
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
   first_block = pl.program_id(2) * blocks_per_program
 
-  def page_block(i, carry):
+  def page_block(i, carry, whole):
     p0 = (first_block + i) * block_p
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, page_size)
     p_ok = (n > 0) & (page < num_pages)
     # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
+    # A block wholly inside the P pages is loaded with a per-row mask only: a mask that varies along the
+    # pages would stop Triton from vectorising the contiguous row segment. Its junk pages (past the length)
+    # are zeroed below.
     rows, cols = ch[:, None], page[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=~use_max[:, None] & p_ok[None, :])
+    in_row = jnp.ones((1, block_p), jnp.bool_) if whole else (page < num_pages)[None, :]
+    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & in_row)
+    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & in_row)
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
-    rep = jnp.where(p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [Rp, block_p]
+    # masked-off lanes (pad rows, pages past the length or past P) hold whatever the load left: zero them
+    rep = jnp.where((use_max | use_min)[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))
     s = jnp.dot(q, rep, precision=prec, preferred_element_type=jnp.float32) * inv_tau[:, None]
     s = jnp.where(p_ok[None, :], s, MASK_VALUE)
     m = s.max(axis=-1)
@@ -220,7 +227,10 @@ def _hsa_scores_gather_kernel(
     return carry
 
   del G, Rp
-  lax.fori_loop(0, blocks_per_program, page_block, 0)
+  # This program's blocks that lie wholly inside the P pages come first, then at most one partial block.
+  n_whole = jnp.clip(num_pages // block_p - first_block, 0, blocks_per_program)
+  lax.fori_loop(0, n_whole, functools.partial(page_block, whole=True), 0)
+  lax.fori_loop(n_whole, blocks_per_program, functools.partial(page_block, whole=False), 0)
 
 
 # Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row in XLA)
