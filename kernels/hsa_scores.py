@@ -37,7 +37,7 @@ _TARGET_PROGRAMS = 2 * 132
 _TILE_ELEMS = 8192
 
 
-def _temperature(qr_GR, qf_GH):
+def temperature(qr_GR, qf_GH):
   """tau[g] = sqrt(H * |q_g[channels]|_1 / |q_g|_1); 1 where that is not a positive number. qr holds q on
   the chosen channels (gathered, or zero elsewhere); one head's [H] rows give a scalar."""
   H = qf_GH.shape[-1]
@@ -65,7 +65,7 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
     ok = n > 0
     rep = jnp.where(ok[None, :], rep, 0.0)  # empty pages may hold junk
     s = jnp.einsum("GR,RP->GP", qr, rep, precision=lax.Precision.HIGHEST)
-    s = s / _temperature(qr, qf)[:, None]
+    s = s / temperature(qr, qf)[:, None]
     s = jnp.where(ok[None, :], s, -jnp.inf)
     m = s.max(-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -76,7 +76,7 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
   return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
-def _choose_channels(q_GH, topr: int):
+def choose_channels(q_GH, topr: int):
   """(use_max, use_min) [H] bool: the group's top-r channels of sum_g |q_g|, ties toward the lower channel,
   split by the sign of the group's summed query (zero counts as negative). A channel's rank counts the
   channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial
@@ -112,11 +112,11 @@ def _hsa_scores_kernel(
   H = q_ref.shape[1]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
   q = q_in.astype(jnp.float32)
-  use_max, use_min = _choose_channels(q, topr)
+  use_max, use_min = choose_channels(q, topr)
   chosen = use_max | use_min
   # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
   q_r = jnp.where(chosen[None, :], q, 0.0)
-  inv_tau = 1.0 / _temperature(q_r, q)  # [Gp]
+  inv_tau = 1.0 / temperature(q_r, q)  # [Gp]
   q_r = q_r.astype(dot_dtype)
   prec = dot_precision(dot_dtype)
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
@@ -162,7 +162,7 @@ def row_channels(q_BKGH, topr: int, dot_dtype):
   _, ch = lax.top_k(jnp.abs(qf).sum(axis=2), topr)  # [B, K, R]
   qr = jnp.take_along_axis(qf, ch[:, :, None, :], axis=-1)  # [B, K, G, R]
   use_max = (qr.sum(axis=2) > 0).astype(jnp.int32)
-  inv_tau = 1.0 / _temperature(qr, qf)
+  inv_tau = 1.0 / temperature(qr, qf)
   pad = max(MIN_DOT_DIM, next_pow2(topr)) - topr
   if pad:
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, pad)))

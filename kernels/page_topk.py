@@ -100,7 +100,7 @@ def _page_topk_kernel(
   _write_top_slots(order_key(s), cnt, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
 
 
-def _hsa_page_topk_kernel(
+def hsa_page_topk_body(
     # inputs: the HSA kernel's partials (kernels/hsa_scores.py: hsa_page_partials)
     s_ref,  # [G, P_pad] float32: each head's s/tau per page
     m_ref,  # [G, NB] float32: per page block, max of s/tau
@@ -203,6 +203,6 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
     raise ValueError(f"pages P={P} (num_slots={num_slots}, page_size={page_size}) must lie in "
                      f"[NB={NB}, P_pad={P_pad}]")
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
-  kernel = functools.partial(_hsa_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
+  kernel = functools.partial(hsa_page_topk_body, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
   return _call(kernel, tuple(x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN)), length_B, B, K,
                min(k, num_slots), interpret, num_warps, "rocketkv_hsa_page_topk")
