@@ -1,4 +1,5 @@
-"""Markdown tables and matplotlib plots of an accuracy run (results dict of runner.run)."""
+"""Markdown tables and matplotlib plots of an accuracy run (results dict of runner.run), with 95% confidence
+intervals, and the CLI that merges runs (result JSON or cells files) and renders them."""
 from __future__ import annotations
 
 import json
@@ -8,61 +9,136 @@ import numpy as np
 
 from benchmarks.plot_style import method_color, method_width, model_label, tokens_label
 
+MODES = ("aware", "agnostic")  # runner.MODES (not imported: the runner imports this module)
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+CI_LEVEL = 0.95
+
+
+# ----------------------------------------------------------------------------- confidence intervals
+
+
+def _percentiles(x) -> tuple[float, float] | None:
+  x = np.asarray(x, np.float64)
+  x = x[np.isfinite(x)]
+  if not x.size:
+    return None
+  lo, hi = np.percentile(x, [50 * (1 - CI_LEVEL), 50 * (1 + CI_LEVEL)])
+  return float(lo), float(hi)
+
+
+def task_ci(scores: dict, reference: dict | None = None, *, resamples: int = BOOTSTRAP_RESAMPLES,
+            seed: int = BOOTSTRAP_SEED) -> tuple[float, float] | None:
+  """95% percentile-bootstrap interval of the task accuracy: the mean over tasks of each task's mean score.
+
+  scores: task -> the scores of its prompts. Each resample draws every task's prompts with replacement
+  (stratified: the tasks' weights stay equal, as in the accuracy). With `reference` (task -> full KV's scores on
+  the same prompts, in the same order) the interval is of the ratio accuracy / reference accuracy, and the
+  bootstrap is paired: one draw of prompts serves both, so what the method and full KV share cancels. Resamples
+  whose reference accuracy is 0 (ratio undefined) are dropped. Fixed seed: the same rows give the same
+  interval. None when there is nothing to resample."""
+  if not scores:
+    return None
+  rng = np.random.default_rng(seed)
+  num = np.zeros(resamples)
+  den = np.zeros(resamples)
+  for task in sorted(scores):
+    s = np.asarray(scores[task], np.float64)
+    idx = rng.integers(0, len(s), size=(resamples, len(s)))
+    num += s[idx].mean(axis=1)
+    if reference is not None:
+      r = np.asarray(reference[task], np.float64)
+      if r.shape != s.shape:
+        raise ValueError(f"task {task!r}: {len(r)} reference scores for {len(s)} scores")
+      den += r[idx].mean(axis=1)
+  if reference is None:
+    return _percentiles(num / len(scores))
+  with np.errstate(divide="ignore", invalid="ignore"):
+    return _percentiles(np.where(den > 0, num / np.where(den > 0, den, 1), np.nan))
+
+
+def mean_ci(values, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+            ) -> tuple[float, float] | None:
+  """95% percentile-bootstrap interval of a mean (fidelity: over the teacher-forced positions; positions of one
+  sequence are correlated, so this is narrower than a bootstrap over sequences would be)."""
+  v = np.asarray(values, np.float64)
+  if not v.size:
+    return None
+  rng = np.random.default_rng(seed)
+  return _percentiles(v[rng.integers(0, v.size, size=(resamples, v.size))].mean(axis=1))
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _mode(r) -> str:
+  return r.get("mode", "aware")
+
+
+def modes_of(res) -> list[str]:
+  """The run's task modes: its grid's, else those its rows hold (rows without a mode are query-aware)."""
+  g = res["meta"]["grid"].get("modes")
+  if g:
+    return list(g)
+  have = {_mode(r) for r in res["tasks"]}
+  return [m for m in MODES if m in have] or ["aware"]
+
 
 def summarize(res) -> dict:
-  """Per (context, method, budget): task accuracy (mean over tasks of the mean sample score), its ratio to
-  full KV's on the same prompts (same tasks and seeds: merged runs may hold more samples of full than of a
-  method), and the fidelity figures. Full KV's records are those with budget None (the method the budget
-  does not change)."""
-  acc: dict = {}
-  seeds: dict = {}
+  """Per (context, mode, method, budget): task accuracy (mean over tasks of the mean sample score) and its 95%
+  CI, its ratio to full KV's on the same prompts in the same mode (same tasks and seeds: merged runs may hold
+  more samples of full than of a method) with a paired-bootstrap 95% CI, the score on the prompts full KV
+  solves; and the fidelity figures of (context, method, budget) with their CIs, which do not depend on the mode
+  (fidelity always compresses a prefix and teacher-forces the rest). Full KV's records are those with budget
+  None (the method the budget does not change). A (context, method, budget) with fidelity but no task rows gets
+  one row with mode None."""
+  scores: dict = {}
   full_score = {}
   for r in res["tasks"]:
-    key = (r["context"], r["method"], r["budget"])
-    acc.setdefault(key, {}).setdefault(r["task"], []).append(r["score"])
-    seeds.setdefault(key, {}).setdefault(r["task"], []).append(r["seed"])
+    key = (r["context"], _mode(r), r["method"], r["budget"])
+    scores.setdefault(key, {}).setdefault(r["task"], {})[r["seed"]] = r["score"]
     if r["budget"] is None:
-      full_score[(r["context"], r["task"], r["seed"])] = r["score"]
-  out = []
-  full = {c: np.mean([np.mean(v) for v in t.values()]) for (c, m, b), t in acc.items() if b is None}
-
-  def full_on_same_prompts(c, task_seeds):
-    per_task = [[full_score.get((c, t, s_)) for s_ in ss] for t, ss in task_seeds.items()]
-    if any(v is None for vs in per_task for v in vs):
-      return None
-    return float(np.mean([np.mean(vs) for vs in per_task]))
-
-  full_task = {(c, k): np.mean(v) for (c, m, b), t in acc.items() if b is None for k, v in t.items()}
+      full_score[(r["context"], _mode(r), r["task"], r["seed"])] = r["score"]
   fid = {(r["context"], r["method"], r["budget"]): r for r in res["fidelity"]}
-  keys = sorted(set(acc) | set(fid), key=lambda k: (k[0], k[1], k[2] or 0))
-  for k in keys:
-    c, m, b = k
-    row = {"context": c, "method": m, "budget": b}
-    if k in acc:
-      per_task = {t: float(np.mean(v)) for t, v in acc[k].items()}
-      row["per_task"] = per_task
-      row["accuracy"] = float(np.mean(list(per_task.values())))
-      base = full_on_same_prompts(c, seeds[k])
+  out = []
+  full = {}
+  full_task = {}
+  for k in sorted(scores, key=lambda k: (k[0], MODES.index(k[1]) if k[1] in MODES else 9, k[2], k[3] or 0)):
+    c, mode, m, b = k
+    by_task = {t: [v for _, v in sorted(ss.items())] for t, ss in scores[k].items()}
+    row = {"context": c, "mode": mode, "method": m, "budget": b,
+           "per_task": {t: float(np.mean(v)) for t, v in by_task.items()}}
+    row["accuracy"] = float(np.mean(list(row["per_task"].values())))
+    row["accuracy_ci"] = task_ci(by_task)
+    row["prompts"] = sum(len(v) for v in by_task.values())
+    if b is None:
+      full[f"{c}/{mode}"] = row["accuracy"]
+      full_task.update({f"{c}/{mode}/{t}": v for t, v in row["per_task"].items()})
+    ref = {t: [full_score.get((c, mode, t, s_)) for s_ in sorted(ss)] for t, ss in scores[k].items()}
+    if all(v is not None for vs in ref.values() for v in vs):
+      base = float(np.mean([np.mean(v) for v in ref.values()]))
       if base:
         row["relative_accuracy"] = row["accuracy"] / base
-      row["accuracy_on_full_solved"] = _on_solved(res, c, m, b)
-    if k in fid:
-      for f in ("top1", "top1_confident", "kl", "nll", "mass", "oracle"):
-        if f in fid[k]:
-          row[f] = fid[k][f]
+        row["relative_ci"] = task_ci(by_task, ref)
+      solved = [(t, i) for t, vs in ref.items() for i, v in enumerate(vs) if v == 1.0]
+      if solved:
+        row["accuracy_on_full_solved"] = float(np.mean([by_task[t][i] for t, i in solved]))
     out.append(row)
-  return {"rows": out, "full_accuracy": {str(c): float(v) for c, v in full.items()},
-          "full_per_task": {f"{c}/{t}": float(v) for (c, t), v in full_task.items()}}
-
-
-def _on_solved(res, c, m, b):
-  """Mean score of the method on the samples that full KV solved completely (None when there are none):
-  the share of full KV's successes that the method keeps."""
-  solved = {(r["task"], r["seed"]) for r in res["tasks"] if r["context"] == c and r["budget"] is None
-            and r["score"] == 1.0}
-  s = [r["score"] for r in res["tasks"] if r["context"] == c and r["method"] == m and r["budget"] == b
-       and (r["task"], r["seed"]) in solved]
-  return float(np.mean(s)) if s else None
+  with_tasks = {(r["context"], r["method"], r["budget"]) for r in out}
+  out += [{"context": c, "mode": None, "method": m, "budget": b} for (c, m, b) in sorted(
+      set(fid) - with_tasks, key=lambda k: (k[0], k[1], k[2] or 0))]
+  for row in out:
+    f = fid.get((row["context"], row["method"], row["budget"]))
+    if f is None:
+      continue
+    for name in ("top1", "top1_confident", "kl", "nll", "mass", "oracle"):
+      if f.get(name) is not None:
+        row[name] = f[name]
+    if f.get("top1_pos"):
+      row["top1_ci"] = mean_ci(f["top1_pos"])
+      row["kl_ci"] = mean_ci(f["kl_pos"])
+  return {"rows": out, "full_accuracy": full, "full_per_task": full_task,
+          "ci": f"{int(100 * CI_LEVEL)}% percentile bootstrap, {BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED}"}
 
 
 def _reference_methods(rows) -> set:
@@ -76,78 +152,132 @@ def _fmt(x, pct=False, digits=3):
   return f"{100 * x:.0f}%" if pct else f"{x:.{digits}f}"
 
 
+def _fmt_ci(x, ci, pct=False, digits=3):
+  """'41% [33, 49]' (pct) or '0.052 [0.041, 0.063]'."""
+  if x is None:
+    return "-"
+  if not ci:
+    return _fmt(x, pct, digits)
+  lo, hi = ci
+  return f"{100 * x:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]" if pct else f"{x:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _index(rows) -> dict:
+  """(context, mode, method, budget) -> row, and (context, None, method, budget) -> a row with the fidelity."""
+  by = {}
+  for r in rows:
+    by[(r["context"], r["mode"], r["method"], r["budget"])] = r
+    by.setdefault((r["context"], None, r["method"], r["budget"]), r)
+  return by
+
+
 def headline(res, budget: int = 256) -> str:
-  """One table at one budget: every method x context, accuracy relative to full KV and fidelity."""
+  """One table at one budget: every method x context, accuracy (and relative to full KV) per mode, fidelity."""
   g, rows = res["meta"]["grid"], res["summary"]["rows"]
-  by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  by = _index(rows)
   reference = _reference_methods(rows)
+  modes = modes_of(res)
   if budget not in g["budgets"]:
     budget = g["budgets"][len(g["budgets"]) // 2]
-  out = [f"## Headline at t={budget}", "",
-         "| context | method | task acc. (rel. to full) | on full's solved | top-1 | top-1 (confident) | KL | mass / oracle |",
-         "|---|---|---|---|---|---|---|---|"]
+  head = "| context | method | " + " | ".join(f"task acc. {m} | rel. to full {m}" for m in modes) + \
+         " | top-1 | top-1 (confident) | KL | mass / oracle |"
+  out = [f"## Headline at t={budget} (95% CIs in brackets)", "", head, "|---|---|" + "---|---|" * len(modes) + "---|---|---|---|"]
   for c in g["contexts"]:
     for m in g["methods"]:
-      r = by.get((c, m, None if m in reference else budget))
-      if r is None:
+      b = None if m in reference else budget
+      cells = []
+      for mode in modes:
+        r = by.get((c, mode, m, b), {})
+        cells += [_fmt_ci(r.get("accuracy"), r.get("accuracy_ci"), True),
+                  _fmt_ci(r.get("relative_accuracy"), r.get("relative_ci"), True)]
+      f = by.get((c, None, m, b), {})
+      if not f and all(x == "-" for x in cells):
         continue
-      acc = f"{_fmt(r.get('accuracy'), True)} ({_fmt(r.get('relative_accuracy'), True)})" if "accuracy" in r else "-"
-      mass = f"{_fmt(r.get('mass'))} / {_fmt(r.get('oracle'))}" if r.get("mass") is not None else "-"
-      out.append(f"| {c} | {m} | {acc} | {_fmt(r.get('accuracy_on_full_solved'), True)} | {_fmt(r.get('top1'), True)} "
-                 f"| {_fmt(r.get('top1_confident'), True)} | {_fmt(r.get('kl'))} | {mass} |")
+      mass = f"{_fmt(f.get('mass'))} / {_fmt(f.get('oracle'))}" if f.get("mass") is not None else "-"
+      out.append(f"| {c} | {m} | " + " | ".join(cells) + f" | {_fmt_ci(f.get('top1'), f.get('top1_ci'), True)} "
+                 f"| {_fmt(f.get('top1_confident'), True)} | {_fmt_ci(f.get('kl'), f.get('kl_ci'))} | {mass} |")
   return "\n".join(out)
 
 
 def markdown(res) -> str:
   meta, rows = res["meta"], res["summary"]["rows"]
   g = meta["grid"]
+  modes = modes_of(res)
   lines = [f"# Accuracy and fidelity: {meta['model']}", "",
            f"- date: {meta['date']}; machine: {meta['machine']['backend']} "
            f"({', '.join(sorted(set(meta['machine']['devices'])))}), {meta['machine']['cpu_count']} cores, "
            f"host {meta['machine']['host']}; jax {meta['machine']['jax']}",
            f"- command: `{meta['command']}`", f"- runtime: {meta.get('seconds', 0) / 60:.1f} min",
            f"- grid: contexts {g['contexts']}, budgets {g['budgets']}, {g['samples']} sample(s) per task "
-           f"({', '.join(g['tasks'])}), fidelity {g['fid_samples']} sequence(s) x {g['fid_tail']} teacher-forced "
-           f"tokens, max_new {g['max_new']}, chat template {g['chat']}, {g['dtype']}", ""]
+           f"({', '.join(g['tasks'])}), modes {', '.join(modes)}, fidelity {g['fid_samples']} sequence(s) x "
+           f"{g['fid_tail']} teacher-forced tokens, max_new {g['max_new']}, chat template {g['chat']}, {g['dtype']}",
+           f"- intervals: {res['summary'].get('ci', '')}; task accuracy over prompts (stratified by task), relative "
+           "accuracy paired with full KV on the same prompts, fidelity over teacher-forced positions", ""]
   if meta.get("note"):
     lines[-1:-1] = [f"- note: {meta['note']}"]
   budgets = list(g["budgets"])
   reference = _reference_methods(rows)
   methods = [m for m in g["methods"] if m not in reference]
-  by = {(r["context"], r["method"], r["budget"]): r for r in rows}
-  full_by_context = {r["context"]: r for r in rows if r["budget"] is None}
+  by = _index(rows)
   lines += headline(res), ""
   for c in g["contexts"]:
-    full = full_by_context.get(c, {})
     lines += [f"## Context {c} tokens", ""]
-    if "accuracy" in full:
-      pt = ", ".join(f"{t} {_fmt(v, True)}" for t, v in full.get("per_task", {}).items())
-      lines += [f"Full KV task accuracy: **{_fmt(full['accuracy'], True)}** ({pt}); full-KV NLL of the "
-                f"teacher-forced tail: {_fmt(full.get('nll'))}.", ""]
-    sections = [
-        ("Task accuracy (mean over tasks; in brackets: relative to full KV)", "accuracy",
-         lambda r: f"{_fmt(r.get('accuracy'), True)} ({_fmt(r.get('relative_accuracy'), True)})"
-         if r.get("accuracy") is not None else "-"),
+    for mode in modes:
+      full = next((r for r in rows if r["context"] == c and r["mode"] == mode and r["budget"] is None), {})
+      if "accuracy" in full:
+        pt = ", ".join(f"{t} {_fmt(v, True)}" for t, v in full.get("per_task", {}).items())
+        lines += [f"Full KV task accuracy, {mode}: **{_fmt_ci(full['accuracy'], full.get('accuracy_ci'), True)}** "
+                  f"({pt}; {full.get('prompts')} prompts).", ""]
+    fnll = by.get((c, None, next(iter(reference), "full"), None), {}).get("nll")
+    if fnll is not None:
+      lines += [f"Full-KV NLL of the teacher-forced tail: {_fmt(fnll)}.", ""]
+    per_mode = [
+        ("Task accuracy (mean over tasks), 95% CI", "accuracy",
+         lambda r: _fmt_ci(r.get("accuracy"), r.get("accuracy_ci"), True)),
+        ("Task accuracy relative to full KV on the same prompts, paired-bootstrap 95% CI", "relative_accuracy",
+         lambda r: _fmt_ci(r.get("relative_accuracy"), r.get("relative_ci"), True)),
         ("Score on the samples full KV solves", "accuracy_on_full_solved",
          lambda r: _fmt(r.get("accuracy_on_full_solved"), True)),
-        ("Top-1 agreement with full KV (teacher-forced)", "top1", lambda r: _fmt(r.get("top1"), True)),
+    ]
+    for title, key, cell in per_mode:
+      if not any(by.get((c, mode, m, b), {}).get(key) is not None for mode in modes for m in methods for b in budgets):
+        continue
+      lines += [f"### {title}", "", "| method | " + " | ".join(f"t={b} {mode}" for b in budgets for mode in modes) + " |",
+                "|---|" + "---|" * (len(budgets) * len(modes))]
+      for m in methods:
+        lines.append(f"| {m} | " + " | ".join(cell(by.get((c, mode, m, b), {})) for b in budgets for mode in modes) + " |")
+      lines.append("")
+    fidelity = [
+        ("Top-1 agreement with full KV (teacher-forced), 95% CI", "top1",
+         lambda r: _fmt_ci(r.get("top1"), r.get("top1_ci"), True)),
         ("Top-1 agreement where full KV's top-1 probability is >= 0.5", "top1_confident",
          lambda r: _fmt(r.get("top1_confident"), True)),
-        ("Mean KL(full || method), nats per token", "kl", lambda r: _fmt(r.get("kl"))),
+        ("Mean KL(full || method), nats per token, 95% CI", "kl", lambda r: _fmt_ci(r.get("kl"), r.get("kl_ci"))),
         ("Attention mass captured (all layers) / exact top-M oracle of the same size", "mass",
          lambda r: f"{_fmt(r.get('mass'))} / {_fmt(r.get('oracle'))}" if r.get("mass") is not None else "-"),
     ]
-    for title, key, cell in sections:
-      if not any(by.get((c, m, b), {}).get(key) is not None for m in methods for b in budgets):
+    for title, key, cell in fidelity:
+      if not any(by.get((c, None, m, b), {}).get(key) is not None for m in methods for b in budgets):
         continue
       lines += [f"### {title}", "", "| method | " + " | ".join(f"t={b}" for b in budgets) + " |",
                 "|---|" + "---|" * len(budgets)]
       for m in methods:
-        lines.append(f"| {m} | " + " | ".join(cell(by.get((c, m, b), {})) for b in budgets) + " |")
+        lines.append(f"| {m} | " + " | ".join(cell(by.get((c, None, m, b), {})) for b in budgets) + " |")
       lines.append("")
   if res.get("skipped"):
-    lines += ["## Skipped configurations", ""] + [f"- {s['method']} t={s['budget']} at {s['context']}: {s['why']}"
-                                                  for s in res["skipped"]] + [""]
+    lines += ["## Skipped configurations", ""] + [
+        f"- {s['method']} t={s['budget']} at {s['context']}{' (' + s['mode'] + ')' if s.get('mode') else ''}: {s['why']}"
+        for s in res["skipped"]] + [""]
+  if meta.get("errors"):
+    lines += ["## Errors (no rows; a re-run with the same cells file retries them)", ""] + [
+        f"- {e['method']} t={e['budget']} at {e['context']} ({e['mode']}): {e['error'][:300]}" for e in meta["errors"]] + [""]
+  if meta.get("timing"):
+    lines += ["## Where the time went", "", "| context | configs | compile (wall) | trace (sum) | XLA compile (sum) | total |",
+              "|---|---|---|---|---|---|"]
+    for c, t in meta["timing"].items():
+      lines.append(f"| {c} | {t.get('configs', '-')} | {t.get('compile_wall_s', '-')} s | {t.get('trace_s', '-')} s "
+                   f"| {t.get('xla_compile_s', '-')} s | {t.get('total_s', '-')} s |")
+    lines.append("")
   return "\n".join(lines)
 
 
@@ -166,7 +296,8 @@ def _plot_title(what: str, meta: dict) -> str:
 
 
 def plots(res, prefix) -> list[str]:
-  """One PNG per measure (tasks, top1, kl, mass, mass_per_layer), a panel per context. Colours are
+  """One PNG per measure (tasks, relative, top1, kl, mass, mass_per_layer), a panel per context, 95% CIs as
+  error bars. Task plots draw the query-aware mode solid and the query-agnostic mode dashed. Colours are
   benchmarks/plot_style.py's method -> colour map, the same in every benchmark plot."""
   import matplotlib
   matplotlib.use("Agg")
@@ -175,28 +306,51 @@ def plots(res, prefix) -> list[str]:
   meta = res["meta"]
   g = meta["grid"]
   rows = res["summary"]["rows"]
-  by = {(r["context"], r["method"], r["budget"]): r for r in rows}
+  by = _index(rows)
   reference = _reference_methods(rows)
   methods = [m for m in g["methods"] if m not in reference]
-  full_by_context = {r["context"]: r for r in rows if r["budget"] is None}
+  modes = modes_of(res)
   budgets = list(g["budgets"])
   contexts = list(g["contexts"])
+  styles = {"aware": "-", "agnostic": "--", None: "-"}
   paths = []
 
-  def panel(key, ylabel, fname, title, ylim=None, floor=None):
+  def panel(key, ylabel, fname, title, ylim=None, floor=None, per_mode=False, ci_key=None, show_ref=True):
     """floor: a log y axis from `floor` up; values below it are drawn at it (the label says so)."""
-    if not any(by.get((c, m, b), {}).get(key) is not None for c in contexts for m in methods for b in budgets):
+    row_modes = modes if per_mode else [None]
+    if not any(by.get((c, mo, m, b), {}).get(key) is not None for c in contexts for mo in row_modes
+               for m in methods for b in budgets):
       return
-    fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 4.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(max(4.6 * len(contexts), 8.0), 4.0), squeeze=False)
     for ax, c in zip(axes[0], contexts):
-      for m in methods:
-        ys = [by.get((c, m, b), {}).get(key) for b in budgets]
-        if any(y is not None for y in ys):
-          ys = [np.nan if y is None else (max(y, floor) if floor else y) for y in ys]
-          ax.plot(budgets, ys, "o-", color=method_color(m), label=m, lw=method_width(m))
-      ref = full_by_context.get(c, {}).get(key)
-      if ref is not None and not (floor and ref < floor):
-        ax.axhline(ref, color=method_color("full"), ls="--", lw=1, label=f"full KV ({ref:.2f})")
+      if not show_ref:  # a ratio to full KV: full KV is 1
+        ax.axhline(1.0, color=method_color("full"), lw=1, label="full KV")
+      for mo in row_modes:
+        for j, m in enumerate(methods):
+          rs = [by.get((c, mo, m, b), {}) for b in budgets]
+          if not any(r.get(key) is not None for r in rs):
+            continue
+          clip = (lambda y: max(y, floor)) if floor else (lambda y: y)
+          ys = np.array([np.nan if r.get(key) is None else clip(r[key]) for r in rs])
+          # the methods' points spread a little along x, so that overlapping error bars stay readable
+          n = len(methods) * len(row_modes)
+          k = j * len(row_modes) + row_modes.index(mo)
+          xs = np.array(budgets, float) * 2 ** (0.5 * (k - (n - 1) / 2) / max(n, 8))
+          cis = [r.get(ci_key) if ci_key else None for r in rs]
+          err = None
+          if any(ci for ci in cis):
+            lo = np.array([y - clip(ci[0]) if ci else 0 for y, ci in zip(ys, cis)])
+            hi = np.array([clip(ci[1]) - y if ci else 0 for y, ci in zip(ys, cis)])
+            err = np.nan_to_num(np.maximum(np.stack([lo, hi]), 0))
+          label = m if mo in ("aware", None) or len(row_modes) == 1 else None
+          ax.errorbar(xs, ys, yerr=err, fmt="o" + styles[mo], color=method_color(m), label=label,
+                      lw=method_width(m), ms=3.5, capsize=2, elinewidth=0.8,
+                      mfc="white" if mo == "agnostic" else method_color(m))  # agnostic: open markers
+        if show_ref:
+          ref = next((by[k].get(key) for k in [(c, mo, r_, None) for r_ in reference] if k in by), None)
+          if ref is not None and not (floor and ref < floor):
+            ax.axhline(ref, color=method_color("full"), ls=styles[mo], lw=1,
+                       label=f"full KV{' ' + mo if per_mode else ''} ({ref:.2f})")
       ax.set_xscale("log", base=2)
       ax.set_xticks(budgets, [str(b) for b in budgets])
       ax.minorticks_off()
@@ -217,15 +371,23 @@ def plots(res, prefix) -> list[str]:
     plt.close(fig)
     paths.append(p)
 
-  panel("accuracy", "task accuracy", "tasks", "Task accuracy vs budget (dashed: full KV)", (-0.05, 1.05))
-  panel("top1", "top-1 agreement with full", "top1", "Teacher-forced top-1 agreement with full KV", (0, 1.02))
+  both = ", ".join(f"{'solid' if styles[m] == '-' else 'dashed, open'}: {m}" for m in modes)
+  panel("accuracy", "task accuracy", "tasks", f"Task accuracy, 95% CI ({both})", (-0.05, 1.05),
+        per_mode=True, ci_key="accuracy_ci")
+  panel("relative_accuracy", "accuracy / full KV's (same prompts)", "relative",
+        f"Accuracy relative to full KV, paired 95% CI ({both})", per_mode=True,
+        ci_key="relative_ci", show_ref=False)
+  panel("top1", "top-1 agreement with full", "top1", "Top-1 agreement with full KV, 95% CI",
+        (0, 1.02), ci_key="top1_ci")
   panel("kl", f"KL(full || method), nats\n(log axis from {KL_FLOOR:g}; lower drawn at it)", "kl",
-        "Teacher-forced KL to full KV (lower is better; full KV's own KL is 0)", floor=KL_FLOOR)
+        "KL(full || method), 95% CI (lower is better)", floor=KL_FLOOR,
+        ci_key="kl_ci")
   panel("mass", "exact attention mass captured", "mass", "Attention mass of the attended tokens", (0, 1.02))
   # per-layer mass at each budget, one panel per context (the largest budget <= 256 if present)
   fid = [r for r in res["fidelity"] if r.get("mass_per_layer")]
   if fid:
-    b_show = max([b for b in budgets if b <= 256] or budgets[:1])
+    have = sorted({r["budget"] for r in fid})
+    b_show = max([b for b in have if b <= 256] or have[:1])
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 4.0), squeeze=False)
     for ax, c in zip(axes[0], contexts):
       for r in fid:
@@ -260,20 +422,27 @@ def write_outputs(res, prefix) -> list[str]:
   return [prefix + ".json", prefix + ".md"] + plots(res, prefix)
 
 
+def _task_id(rec) -> tuple:
+  """runner.task_key: (context, mode, method, budget, task, seed); no mode = query-aware."""
+  return (rec["context"], _mode(rec), rec["method"], rec["budget"], rec["task"], rec["seed"])
+
+
 def merge(results: list[dict], note: str | None = None) -> dict:
-  """One results dict from several runs (other contexts, methods or budgets; same settings otherwise). A record
-  that an earlier input already holds (same context, method, budget, task and seed; for fidelity, same
-  context, method and budget) is dropped, so runs that each recomputed `full` on the same prompts count once."""
+  """One results dict from several runs (other contexts, methods, budgets or modes; same settings otherwise). A
+  record that an earlier input already holds (same context, mode, method, budget, task and seed; for fidelity,
+  same context, method and budget) is dropped, so runs that each recomputed `full` on the same prompts count
+  once."""
   first = results[0]
   out = {"meta": json.loads(json.dumps(first["meta"])), "tasks": [], "fidelity": [], "skipped": []}
-  out["meta"]["command"] = " && ".join(r["meta"]["command"] for r in results)
+  out["meta"]["command"] = " && ".join(dict.fromkeys(r["meta"]["command"] for r in results))
   out["meta"]["seconds"] = sum(r["meta"].get("seconds", 0) for r in results)
-  out["meta"]["date"] = ", ".join(r["meta"]["date"] for r in results)
+  out["meta"]["date"] = ", ".join(dict.fromkeys(r["meta"]["date"] for r in results))
   grid = out["meta"]["grid"]
-  grid["contexts"] = list(dict.fromkeys(c for r in results for c in r["meta"]["grid"]["contexts"]))
+  grid["contexts"] = sorted({c for r in results for c in r["meta"]["grid"]["contexts"]})
   grid["methods"] = list(dict.fromkeys(m for r in results for m in r["meta"]["grid"]["methods"]))
   grid["budgets"] = sorted({b for r in results for b in r["meta"]["grid"]["budgets"]})
   grid["samples"] = max(r["meta"]["grid"]["samples"] for r in results)
+  grid["modes"] = [m for m in MODES if any(m in modes_of(r) for r in results)]
 
   def distinct(values):  # one value, or the runs' values joined ("4 / 8")
     vals = list(dict.fromkeys(str(v) for v in values))
@@ -288,6 +457,14 @@ def merge(results: list[dict], note: str | None = None) -> dict:
                                 devices=sorted({d for m in machines for d in m["devices"]}),
                                 cpu_count=distinct(m["cpu_count"] for m in machines),
                                 host=distinct(m["host"] for m in machines), jax=distinct(m["jax"] for m in machines))
+  timing = {}
+  for r in results:
+    timing.update(r["meta"].get("timing") or {})
+  if timing:
+    out["meta"]["timing"] = timing
+  errors = [e for r in results for e in r["meta"].get("errors", [])]
+  if errors:
+    out["meta"]["errors"] = errors
   notes = [r["meta"]["note"] for r in results if r["meta"].get("note")]
   if note:
     notes.insert(0, note)
@@ -296,7 +473,7 @@ def merge(results: list[dict], note: str | None = None) -> dict:
   seen = set()
   for r in results:
     for rec in r.get("tasks", []):
-      key = ("task", rec["context"], rec["method"], rec["budget"], rec["task"], rec["seed"])
+      key = ("task",) + _task_id(rec)
       if key not in seen:
         seen.add(key)
         out["tasks"].append(rec)
@@ -305,13 +482,62 @@ def merge(results: list[dict], note: str | None = None) -> dict:
       if key not in seen:
         seen.add(key)
         out["fidelity"].append(rec)
-    out["skipped"] += r.get("skipped", [])
+    for rec in r.get("skipped", []):
+      key = ("skip", rec["context"], rec.get("mode"), rec["method"], rec["budget"], rec["why"])
+      if key not in seen:
+        seen.add(key)
+        out["skipped"].append(rec)
   out["summary"] = summarize(out)
   return out
 
 
+def from_cells(path: str) -> dict:
+  """A results dict (no summary) from a cells file (runner.py / `rocketkv eval`): its rows, and the meta of its
+  runs (the last run's date, machine and command; the grids of all runs joined, widened to what the rows hold)."""
+  from benchmarks.accuracy.runner import read_cells  # the runner imports this module
+
+  cells = read_cells(path)
+  if cells is None:
+    raise FileNotFoundError(path)
+  runs = cells["runs"] or [{}]
+  last = runs[-1]
+  settings = cells["settings"] or {}
+  grids = [r.get("grid") or {} for r in runs]
+  rows = cells["tasks"] + cells["fidelity"]
+  grid = {k: settings.get(k) for k in ("max_new", "chat", "dtype", "impl", "fid_tail")}
+  grid.update(
+      contexts=sorted({c for g_ in grids for c in g_.get("contexts", [])} | {r["context"] for r in rows}),
+      methods=list(dict.fromkeys([m for g_ in grids for m in g_.get("methods", [])] + [r["method"] for r in rows])),
+      budgets=sorted({b for g_ in grids for b in g_.get("budgets", [])} | {r["budget"] for r in rows
+                                                                           if r["budget"] is not None}),
+      samples=max([g_.get("samples", 0) for g_ in grids] + [r["seed"] + 1 for r in cells["tasks"]]),
+      tasks=list(dict.fromkeys([t for g_ in grids for t in g_.get("tasks", [])] + [r["task"] for r in cells["tasks"]])),
+      modes=[m for m in MODES if m in {x for g_ in grids for x in g_.get("modes", [])} | {_mode(r) for r in cells["tasks"]}],
+      fid_samples=max([g_.get("fid_samples", 0) for g_ in grids] + [r["sequences"] for r in cells["fidelity"]]))
+  timing = dict(cells.get("timing") or {})
+  meta = {"date": ", ".join(dict.fromkeys(r.get("date", "?") for r in runs)),
+          "command": " && ".join(dict.fromkeys(r.get("command", "?") for r in runs)),
+          "machine": last.get("machine") or {"backend": "?", "devices": [], "cpu_count": "?", "host": "?", "jax": "?"},
+          "model": settings.get("model", "?"), "grid": grid,
+          "seconds": sum(t.get("total_s", 0) for t in (cells.get("timing") or {}).values()),
+          "cells": {"file": path, "runs": len(cells["runs"])}}
+  if timing:
+    meta["timing"] = timing
+  if cells.get("errors"):
+    meta["errors"] = cells["errors"]
+  return {"meta": meta, "tasks": cells["tasks"], "fidelity": cells["fidelity"], "skipped": cells["skipped"]}
+
+
+def load(path: str) -> dict:
+  """A result JSON, or a cells file (*.jsonl)."""
+  if path.endswith(".jsonl"):
+    return from_cells(path)
+  return json.load(open(path))
+
+
 def main(argv=None):
-  """python -m benchmarks.accuracy.report RESULT.json [RESULT.json ...] --out PREFIX: merge and re-render.
+  """python -m benchmarks.accuracy.report INPUT [INPUT ...] --out PREFIX: merge and re-render; an INPUT is a
+  result JSON or a cells file (*.cells.jsonl, what runner.py and `rocketkv eval` append rows to).
   python -m benchmarks.accuracy.report --plots-only RESULT.json ...: redraw RESULT_*.png from the JSON alone
   (the committed plots: --plots-only benchmarks/results/accuracy_{cpu,cpu_4k,cpu_4k8k,cpu_4k_32prompts,
   4k8k_all,h200_partial}.json), leaving the JSON and the markdown as they are."""
@@ -325,12 +551,14 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.plots_only:
     for x in a.inputs:
-      for path in plots(json.load(open(x)), os.path.splitext(x)[0]):
+      res = load(x)
+      res["summary"] = summarize(res)  # older files hold a summary without intervals
+      for path in plots(res, os.path.splitext(x)[0]):
         print(f"wrote {path}")
     return
   if not a.out:
     p.error("--out is required (or --plots-only)")
-  res = merge([json.load(open(x)) for x in a.inputs], note=a.note)
+  res = merge([load(x) for x in a.inputs], note=a.note)
   for path in write_outputs(res, a.out):
     print(f"wrote {path}")
 

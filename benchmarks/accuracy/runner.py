@@ -1,15 +1,21 @@
-"""`python -m benchmarks.accuracy`: task accuracy and fidelity over methods x budgets x contexts.
+"""`python -m benchmarks.accuracy`: task accuracy (query-aware and query-agnostic) and fidelity over method specs x
+budgets x contexts.
 
-One dense prefill per batch of samples is shared by every method and budget (see engine.py). Writes
-<out>.json (everything, outputs included), <out>.md (tables) and <out>_*.png (plots).
+One dense prefill per batch of samples is shared by every method, budget and mode (see engine.py); a context's
+executables compile in a thread pool while the configs already compiled run. Every row is appended to
+<out>.cells.jsonl as it is measured (the same command again skips what is there); then <out>.json (everything,
+outputs included), <out>.md (tables with 95% CIs) and <out>_*.png (plots) are written.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -21,14 +27,94 @@ from benchmarks.accuracy import tasks as T
 from benchmarks.accuracy.engine import Runner, make_config
 from benchmarks.accuracy.report import summarize, write_outputs
 
+MODES = ("aware", "agnostic")  # question inside stage 1's window / fed after the context was compressed
 DEFAULT_METHODS = ("full", "rocketkv", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa", "exact_topk")
 GRIDS = {
-    # the issue's default grid for SmolLM2 (8k = the model's max length, so 8k contexts are 8k - max_new)
-    "default": dict(contexts=(1024, 2048, 4096, 8000), budgets=(64, 128, 256, 512), samples=10, fid_samples=4,
-                    fid_tail=256),
+    # the issue's default grid for SmolLM2: 8000, not 8192, because context + max_new must stay within the
+    # model's max_len 8192. 32 samples per task = 128 prompts per context and mode, in batches of 64 (the
+    # dense prefill keeps every layer's q, k, v: ~115 KB per token in float32, 59 GB at 64 x 8000 tokens).
+    # The attention-mass diagnostic runs one jitted layer at a time (30 dispatches per token): at t=256 only.
+    "default": dict(contexts=(1024, 2048, 4096, 8000), budgets=(64, 128, 256, 512), samples=32, fid_samples=4,
+                    fid_tail=64, batch=64, diag_budgets=(256,)),
     # CPU-quick: one context, two budgets, one sample per task
-    "small": dict(contexts=(1024,), budgets=(128, 256), samples=1, fid_samples=1, fid_tail=64),
+    "small": dict(contexts=(1024,), budgets=(128, 256), samples=1, fid_samples=1, fid_tail=64, batch=8,
+                  diag_budgets=None),
 }
+
+
+def split_specs(text: str) -> list[str]:
+  """Comma-separated method specs, commas inside [...] kept: 'full,rocketkv[topr=16,page_size=4]' -> 2 specs."""
+  out, depth, cur = [], 0, ""
+  for ch in text:
+    depth += (ch == "[") - (ch == "]")
+    if ch == "," and depth == 0:
+      out.append(cur)
+      cur = ""
+    else:
+      cur += ch
+  out.append(cur)
+  return [x.strip() for x in out if x.strip()]
+
+
+def _value(text: str):
+  """An override's value: int, then float, then true/false/none, else the string (quotes stripped)."""
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  low = text.lower()
+  if low in ("true", "false"):
+    return low == "true"
+  if low == "none":
+    return None
+  return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+  """'rocketkv[topr=16,page_size=4]' -> ('rocketkv', {'topr': 16, 'page_size': 4}): the registered method and
+  the overrides its config gets (`rocketkv_jax.make_config(..., **overrides)`). Raises ValueError naming a
+  method that is not registered, a malformed pair, a repeated key or a key that is not a field of the method's
+  config. The whole spec string is the method's label in rows, tables and plots."""
+  m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*", spec, re.S)
+  if not m:
+    raise ValueError(f"method spec {spec!r} is not NAME or NAME[key=value,...]")
+  name, body = m.group(1), m.group(2)
+  if name not in rocketkv_jax.METHODS:
+    raise ValueError(f"method spec {spec!r}: unknown method {name!r}; choose from {', '.join(rocketkv_jax.METHODS)}")
+  fields = {f.name for f in dataclasses.fields(rocketkv_jax.get_method(name))}
+  overrides: dict = {}
+  for pair in split_specs(body or ""):
+    key, eq, val = pair.partition("=")
+    key, val = key.strip(), val.strip()
+    if not eq or not key or not val:
+      raise ValueError(f"method spec {spec!r}: {pair!r} is not key=value")
+    if key in overrides:
+      raise ValueError(f"method spec {spec!r}: {key!r} is given twice")
+    if key not in fields:
+      raise ValueError(f"method spec {spec!r}: {key!r} is not an option of {name} (its config's fields: "
+                       f"{', '.join(sorted(fields))})")
+    overrides[key] = _value(val)
+  if body is not None and not overrides:
+    raise ValueError(f"method spec {spec!r}: empty brackets")
+  return name, overrides
+
+
+def method_name(spec: str) -> str:
+  """The registered method a spec runs ('rocketkv' for 'rocketkv[topr=16]')."""
+  return parse_method(spec)[0]
+
+
+def parse_methods(text) -> tuple[str, ...]:
+  """Method specs from '--methods' text (or a sequence of specs), whitespace removed, duplicates dropped, each
+  checked by `parse_method` (ValueError before any work)."""
+  specs = split_specs(text) if isinstance(text, str) else [str(x).strip() for x in text]
+  specs = tuple(dict.fromkeys(re.sub(r"\s+", "", x) for x in specs if x.strip()))
+  if not specs:
+    raise ValueError(f"no method named in {text!r}")
+  for x in specs:
+    parse_method(x)
+  return specs
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -44,7 +130,9 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a HF Llama directory")
-  p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+  p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                 help="method specs: NAME or NAME[key=value,...] (config overrides), e.g. "
+                      "'full,rocketkv,rocketkv[topr=16,page_size=4]'; the spec is the label")
   p.add_argument("--budgets", default=None, help="token budgets, e.g. 64,128,256,512")
   p.add_argument("--contexts", default=None, help="context lengths in tokens, e.g. 1k,2k,4k,8000")
   p.add_argument("--samples", type=int, default=None, help="samples per task and context")
@@ -52,23 +140,44 @@ def parse_args(argv=None):
   p.add_argument("--fid-samples", type=int, default=None, help="prose sequences per context for fidelity (0: off)")
   p.add_argument("--fid-tail", type=int, default=None, help="teacher-forced tokens after the compressed prefix")
   p.add_argument("--no-diag", action="store_true", help="skip the per-layer attention-mass diagnostic")
+  p.add_argument("--diag-budgets", default=None,
+                 help="budgets that get the diagnostic, e.g. 256 (default: the grid's; 'all' = every budget)")
+  p.add_argument("--modes", default=",".join(MODES),
+                 help="task modes: aware (the question is in the compressed prompt), agnostic (the context is "
+                      "compressed first, the question fed after it); default both")
   p.add_argument("--max-new", type=int, default=24, help="greedy tokens generated per task prompt")
-  p.add_argument("--batch", type=int, default=8, help="prompts per prefill/decode batch")
+  p.add_argument("--batch", type=int, default=None, help="prompts per prefill/decode batch (default: the grid's)")
+  p.add_argument("--compile-workers", type=int, default=None,
+                 help="threads that compile a context's configs ahead of running them (default min(16, cores))")
   p.add_argument("--chat", choices=("on", "off"), default="off", help="wrap task prompts in the chat template")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--impl", default="auto", choices=("auto", "xla", "pallas"),
                  help="the core's hot path: auto = Pallas kernels on GPU, XLA elsewhere")
   p.add_argument("--small", action="store_true", help="CPU-quick grid (defaults of flags left unset)")
   p.add_argument("--out", default="benchmarks/results/accuracy", help="output path prefix")
+  p.add_argument("--cells", default=None, help="the resumable cells file (default <out>.cells.jsonl)")
+  p.add_argument("--no-render", action="store_true", help="write only the cells file (no JSON, markdown, plots)")
   a = p.parse_args(argv)
   grid = GRIDS["small" if a.small else "default"]
-  a.methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
+  try:
+    a.methods = parse_methods(a.methods)
+  except ValueError as e:
+    p.error(str(e))
+  a.modes = tuple(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
+  if not a.modes or set(a.modes) - set(MODES):
+    p.error(f"--modes {','.join(a.modes) or 'none'}: choose from {','.join(MODES)}")
   a.tasks = tuple(t.strip() for t in a.tasks.split(",") if t.strip())
   a.budgets = _ints(a.budgets) if a.budgets else grid["budgets"]
   a.contexts = _ints(a.contexts) if a.contexts else grid["contexts"]
-  for k in ("samples", "fid_samples", "fid_tail"):
+  for k in ("samples", "fid_samples", "fid_tail", "batch"):
     if getattr(a, k) is None:
       setattr(a, k, grid[k])
+  if a.diag_budgets is None:
+    a.diag_budgets = grid["diag_budgets"]
+  elif a.diag_budgets.strip().lower() == "all":
+    a.diag_budgets = None
+  else:
+    a.diag_budgets = _ints(a.diag_budgets)
   return a
 
 
@@ -80,45 +189,78 @@ def machine() -> dict:
           "devices": [d.device_kind for d in jax.devices()], "cpu_count": os.cpu_count()}
 
 
-def _configs(methods, budgets, context, max_new, model_cfg, impl="auto"):
+def plan_configs(methods, budgets, context, max_new, model_cfg, impl="auto"):
   """(method, budget, config or error string); a method the budget does not change (full) runs once, with
   budget None: the reference every figure is compared with."""
   out = []
   for m in methods:
-    for b in (budgets if rocketkv_jax.get_method(m).budgeted else [None]):
+    name, overrides = parse_method(m)
+    for b in (budgets if rocketkv_jax.get_method(name).budgeted else [None]):
       try:
-        out.append((m, b, make_config(m, b or max(budgets), context, max_new, model_cfg, impl=impl)))
+        config = make_config(name, b or max(budgets), context, max_new, model_cfg, **{"impl": impl, **overrides})
+        # an override the model's shapes refuse (topr > head_dim) is a skipped config, not a crash mid-run
+        config.check_shapes(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim)
+        config.check_prompt(context)
+        out.append((m, b, config))
       except ValueError as e:
         out.append((m, b, f"skipped: {e}"))
   return out
 
 
+def modes_of(args) -> tuple[str, ...]:
+  """The task modes a run measures (both when the caller's args do not say)."""
+  return tuple(getattr(args, "modes", None) or MODES)
+
+
 def task_key(r) -> tuple:
-  """A task row's identity: (context, method, budget, task, seed)."""
-  return (r["context"], r["method"], r["budget"], r["task"], r["seed"])
+  """A task row's identity: (context, mode, method, budget, task, seed); a row without a mode (written before
+  the modes existed) is query-aware."""
+  return (r["context"], r.get("mode", "aware"), r["method"], r["budget"], r["task"], r["seed"])
 
 
 def fidelity_key(r) -> tuple:
-  """A fidelity row's identity: (context, method, budget, sequences, tail)."""
+  """A fidelity row's identity: (context, method, budget, sequences, tail). Fidelity has no mode: it always
+  compresses a prefix and teacher-forces the rest."""
   return (r["context"], r["method"], r["budget"], r["sequences"], r["tail"])
+
+
+def skip_key(r) -> tuple:
+  """A skipped row's identity: (context, mode or None, method, budget, why)."""
+  mode = r.get("mode", None if r["why"].startswith("fidelity") else "aware")
+  return (r["context"], mode, r["method"], r["budget"], r["why"])
+
+
+def question_split(samples) -> int:
+  """Tokens the query-agnostic mode feeds after compression: the longest question + answer prefix of the
+  context's samples (one compression point per context, so one config per method and budget; a row with a
+  shorter question feeds a few haystack tokens first)."""
+  return max(s.meta["question_tokens"] for s in samples)
 
 
 def run(args, progress=None, log=print, checkpoint=None, done=None, record=None) -> dict:
   """The grid. `checkpoint(res)`, if given, is called after every prompt batch and fidelity pass, so a run
   stopped early (a time limit) keeps what it measured.
 
+  Per context: the configs of every mode and of fidelity are compiled first, all at once in a thread pool
+  (`Runner.precompile`, `--compile-workers`); then each batch of prompts gets one dense prefill, shared by
+  every method, budget and mode.
+
   Resuming: `done` = {"tasks": [rows], "fidelity": [rows], "skipped": [rows]} of an earlier run with the same
   model, dtype, max_new, chat, fid_tail and diagnostic setting; those rows go into the result as they are and
-  their work is not redone: a prompt batch whose every (method, budget) row is done skips its prefill, a
+  their work is not redone: a prompt batch whose every (mode, method, budget) row is done skips its prefill, a
   config runs only where a row is missing, a context's fidelity pass runs only for missing rows (plus the
   full-KV reference they are compared with). `record(kind, row)`, if given, gets every new row as soon as it
   exists (kind "tasks", "fidelity" or "skipped")."""
   import jax
-  import jax.numpy as jnp
 
   from rocketkv_jax.models import load
   from rocketkv_jax.models.generate import stop_ids
 
+  args.methods = parse_methods(args.methods)  # a bad spec fails here, before the model loads
+  modes = modes_of(args)
+  bad = [m for m in modes if m not in MODES]
+  if bad:
+    raise ValueError(f"unknown mode(s) {bad}; choose from {MODES}")
   t_start = time.time()
   model, tok = load(args.model, dtype=args.dtype, log=log) if isinstance(args.model, str) else args.model
   runner = Runner(model)
@@ -127,6 +269,8 @@ def run(args, progress=None, log=print, checkpoint=None, done=None, record=None)
   eos = stop_ids(model, tok, chat)
   done = done or {}
   record = record or (lambda kind, row: None)
+  impl = getattr(args, "impl", "auto")
+  workers = getattr(args, "compile_workers", None) or min(16, os.cpu_count() or 1)
   res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": getattr(args, "command_line", None) or
                   "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
@@ -134,124 +278,201 @@ def run(args, progress=None, log=print, checkpoint=None, done=None, record=None)
                   "model": getattr(args, "model_name", None) or (args.model if isinstance(args.model, str) else "given"),
                   "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
                                    "head_dim": cfg.head_dim, "max_len": cfg.max_len},
-                  "grid": {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks",
-                                                           "fid_samples", "fid_tail", "max_new", "chat", "dtype", "impl")
-                           if hasattr(args, k)}},
+                  "grid": grid_of(args)},
          "tasks": list(done.get("tasks", ())), "fidelity": list(done.get("fidelity", ())),
          "skipped": list(done.get("skipped", ()))}
   done_tasks = {task_key(r) for r in res["tasks"]}
-  done_skips = {(r["context"], r["method"], r["budget"], r["why"]) for r in res["skipped"]}
+  done_skips = {skip_key(r) for r in res["skipped"]}
+  timing = res["meta"]["timing"] = {}
+
+  def error(C, mode, m, b, e):
+    row = {"context": C, "mode": mode, "method": m, "budget": b, "error": f"{type(e).__name__}: {e}"}
+    res["meta"].setdefault("errors", []).append(row)
+    record("error", row)
+    log(f"error at {C} {mode} {m} t={b}: {row['error']}")
 
   def skip(row):
-    if (row["context"], row["method"], row["budget"], row["why"]) not in done_skips:
-      done_skips.add((row["context"], row["method"], row["budget"], row["why"]))
+    if skip_key(row) not in done_skips:
+      done_skips.add(skip_key(row))
       res["skipped"].append(row)
       record("skipped", row)
-  res["meta"]["haystack"] = {"files": sorted(n for n in os.listdir(T.DATA_DIR) if n.endswith(".txt")),
+  res["meta"]["haystack"] = {"files": T.haystack_files(),
                              "sentences": len(T.haystack_sentences())}
-  n_cfg = {c: len(_configs(args.methods, args.budgets, c, args.max_new, cfg)) for c in args.contexts}
-  n_batches = lambda c: -(-(len(args.tasks) * args.samples) // args.batch)
-  total = sum(n_cfg[c] * (n_batches(c) + (1 if args.fid_samples else 0)) for c in args.contexts)
+  n_cfg = len(plan_configs(args.methods, args.budgets, min(args.contexts), args.max_new, cfg))
+  n_batches = -(-(len(args.tasks) * args.samples) // max(1, args.batch))
+  total = len(args.contexts) * n_cfg * (n_batches * len(modes) + (1 if args.fid_samples else 0))
   prog = progress(total) if progress else None
 
   for C in args.contexts:
     if C + max(args.max_new, 1) > cfg.max_len:
       raise ValueError(f"context {C} + max_new {args.max_new} exceeds the model's max_len {cfg.max_len}")
+    t_ctx = time.time()
     samples = T.make_samples(tok, args.tasks, C, args.samples, chat=chat) if args.samples else []
-    confs = _configs(args.methods, args.budgets, C, args.max_new, cfg, getattr(args, "impl", "auto"))
-    for m, b, c in confs:
+    split = question_split(samples) if samples else 0
+    # aware: the whole prompt is compressed; agnostic: its first C - split tokens, then `split` are fed
+    plans = {"aware": (C, args.max_new), "agnostic": (C - split, split + args.max_new)}
+    confs = [(mode, m, b, c) for mode in modes for m, b, c in plan_configs(args.methods, args.budgets, plans[mode][0],
+                                                                        plans[mode][1], cfg, impl)] if samples else []
+    for mode, m, b, c in confs:
       if isinstance(c, str):
-        skip({"context": C, "method": m, "budget": b, "why": c})
-    for i0 in range(0, len(samples), args.batch):
-      chunk = samples[i0:i0 + args.batch]
-      todo = {(m, b) for m, b, c in confs if not isinstance(c, str)
-              and any((C, m, b, s.task, s.seed) not in done_tasks for s in chunk)}
-      if not todo:  # every row of this batch was measured by an earlier run
+        skip({"context": C, "mode": mode, "method": m, "budget": b, "why": c})
+    B = min(args.batch, len(samples)) or 1
+    batches = [samples[i:i + B] for i in range(0, len(samples), B)]
+    todo = [{(mode, m, b) for mode, m, b, c in confs if not isinstance(c, str)
+             and any((C, mode, m, b, s.task, s.seed) not in done_tasks for s in chunk)} for chunk in batches]
+    fid = _fidelity_plan(args, runner, tok, C, res, skip) if args.fid_samples else None
+    # every executable the context needs, compiled in a thread pool in the order they run: config i runs as
+    # soon as it is compiled, while later ones still compile
+    job_ids = [(mode, m, b) for mode, m, b, c in confs if not isinstance(c, str) and any((mode, m, b) in t for t in todo)]
+    jobs = [("greedy" if mode == "aware" else "agnostic", c, B, C, plans[mode][0], args.max_new)
+            for mode, m, b, c in confs if (mode, m, b) in job_ids]
+    if fid and fid["todo"]:
+      job_ids += [("fidelity", m, b) for m, b, c in fid["run"]]
+      jobs += [("forced", c, len(fid["seqs"]), C, fid["prefix"], args.fid_tail) for m, b, c in fid["run"]]
+    stats0 = dict(runner.stats)
+    t_compile = time.time()
+    ready = dict(zip(job_ids, runner.precompile(jobs, eos, workers=workers, wait=False))) if jobs else {}
+    compiled_at = []
+    for f in ready.values():
+      f.add_done_callback(lambda f: compiled_at.append(time.time()))
+    if jobs:
+      log(f"context {C}: compiling {len(jobs)} configs on {workers} threads while running them")
+    for chunk, want in zip(batches, todo):
+      if not want:  # every row of this batch was measured by an earlier run
         if prog: prog.describe(f"{C} tok: {len(chunk)} prompts already done")
         for _ in confs:
           if prog: prog.advance()
         continue
-      ids = np.array([s.ids for s in chunk], np.int32)
-      lengths = np.full((len(chunk),), C, np.int32)
+      padded = chunk + [chunk[-1]] * (B - len(chunk))  # one batch shape per context: one compile per config
+      ids = np.array([s.ids for s in padded], np.int32)
+      lengths = np.full((B,), C, np.int32)
       if prog: prog.describe(f"{C} tok: dense prefill of {len(chunk)} prompts")
       logits, qkv = runner.prefill_dense(ids, lengths)
       jax.block_until_ready(logits)
-      for m, b, config in confs:
-        if isinstance(config, str) or (m, b) not in todo:
+      for mode, m, b, config in confs:
+        if isinstance(config, str) or (mode, m, b) not in want:
           if prog: prog.advance()
           continue
-        if prog: prog.describe(f"{C} tok: tasks {m} t={b}")
+        if prog: prog.describe(f"{C} tok: tasks {mode} {m} t={b}")
         t0 = time.time()
-        caches = runner.compress(qkv, lengths, config)
-        out = runner.greedy(logits, caches, config, args.max_new, eos)
+        try:
+          ready[mode, m, b].result()  # its executables (an error of this config's compile surfaces here)
+          if mode == "aware":
+            out = runner.greedy(logits, runner.compress(qkv, lengths, config), config, args.max_new, eos)
+          else:
+            out = runner.agnostic(qkv, logits, ids, plans[mode][0], config, args.max_new, eos)
+        except Exception as e:  # one config's failure must not cost the rest of the grid; no row: a re-run retries
+          error(C, mode, m, b, e)
+          if prog: prog.advance()
+          continue
         dt = time.time() - t0
         for s, row in zip(chunk, out):
-          if (C, m, b, s.task, s.seed) in done_tasks:
+          r = {"context": C, "mode": mode, "method": m, "budget": b, "task": s.task, "seed": s.seed,
+               "compressed": plans[mode][0], "question_tokens": s.meta["question_tokens"],
+               # needles that end past the compression point (agnostic: partly fed after it; rare, at 1k only)
+               "needles_after": sum(e > plans[mode][0] for e in s.meta["needle_token_end"])}
+          if task_key(r) in done_tasks:
             continue
           body = [int(x) for x in row if x >= 0 and x not in eos]
           text = tok.decode(body)
-          r = {"context": C, "method": m, "budget": b, "task": s.task, "seed": s.seed,
-               "answers": list(s.answers), "output": text, "score": T.score(text, s.answers),
-               "seconds": dt / len(chunk)}
+          r.update(answers=list(s.answers), output=text, score=T.score(text, s.answers), seconds=dt / len(chunk))
           res["tasks"].append(r)
           done_tasks.add(task_key(r))
           record("tasks", r)
         if prog: prog.advance()
       del qkv, logits
       if checkpoint: checkpoint(res)
-    if args.fid_samples:
-      _fidelity(args, runner, tok, C, res, prog, skip, record)
+    if fid is not None:
+      _fidelity(args, runner, tok, C, fid, res, prog, record, ready, error)
       if checkpoint: checkpoint(res)
+    concurrent.futures.wait(list(ready.values()))
+    st = runner.stats
+    timing[str(C)] = {"configs": len(jobs), "executables": st["compiles"] - stats0["compiles"],
+                      # wall time from the start of compilation to its last executable, and the sums over threads
+                      "compile_wall_s": round(max(compiled_at, default=t_compile) - t_compile, 2),
+                      "trace_s": round(st["lower_s"] - stats0["lower_s"], 2),
+                      "xla_compile_s": round(st["compile_s"] - stats0["compile_s"], 2),
+                      "total_s": round(time.time() - t_ctx, 2)}
+    # executables compiled while running rather than ahead of time (a shape the precompile did not foresee)
+    timing[str(C)]["late_compiles"] = st["late"] - stats0["late"]
+    if jobs:  # (a context resumed with nothing left to do keeps the timing of the run that measured it)
+      record("timing", {"context": C, **timing[str(C)]})
+    log(f"context {C}: {timing[str(C)]}")
   res["meta"]["seconds"] = time.time() - t_start
   res["summary"] = summarize(res)
   if prog: prog.close()
   return res
 
 
-def _fidelity(args, runner, tok, C, res, prog, skip, record):
-  import jax
+def _diag_budgets(args) -> set | None:
+  """Budgets that get the attention-mass diagnostic (None: all); none with --no-diag."""
+  if args.no_diag:
+    return set()
+  b = getattr(args, "diag_budgets", None)
+  return None if b is None else set(b)
 
+
+def _fidelity_plan(args, runner, tok, C, res, skip) -> dict:
+  """What a context's fidelity pass runs: each method planned for what it decodes, a prompt of C - F tokens
+  and F new ones (the task configs are planned for C + max_new and would overflow a non-evicting cache)."""
   F = args.fid_tail
   prefix = C - F
-  # plan each method for what this run decodes: a prompt of `prefix` tokens and F - 1 new ones (the
-  # task configs are planned for C + max_new and would overflow a non-evicting cache)
-  confs = _configs(args.methods, args.budgets, prefix, F, runner.cfg, getattr(args, "impl", "auto"))
+  confs = plan_configs(args.methods, args.budgets, prefix, F, runner.cfg, getattr(args, "impl", "auto"))
   for m, b, c in confs:
     if isinstance(c, str):
       skip({"context": C, "method": m, "budget": b, "why": f"fidelity {c}"})
   have = {fidelity_key(r) for r in res["fidelity"]}
   todo = {(m, b) for m, b, c in confs if not isinstance(c, str) and (C, m, b, args.fid_samples, F) not in have}
+  # a done row is skipped, except the reference (budget None) when rows compared with it remain
+  run_ = [(m, b, c) for m, b, c in sorted(confs, key=lambda x: x[1] is not None)  # the reference first
+          if not isinstance(c, str) and ((m, b) in todo or (b is None and todo))]
+  return {"prefix": prefix, "confs": confs, "todo": todo, "run": run_,
+          "seqs": [T.fidelity_text(tok, C, s)[0] for s in range(args.fid_samples)] if todo else []}
+
+
+def _fidelity(args, runner, tok, C, plan, res, prog, record, ready, error):
+  import jax
+
+  F, prefix, todo = args.fid_tail, plan["prefix"], plan["todo"]
   if not todo:  # every row measured by an earlier run
-    for _ in confs:
+    for _ in plan["confs"]:
       if prog: prog.advance()
     return
-  seqs = [T.fidelity_text(tok, C, s)[0] for s in range(args.fid_samples)]
-  ids = np.array(seqs, np.int32)
-  if prog: prog.describe(f"{C} tok: dense prefill of {len(seqs)} prose sequences")
-  logits, qkv = runner.prefill_dense(ids, np.full((len(seqs),), prefix, np.int32))
+  ids = np.array(plan["seqs"], np.int32)
+  if prog: prog.describe(f"{C} tok: dense prefill of {len(ids)} prose sequences")
+  logits, qkv = runner.prefill_dense(ids, np.full((len(ids),), prefix, np.int32))
   jax.block_until_ready(logits)
-  order = sorted(confs, key=lambda x: x[1] is not None)  # the reference (budget None: full KV) first
   ref = None
   target = ids[:, prefix:]
-  for m, b, config in order:
-    # a done row is skipped, except the reference (budget None) when rows compared with it remain
-    if isinstance(config, str) or ((m, b) not in todo and (b is not None or ref is not None)):
-      if prog: prog.advance()
-      continue
+  diag_at = _diag_budgets(args)
+  for _ in range(len(plan["confs"]) - len(plan["run"])):
+    if prog: prog.advance()
+  for m, b, config in plan["run"]:
     if prog: prog.describe(f"{C} tok: fidelity {m} t={b}")
     t0 = time.time()
-    diag = (not args.no_diag) and b is not None  # the reference attends everything: mass 1
-    lp, d = runner.teacher_forced(qkv, logits, ids, prefix, config, diag=diag)
+    # the reference attends everything (mass 1): no diagnostic
+    diag = b is not None and (diag_at is None or b in diag_at)
+    try:
+      ready["fidelity", m, b].result()
+      lp, d = runner.teacher_forced(qkv, logits, ids, prefix, config, diag=diag)
+    except Exception as e:  # as for tasks: log it, keep going, no row
+      error(C, "fidelity", m, b, e)
+      if prog: prog.advance()
+      continue
     if b is None:
       ref = lp
     nll = float(-np.take_along_axis(lp, target[..., None], -1).mean())
-    row = {"context": C, "method": m, "budget": b, "sequences": len(seqs), "tail": F, "nll": nll,
+    row = {"context": C, "method": m, "budget": b, "sequences": len(ids), "tail": F, "nll": nll,
            "seconds": time.time() - t0}
     if ref is not None:
       p_ref = np.exp(ref)
-      agree = lp.argmax(-1) == ref.argmax(-1)
+      agree = lp.argmax(-1) == ref.argmax(-1)  # [B, F]
+      kl = (p_ref * (ref - lp)).sum(-1)  # [B, F]
       row["top1"] = float(agree.mean())
-      row["kl"] = float((p_ref * (ref - lp)).sum(-1).mean())
+      row["kl"] = float(kl.mean())
+      # per position, sequence-major: what the confidence intervals resample (report.py)
+      row["top1_pos"] = agree.astype(int).ravel().tolist()
+      row["kl_pos"] = np.round(np.maximum(kl, 0), 6).ravel().tolist()
       # agreement where full KV is confident (top-1 prob >= 0.5): flips among near-ties of a small
       # model's flat next-token distributions say little, flips of a confident prediction do
       confident = p_ref.max(-1) >= 0.5
@@ -277,9 +498,12 @@ def _fidelity(args, runner, tok, C, res, prog, skip, record):
 #                                                       max_new, chat, fid_tail, no_diag, impl); a re-run
 #                                                       with other settings is refused
 #   {"kind": "run", "date": ..., "command": ..., "machine": {...}, "model_config": {...}}   each run that loaded the model
-#   {"kind": "tasks", <a task row of the result JSON>}       one prompt x method x budget
+#   {"kind": "tasks", <a task row of the result JSON>}       one prompt x mode x method x budget
 #   {"kind": "fidelity", <a fidelity row>}                    one context x method x budget
 #   {"kind": "skipped", <a skipped row>}                      a config the budget/context cannot make
+#   {"kind": "error", {context, mode, method, budget, error}}  a config that failed (compile or run); not a
+#                                                             cell: a re-run tries it again
+#   {"kind": "timing", "context": C, ...}                     where a context's time went (compile, total)
 # A last line cut short by a kill is ignored (and dropped by the next run's writer). Cells: a task cell (context, method, budget, task) is done when
 # its rows for seeds 0 .. samples-1 are there (or its config is skipped); a fidelity cell (context, method,
 # budget) when its row for these fid_samples and fid_tail is.
@@ -296,7 +520,7 @@ def read_cells(path: str) -> dict | None:
   """The rows of a cells file: {"settings", "runs", "tasks", "fidelity", "skipped"}, or None when absent."""
   if not os.path.exists(path):
     return None
-  out = {"settings": None, "runs": [], "tasks": [], "fidelity": [], "skipped": []}
+  out = {"settings": None, "runs": [], "tasks": [], "fidelity": [], "skipped": [], "errors": [], "timing": {}}
   with open(path, encoding="utf-8") as f:
     lines = f.read().split("\n")
   for i, line in enumerate(lines):
@@ -315,6 +539,10 @@ def read_cells(path: str) -> dict | None:
       out["runs"].append(rec)
     elif kind in ("tasks", "fidelity", "skipped"):
       out[kind].append(rec)
+    elif kind == "error":
+      out["errors"].append(rec)
+    elif kind == "timing":
+      out["timing"][str(rec.pop("context"))] = rec
   return out
 
 
@@ -343,32 +571,36 @@ class CellLog:
 
 
 def select(rows: dict, args) -> dict:
-  """The rows of `rows` (tasks / fidelity / skipped lists) inside this grid."""
+  """The rows of `rows` (tasks / fidelity / skipped lists) inside this grid (a task row without a mode is
+  query-aware)."""
   budgets = set(args.budgets) | {None}
+  modes = modes_of(args)
   in_grid = lambda r: r["context"] in args.contexts and r["method"] in args.methods and r["budget"] in budgets
-  return {"tasks": [r for r in rows["tasks"] if in_grid(r) and r["task"] in args.tasks and r["seed"] < args.samples],
+  return {"tasks": [r for r in rows["tasks"] if in_grid(r) and r.get("mode", "aware") in modes
+                    and r["task"] in args.tasks and r["seed"] < args.samples],
           "fidelity": [r for r in rows["fidelity"] if in_grid(r) and args.fid_samples
                        and r["sequences"] == args.fid_samples and r["tail"] == args.fid_tail],
-          "skipped": [r for r in rows["skipped"] if in_grid(r)]}
+          "skipped": [r for r in rows["skipped"] if in_grid(r) and skip_key(r)[1] in modes + (None,)]}
 
 
 def cell_status(args, rows: dict) -> tuple[int, int]:
-  """(cells done, cells in the grid) of task and fidelity cells, from rows already measured (no model needed)."""
+  """(cells done, cells in the grid) of task and fidelity cells, from rows already measured (no model needed).
+  A task cell is (context, mode, method, budget, task); a fidelity cell (context, method, budget)."""
   have_t = {task_key(r) for r in rows["tasks"]}
   have_f = {fidelity_key(r) for r in rows["fidelity"]}
-  skipped_t = {(r["context"], r["method"], r["budget"]) for r in rows["skipped"] if not r["why"].startswith("fidelity")}
-  skipped_f = {(r["context"], r["method"], r["budget"]) for r in rows["skipped"] if r["why"].startswith("fidelity")}
+  skipped = {skip_key(r)[:4] for r in rows["skipped"]}
   done = total = 0
   for C in args.contexts:
     for m in args.methods:
-      for b in (args.budgets if rocketkv_jax.get_method(m).budgeted else [None]):
+      for b in (args.budgets if rocketkv_jax.get_method(method_name(m)).budgeted else [None]):
         if args.samples:
-          for t in args.tasks:
-            total += 1
-            done += (C, m, b) in skipped_t or all((C, m, b, t, s) in have_t for s in range(args.samples))
+          for mode in modes_of(args):
+            for t in args.tasks:
+              total += 1
+              done += (C, mode, m, b) in skipped or all((C, mode, m, b, t, s) in have_t for s in range(args.samples))
         if args.fid_samples:
           total += 1
-          done += (C, m, b) in skipped_f or (C, m, b, args.fid_samples, args.fid_tail) in have_f
+          done += (C, None, m, b) in skipped or (C, m, b, args.fid_samples, args.fid_tail) in have_f
   return done, total
 
 
@@ -388,7 +620,8 @@ class RichProgress:
     self.total, self.done, self.t0 = total, 0, time.time()
 
   def describe(self, text):
-    self.p.update(self.t, description=text)
+    from rich.markup import escape
+    self.p.update(self.t, description=escape(text))  # a method spec's [key=value] is not markup
     if self.plain:
       print(f"[{self.done}/{self.total} {time.time() - self.t0:.0f}s] {text}", file=sys.stderr, flush=True)
 
@@ -401,21 +634,56 @@ class RichProgress:
 
 
 def main(argv=None):
+  """The CLI: runs the grid, appending every row to <out>.cells.jsonl (or --cells) as it is measured; the same
+  command again skips the cells already there (a run stopped by a time limit continues). Then writes <out>.json,
+  .md and _*.png (unless --no-render: `python -m benchmarks.accuracy.report CELLS ...` renders them later)."""
   args = parse_args(argv)
-  log = lambda msg: print(msg, file=sys.stderr)
-
-  def checkpoint(res):  # partial JSON (no summary yet); report.py re-renders it
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".partial.json", "w") as f:
-      json.dump(res, f, default=str)
-
-  res = run(args, progress=RichProgress, log=log, checkpoint=checkpoint)
-  if os.path.exists(args.out + ".partial.json"):
-    os.remove(args.out + ".partial.json")
-  paths = write_outputs(res, args.out)
-  for p in paths:
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  cells_path = args.cells or args.out + ".cells.jsonl"
+  settings = resume_settings(args)
+  prior = read_cells(cells_path)
+  if prior is not None and prior["settings"] is not None and prior["settings"] != settings:
+    diff = ", ".join(f"{k}: {prior['settings'].get(k)!r} there, {v!r} now" for k, v in settings.items()
+                     if prior["settings"].get(k) != v)
+    print(f"error: {cells_path} holds cells measured with other settings ({diff})", file=sys.stderr)
+    sys.exit(2)
+  done = select(prior, args) if prior is not None else None
+  n_done, n_cells = cell_status(args, done or {"tasks": [], "fidelity": [], "skipped": []})
+  if n_done:
+    log(f"{cells_path}: {n_done} of {n_cells} cells already done; skipping them")
+  if prior is not None and prior["runs"] and n_done == n_cells:  # nothing to measure: no model, no device time
+    log("every cell is done: not loading the model")
+    from benchmarks.accuracy.report import from_cells
+    res = {**from_cells(cells_path), **done}  # the meta of its runs, the rows of this grid
+    if not args.no_render:
+      res["summary"] = summarize(res)
+      for p in write_outputs(res, args.out):
+        log(f"wrote {p}")
+    return res
+  cells = CellLog(cells_path, settings)
+  command = "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+  args.command_line = command
+  cells.write("run", {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      "command": command, "machine": machine(), "grid": grid_of(args)})
+  try:
+    res = run(args, progress=RichProgress, log=log, done=done, record=cells.write)
+  finally:
+    cells.close()
+  res["meta"]["cells"] = {"file": cells_path, "done_before": n_done, "total": n_cells}
+  if args.no_render:
+    log(f"wrote {cells_path}")
+    return res
+  for p in write_outputs(res, args.out):
     log(f"wrote {p}")
   return res
+
+
+def grid_of(args) -> dict:
+  """The grid's settings, as the result's meta records them."""
+  g = {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks", "fid_samples", "fid_tail",
+                                     "max_new", "chat", "dtype", "impl", "diag_budgets") if hasattr(args, k)}
+  g["modes"] = list(modes_of(args))
+  return {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
 
 
 if __name__ == "__main__":

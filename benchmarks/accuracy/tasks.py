@@ -51,12 +51,17 @@ class Sample:
 # ----------------------------------------------------------------------------- haystack
 
 
+def haystack_files(data_dir: str = DATA_DIR) -> list[str]:
+  """The haystack's files: data/*.txt in name order, except SOURCES.txt (where they come from)."""
+  return sorted(n for n in os.listdir(data_dir) if n.endswith(".txt") and n != "SOURCES.txt")
+
+
 @functools.lru_cache(maxsize=4)
 def haystack_sentences(data_dir: str = DATA_DIR) -> tuple[str, ...]:
-  """The prose of every data/*.txt file (sorted by name), whitespace collapsed, split into sentences.
+  """The prose of every haystack file (`haystack_files`), whitespace collapsed, split into sentences.
 
   Chapter headings are dropped; a sentence ends at . ! or ? (optionally followed by a closing quote)."""
-  names = sorted(n for n in os.listdir(data_dir) if n.endswith(".txt"))
+  names = haystack_files(data_dir)
   if not names:
     raise FileNotFoundError(f"no haystack *.txt files in {data_dir}")
   text = " ".join(open(os.path.join(data_dir, n), encoding="utf-8").read() for n in names)
@@ -71,6 +76,7 @@ class _Encoder:
 
   def __init__(self, tokenizer):
     self.tok = tokenizer
+    self.sentence_lengths: list[int] | None = None  # of the haystack's sentences, once asked for
     self._cache: dict[str, list[int]] = {}
 
   def __call__(self, text: str) -> list[int]:
@@ -89,12 +95,30 @@ def _encoder(tokenizer) -> _Encoder:
   return enc
 
 
+def sentence_lengths(tokenizer) -> list[int]:
+  """Token count of every haystack sentence (as haystack_ids encodes it: with a leading space)."""
+  enc = _encoder(tokenizer)
+  if enc.sentence_lengths is None:
+    enc.sentence_lengths = [len(enc(" " + x)) for x in haystack_sentences()]
+  return enc.sentence_lengths
+
+
 def haystack_ids(tokenizer, n_tokens: int, rng: random.Random) -> tuple[list[list[int]], dict]:
   """Consecutive haystack sentences (token ids, one list per sentence) from a seeded start, cut to exactly
-  n_tokens ids in total. Wraps around the text when it is too short (meta["repeats"] counts wraps)."""
+  n_tokens ids in total. The start is drawn among the sentences from which the rest of the text holds
+  n_tokens, so the prose does not wrap; only when the whole text is shorter does it wrap around to the start
+  (meta["repeats"] counts wraps)."""
   sents = haystack_sentences()
   enc = _encoder(tokenizer)
-  start = rng.randrange(len(sents))
+  lens = sentence_lengths(tokenizer)
+  # starts that fit: the suffix from sentence i holds >= n_tokens tokens (a prefix of the sentence list)
+  suffix, fits = 0, 0
+  for i in range(len(sents) - 1, -1, -1):
+    suffix += lens[i]
+    if suffix >= n_tokens:
+      fits = i + 1
+      break
+  start = rng.randrange(fits or len(sents))
   out, total, i = [], 0, 0
   while total < n_tokens:
     ids = enc(" " + sents[(start + i) % len(sents)])
@@ -156,7 +180,10 @@ def _assemble(tokenizer, context: int, rng: random.Random, needles: Sequence[str
       ids += hay[j]
   ids += tail
   assert len(ids) == context, (len(ids), context)
-  meta.update(needle_token_pos=needle_pos, depths=list(depths))
+  # question_tokens: the prompt's last ids after the haystack (question + answer prefix), which the
+  # query-agnostic mode feeds only after compressing the rest
+  meta.update(needle_token_pos=needle_pos, needle_token_end=[p + len(x) for p, x in zip(needle_pos, needle_ids)],
+              depths=list(depths), question_tokens=len(tail))
   return ids, meta
 
 

@@ -8,7 +8,7 @@ OpenAI-compatible API. It lives in the serving layer, the top one, since `serve`
       [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64] \
       [--history-gb 4] [--sessions-dir DIR]
   rocketkv eval --model DIR_OR_HUB_ID --contexts 16k,32k --methods full,rocketkv,snapkv --budgets 256,1024 \
-      [--tasks passkey,multikey] [--samples 10] [--fid-samples 4] [--out PREFIX] [--dtype auto]
+      [--modes aware,agnostic] [--tasks passkey,multikey] [--samples 32] [--fid-samples 4] [--out PREFIX] [--dtype auto]
   rocketkv --version
 
 Results go to stdout; progress (loading, compiling, prefill, decode) and the server's log go to stderr. Every
@@ -417,9 +417,19 @@ def _cmd_eval(args) -> int:
   err = _console(True)
   log = lambda msg: err.log(msg)  # noqa: E731
   R, T, report = _import_suite()
-  args.methods = args.methods or R.DEFAULT_METHODS
+  try:  # method specs: a registered name, optionally with config overrides, e.g. rocketkv[topr=16]
+    args.methods = R.parse_methods(args.methods) if args.methods else R.DEFAULT_METHODS
+  except ValueError as e:
+    raise FlagError(f"--methods: {e}") from None
+  args.modes = tuple(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
+  if not args.modes or set(args.modes) - set(R.MODES):
+    raise FlagError(f"--modes {','.join(args.modes) or '(none)'}: choose from {','.join(R.MODES)}")
   grid = R.GRIDS["default"]
   args.budgets = args.budgets or grid["budgets"]
+  for k in ("samples", "fid_samples", "fid_tail"):
+    if getattr(args, k) is None:
+      setattr(args, k, grid[k])
+  args.diag_budgets = grid["diag_budgets"]
   args.tasks = tuple(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
   unknown = [t for t in args.tasks if t not in T.TASKS]
   if unknown or not args.tasks:
@@ -450,8 +460,7 @@ def _cmd_eval(args) -> int:
     log("every cell is done: not loading the model, only writing the report")
     res = {"meta": {**prior["runs"][-1], "command": command, "model": args.model, "grid": _eval_grid(args),
                     "runs": prior["runs"]}, **rows}
-    res["meta"]["haystack"] = {"files": sorted(n for n in os.listdir(T.DATA_DIR) if n.endswith(".txt")),
-                               "sentences": len(T.haystack_sentences())}
+    res["meta"]["haystack"] = {"files": T.haystack_files(), "sentences": len(T.haystack_sentences())}
   else:
     _check_model_source(args.model)
     compile_cache_dir(args)
@@ -496,8 +505,8 @@ def _cmd_eval(args) -> int:
 
 
 def _eval_grid(args) -> dict:
-  return {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks", "fid_samples",
-                                        "fid_tail", "max_new", "chat", "dtype", "impl")}
+  return {k: getattr(args, k) for k in ("methods", "modes", "budgets", "contexts", "samples", "tasks",
+                                        "fid_samples", "fid_tail", "max_new", "chat", "dtype", "impl")}
 
 
 def _interrupt(signum, frame):
@@ -607,17 +616,22 @@ def build_parser() -> argparse.ArgumentParser:
                  help="'smollm2', a .gguf path, a HF checkpoint dir or a hub id org/name in the local HF cache")
   e.add_argument("--contexts", type=_size_list, required=True,
                  help="context lengths in tokens, e.g. 16k,32k,64k,128k (1k = 1024)")
-  e.add_argument("--methods", type=_methods_list, default=None,
-                 help=f"comma-separated methods (default: all of {', '.join(METHODS)})")
+  e.add_argument("--methods", default=None,
+                 help=f"comma-separated methods (default: all of {', '.join(METHODS)}); a method may carry "
+                      "config overrides, e.g. 'rocketkv[topr=16,page_size=4]'")
+  e.add_argument("--modes", default="aware,agnostic",
+                 help="aware: the question is in the compressed prompt; agnostic: the context is compressed "
+                      "before the question is known (how context reuse and sessions work). Default both")
   e.add_argument("--budgets", type=_budget_list, default=None,
                  help=f"token budgets, e.g. 256,1024 (default 64,128,256,512; each at least {MIN_TOKEN_BUDGET})")
   e.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack",
                  help="comma-separated tasks (default passkey,multikey,multivalue,vartrack)")
-  e.add_argument("--samples", type=_number(int, low=0), default=10, help="samples per task and context (default 10)")
-  e.add_argument("--fid-samples", type=_number(int, low=0), default=4,
+  e.add_argument("--samples", type=_number(int, low=0), default=None,
+                 help="samples per task, context and mode (default 32)")
+  e.add_argument("--fid-samples", type=_number(int, low=0), default=None,
                  help="prose sequences per context for fidelity (default 4; 0 = no fidelity)")
-  e.add_argument("--fid-tail", type=count, default=256,
-                 help="teacher-forced tokens at the end of each fidelity sequence (default 256)")
+  e.add_argument("--fid-tail", type=count, default=None,
+                 help="teacher-forced tokens at the end of each fidelity sequence (default 64)")
   e.add_argument("--no-diag", action="store_true", help="skip the per-layer attention-mass diagnostic")
   e.add_argument("--max-new", type=count, default=24, help="greedy tokens per task prompt (default 24)")
   e.add_argument("--batch", type=count, default=8, help="prompts per prefill/decode batch (default 8)")

@@ -39,23 +39,24 @@ def test_eval_runs_resumes_and_skips_done_cells(hf_dir, tmp_path, capsys, monkey
           "--out", out, "--cache", str(tmp_path / "cache"), "--no-compile-cache"]
   assert main(argv) == 0
   err = " ".join(capsys.readouterr().err.split())
-  assert "measured 2 task rows and 2 fidelity rows" in err
+  assert "measured 4 task rows and 2 fidelity rows" in err  # both modes
   for suffix in (".json", ".md", "_tasks.png", "_top1.png", ".cells.jsonl"):
     assert os.path.exists(out + suffix), suffix
   res = json.load(open(out + ".json"))
-  assert {(r["method"], r["budget"]) for r in res["tasks"]} == {("full", None), ("rocketkv", 64)}
+  assert {(r["mode"], r["method"], r["budget"]) for r in res["tasks"]} == {
+      (mode, m, b) for mode in ("aware", "agnostic") for m, b in (("full", None), ("rocketkv", 64))}
   assert len(res["fidelity"]) == 2 and res["meta"]["cells"] == {"file": out + ".cells.jsonl", "done_before": 0,
-                                                                 "total": 4}
+                                                                 "total": 6}
   lines = [json.loads(x) for x in open(out + ".cells.jsonl")]
   assert [x["kind"] for x in lines[:2]] == ["meta", "run"]
-  assert sorted(x["kind"] for x in lines[2:]) == ["fidelity", "fidelity", "tasks", "tasks"]
+  assert sorted(x["kind"] for x in lines[2:]) == ["fidelity", "fidelity"] + ["tasks"] * 4 + ["timing"]
 
   # the same command: every cell is done, the model is not loaded, the report is rewritten from the cells
   monkeypatch.setattr(rocketkv_jax.models, "load", _no_load)
   os.remove(out + ".md")
   assert main(argv) == 0
   err = " ".join(capsys.readouterr().err.split())
-  assert "4 of 4 cells already done; skipping them" in err and "not loading the model" in err
+  assert "6 of 6 cells already done; skipping them" in err and "not loading the model" in err
   assert os.path.exists(out + ".md")
   res2 = json.load(open(out + ".json"))
   assert res2["tasks"] == res["tasks"] and res2["fidelity"] == res["fidelity"]
@@ -69,7 +70,7 @@ def test_eval_runs_resumes_and_skips_done_cells(hf_dir, tmp_path, capsys, monkey
   open(out + ".cells.jsonl", "w").write("\n".join(cut))
   assert main(argv) == 0
   err = " ".join(capsys.readouterr().err.split())
-  assert "3 of 4 cells already done" in err and "measured 0 task rows and 1 fidelity rows" in err
+  assert "5 of 6 cells already done" in err and "measured 0 task rows and 1 fidelity rows" in err
   res3 = json.load(open(out + ".json"))
   assert res3["tasks"] == res["tasks"]
   new = {r["method"]: r for r in res3["fidelity"]}["rocketkv"]
@@ -78,13 +79,15 @@ def test_eval_runs_resumes_and_skips_done_cells(hf_dir, tmp_path, capsys, monkey
   assert all(json.loads(x) for x in open(out + ".cells.jsonl"))  # the cut line was dropped, not kept mid-file
   monkeypatch.setattr(rocketkv_jax.models, "load", _no_load)
   assert main(argv) == 0
-  assert "4 of 4 cells already done" in " ".join(capsys.readouterr().err.split())
+  assert "6 of 6 cells already done" in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--contexts", "16q"], "'16q' is not a token count"),
     (["--contexts", "1k", "--budgets", "8"], "below the minimum 16"),
-    (["--contexts", "1k", "--methods", "full,nope"], "unknown method(s) 'nope'"),
+    (["--contexts", "1k", "--methods", "full,nope"], "unknown method 'nope'"),
+    (["--contexts", "1k", "--methods", "rocketkv[bogus=1]"], "'bogus' is not an option of rocketkv"),
+    (["--contexts", "1k", "--modes", "aware,blind"], "--modes aware,blind: choose from aware,agnostic"),
     (["--contexts", "1k", "--tasks", "passkey,riddles"], "unknown task(s) 'riddles'"),
     (["--contexts", "1k", "--samples", "0", "--fid-samples", "0"], "nothing to measure"),
     (["--contexts", "1k,256", "--fid-tail", "256"], "--fid-tail 256 must be shorter"),

@@ -58,11 +58,20 @@ def test_tiny_end_to_end(tiny_model, tiny_tokenizer, tmp_path):
   paths = write_outputs(res, args.out)
   assert {os.path.basename(p) for p in paths} >= {"acc.json", "acc.md", "acc_tasks.png", "acc_top1.png"}
   data = json.load(open(tmp_path / "acc.json"))
-  assert len(data["tasks"]) == 2 * (1 + 1)  # 2 prompts x (full + rocketkv at one budget)
-  rows = {(r["method"], r["budget"]): r for r in data["summary"]["rows"]}
-  assert rows[("full", None)]["top1"] == 1.0 and rows[("full", None)]["kl"] == pytest.approx(0, abs=1e-6)
-  assert 0 <= rows[("rocketkv", 64)]["top1"] <= 1 and len(rows[("rocketkv", 64)]["per_task"]) == 2
-  assert "| rocketkv |" in open(tmp_path / "acc.md").read()
+  assert len(data["tasks"]) == 2 * 2 * (1 + 1)  # 2 prompts x 2 modes x (full + rocketkv at one budget)
+  rows = {(r["mode"], r["method"], r["budget"]): r for r in data["summary"]["rows"]}
+  assert rows[("aware", "full", None)]["top1"] == 1.0 and rows[("aware", "full", None)]["kl"] == pytest.approx(0, abs=1e-6)
+  assert 0 <= rows[("agnostic", "rocketkv", 64)]["top1"] <= 1 and len(rows[("agnostic", "rocketkv", 64)]["per_task"]) == 2
+  # full KV attends everything: compressing before the question changes nothing
+  out = {(r["mode"], r["method"], r["task"]): r["output"] for r in data["tasks"]}
+  assert all(out[("aware", "full", t)] == out[("agnostic", "full", t)] for t in ("passkey", "multivalue"))
+  split = max(r["question_tokens"] for r in data["tasks"])
+  assert {r["compressed"] for r in data["tasks"] if r["mode"] == "agnostic"} == {512 - split}
+  assert all(r["needles_after"] == 0 for r in data["tasks"] if r["mode"] == "aware")
+  # every executable of the grid was compiled ahead of time, none while running
+  assert data["meta"]["timing"]["512"]["late_compiles"] == 0
+  md = open(tmp_path / "acc.md").read()
+  assert "| rocketkv |" in md and "t=64 agnostic" in md and "[" in md
 
 
 def test_small_grid_flags():

@@ -30,3 +30,98 @@ def test_merge_counts_shared_prompts_once_and_compares_on_the_same_prompts():
   assert res["meta"]["grid"]["methods"] == ["full", "snapkv", "rocketkv"]
   assert res["meta"]["grid"]["budgets"] == [256, 512]
   assert "from B" in markdown(res)
+
+
+# ----------------------------------------------------------------------------- confidence intervals
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from benchmarks.accuracy.report import from_cells, mean_ci, summarize, task_ci  # noqa: E402
+from benchmarks.accuracy.runner import CellLog, cell_status, read_cells, select, task_key  # noqa: E402
+
+
+def test_task_ci_known_cases():
+  # no spread: the interval is the value
+  assert task_ci({"passkey": [1.0] * 10}) == (1.0, 1.0)
+  # 50 of 100 solved: the bootstrap interval of a proportion, ~ 0.5 +- 1.96 * sqrt(0.25 / 100) = [0.40, 0.60]
+  lo, hi = task_ci({"passkey": [0.0, 1.0] * 50})
+  assert lo == pytest.approx(0.40, abs=0.015) and hi == pytest.approx(0.60, abs=0.015)
+  # stratified: a task without spread adds none, and the accuracy is the mean over tasks
+  lo2, hi2 = task_ci({"passkey": [0.0, 1.0] * 50, "multikey": [1.0] * 100})
+  assert lo2 == pytest.approx((lo + 1) / 2, abs=0.01) and hi2 == pytest.approx((hi + 1) / 2, abs=0.01)
+  # deterministic (fixed seed)
+  assert task_ci({"passkey": [0.0, 1.0] * 50}) == (lo, hi)
+
+
+def test_relative_ci_is_paired():
+  s = [0.0, 1.0] * 20
+  # the method scores exactly what full KV scores, prompt by prompt: every paired resample gives 1
+  assert task_ci({"passkey": s}, {"passkey": s}) == (1.0, 1.0)
+  # the method loses exactly one of full's 20 successes: the ratio stays within [~0.87, 1]
+  m = list(s)
+  m[1] = 0.0
+  lo, hi = task_ci({"passkey": m}, {"passkey": s})
+  assert 0.8 < lo < 0.95 and hi == 1.0
+  # resamples where full KV solves nothing are dropped, not infinite
+  lo, hi = task_ci({"passkey": [1.0, 0.0]}, {"passkey": [1.0, 0.0]})
+  assert (lo, hi) == (1.0, 1.0)
+
+
+def test_mean_ci():
+  assert mean_ci([0.25] * 7) == (0.25, 0.25)
+  lo, hi = mean_ci(np.r_[np.zeros(128), np.ones(128)])
+  assert lo == pytest.approx(0.5 - 1.96 * np.sqrt(0.25 / 256), abs=0.02) and hi == pytest.approx(
+      0.5 + 1.96 * np.sqrt(0.25 / 256), abs=0.02)
+  assert mean_ci([]) is None
+
+
+def test_summary_carries_intervals_per_mode_and_fidelity():
+  res = _run("snapkv", 256, list(range(8)), [1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0])
+  res["tasks"] += [dict(t, mode="agnostic", score=0.0) for t in res["tasks"] if t["method"] == "snapkv"]
+  res["tasks"] += [dict(t, mode="agnostic") for t in res["tasks"] if t["method"] == "full"]
+  res["fidelity"] = [dict(context=4096, method="snapkv", budget=256, sequences=2, tail=2, top1=0.75, kl=0.1,
+                          top1_pos=[1, 1, 0, 1], kl_pos=[0.0, 0.1, 0.3, 0.0])]
+  rows = {(r["mode"], r["method"], r["budget"]): r for r in summarize(res)["rows"]}
+  aware, agn = rows[("aware", "snapkv", 256)], rows[("agnostic", "snapkv", 256)]
+  assert aware["accuracy"] == 0.125 and aware["accuracy_ci"][0] <= 0.125 <= aware["accuracy_ci"][1]
+  assert aware["relative_accuracy"] == 0.25 and aware["relative_ci"][0] <= 0.25 <= aware["relative_ci"][1]
+  assert agn["accuracy"] == 0 and agn["relative_accuracy"] == 0 and agn["relative_ci"] == (0.0, 0.0)
+  assert aware["top1"] == agn["top1"] == 0.75 and aware["top1_ci"][0] <= 0.75 <= aware["top1_ci"][1]
+  assert aware["kl_ci"] is not None
+  res["summary"] = summarize(res)
+  md = markdown(res)
+  assert "t=256 aware | t=256 agnostic" in md and "12% [0, 38]" in md
+
+
+# ----------------------------------------------------------------------------- modes in the cells file
+
+
+def test_rows_without_a_mode_are_aware_and_cells_count_modes(tmp_path):
+  class A:  # the grid
+    contexts, methods, budgets, tasks, samples, fid_samples, fid_tail = (4096,), ("full",), (256,), ("passkey",), 1, 0, 0
+    modes = ("aware", "agnostic")
+
+  old = dict(context=4096, method="full", budget=None, task="passkey", seed=0, score=1.0)  # before the modes
+  assert task_key(old) == (4096, "aware", "full", None, "passkey", 0)
+  path = str(tmp_path / "x.cells.jsonl")
+  log = CellLog(path, {"model": "m"})
+  log.write("run", {"date": "d", "command": "c", "grid": {"contexts": [4096], "modes": ["aware", "agnostic"]}})
+  log.write("tasks", old)
+  log.close()
+  rows = select(read_cells(path), A)
+  assert len(rows["tasks"]) == 1 and cell_status(A, rows) == (1, 2)  # the aware cell is done, the agnostic not
+  A.modes = ("agnostic",)
+  assert select(read_cells(path), A)["tasks"] == [] and cell_status(A, select(read_cells(path), A)) == (0, 1)
+  log = CellLog(path, {"model": "m"})
+  log.write("tasks", dict(old, mode="agnostic", score=0.0))
+  log.close()
+  A.modes = ("aware", "agnostic")
+  assert cell_status(A, select(read_cells(path), A)) == (2, 2)
+  # a cells file renders like a result JSON: both modes, each compared with its own full KV
+  res = merge([from_cells(path)])
+  assert res["meta"]["grid"]["modes"] == ["aware", "agnostic"]
+  assert {(r["mode"], r["accuracy"]) for r in res["summary"]["rows"]} == {("aware", 1.0), ("agnostic", 0.0)}
+  json.dumps(res)

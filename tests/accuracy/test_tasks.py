@@ -39,12 +39,26 @@ def test_vartrack_chain_and_distractor(tiny_tokenizer):
   assert s.meta["distractor_value"] in text and not set(s.meta["distractor_chain"]) & set(s.answers)
 
 
-def test_lengths_follow_the_context_and_haystack_wraps(tiny_tokenizer):
+def test_lengths_follow_the_context_and_haystack_wraps_only_when_too_short(tiny_tokenizer):
   for n in (300, 700, 1000):
     assert len(T.make_passkey(tiny_tokenizer, n, 0).ids) == n
-  ids, meta = T.fidelity_text(tiny_tokenizer, 30000, 0)  # longer than the text: wraps around
-  assert len(ids) == 30000 and meta["repeats"] >= 1
-  assert T.fidelity_text(tiny_tokenizer, 30000, 0)[0] == ids
+  total = sum(T.sentence_lengths(tiny_tokenizer))
+  # the start sentence is drawn so that the context fits without wrapping
+  for seed in range(40):
+    ids, meta = T.fidelity_text(tiny_tokenizer, total - 50, seed)
+    assert len(ids) == total - 50 and meta["repeats"] == 0
+  ids, meta = T.fidelity_text(tiny_tokenizer, total + 100, 0)  # longer than the text: wraps around
+  assert len(ids) == total + 100 and meta["repeats"] >= 1
+  assert T.fidelity_text(tiny_tokenizer, total + 100, 0)[0] == ids
+
+
+def test_question_tokens_are_the_prompts_tail(tiny_tokenizer):
+  for task in T.TASKS:
+    s = T.GENERATORS[task](tiny_tokenizer, 512, 0)
+    n = s.meta["question_tokens"]
+    ends = s.meta["needle_token_end"]
+    assert 0 < n < 200 and all(p < e <= 512 - n for p, e in zip(s.meta["needle_token_pos"], ends))
+    assert tiny_tokenizer.decode(list(s.ids[512 - n:])).lstrip().startswith(s.question)
 
 
 def test_too_short_context_is_rejected(tiny_tokenizer):
