@@ -123,3 +123,36 @@ def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_di
                     window_size=window_size, compression_ratio=c, split_r=r, capacity=capacity,
                     prompt_budget=prompt_budget, stage2_ratio=c2, page_size=page_size,
                     top_r=top_r, top_k=top_k)
+
+
+def stage2_step_bytes(capacity: int, page_size: int, top_r: int, top_k: int, head_dim: int, *,
+                      itemsize: int = 2) -> int:
+  """Bytes HSA's decode step reads per KV head at a full cache (`capacity` slots): one row of `top_r` KT values
+  per page, then K, V and an int32 index per attended token (the methods' `step_read_bytes`, KT pages in the
+  keys' dtype)."""
+  return -(-capacity // page_size) * top_r * itemsize + top_k * (2 * head_dim * itemsize + 4)
+
+
+def stage2_replan(plan: BudgetPlan, *, page_size: int | None = None, top_k: int | None = None,
+                  itemsize: int = 2) -> tuple[int, int, int]:
+  """(page_size, top_r, top_k) of a stage-2 split other than the paper's at the same decode traffic: the page
+  size and/or top-k are given, and top_r is the most channels (at most d) whose step reads no more bytes than
+  the paper plan's at a full cache (`stage2_step_bytes`, bf16 by default; in float32 the two differ by at most
+  4 bytes per token of top-k difference, the index). More channels with fewer tokens, or the reverse.
+
+  Raises ValueError naming the value when no channel fits (top_k too close to the token budget)."""
+  p = plan.page_size if page_size is None else page_size
+  k = plan.top_k if top_k is None else top_k
+  check_int("page_size", p)
+  check_int("top_k", k)
+  d = plan.head_dim
+  if k >= plan.token_budget:
+    raise ValueError(f"top_k={k} must be < token_budget={plan.token_budget} (scoring needs a share of it)")
+  paper = stage2_step_bytes(plan.capacity, plan.page_size, plan.top_r, plan.top_k, d, itemsize=itemsize)
+  rows = -(-plan.capacity // p)
+  top_r = min(d, (paper - k * (2 * d * itemsize + 4)) // (rows * itemsize))
+  if top_r < 1:
+    raise ValueError(f"top_k={k} with page_size={p} leaves no scoring channel at the paper plan's traffic "
+                     f"({paper} bytes per step at capacity={plan.capacity}, token_budget={plan.token_budget}): "
+                     f"use a smaller top_k or a larger page_size")
+  return p, int(top_r), k

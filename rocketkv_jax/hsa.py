@@ -6,21 +6,82 @@ s_g[p] / tau_g with SparQ's temperature; a softmax over the valid slots (each sl
 group mean; the top-k tokens of the best pages. The scoring and the selection are ops
 (`ops.hsa_select`: the reference in XLA, two kernels back to back with Pallas); attention over the
 selected tokens is exact (`ops.sparse_decode_attention`).
+
+Forced pages (rocketkv's `hsa_sink_tokens` / `hsa_recent_tokens`, this project's extension): the pages
+holding the first sink slots and the last recent valid slots score above any probability, so they are always
+among the top-k; the rest of the top-k is the paper's rule. That path scores pages (the XLA reference, or the
+scoring kernel + XLA normalisation with Pallas), raises the forced pages and selects with `ops.page_topk`
+(its kernel with Pallas): the fused selection kernels take no forced pages.
 """
 from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+
 from rocketkv_jax import ops
+from rocketkv_jax.budget import check_int
 from rocketkv_jax.cache import KVCache
+from rocketkv_jax.kernels import hsa_scores
+
+# Above any page probability (each is at most 1): a forced page's score.
+FORCED_SCORE = 2.0
 
 
 def select(config, cache: KVCache, q_BKGH):
   """(idx, valid) [B, K, M]: the top-k slots of the step, the new token already appended, ties toward the
   lower slot; the first min(length, M) entries are valid."""
-  idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=min(config.topr, q_BKGH.shape[-1]),
-                       page_size=config.page_size, k=config.topk, num_slots=cache.capacity, impl=config.impl)
+  topr = min(config.topr, q_BKGH.shape[-1])
+  sink, recent = getattr(config, "hsa_sink_tokens", 0), getattr(config, "hsa_recent_tokens", 0)
+  if sink or recent:
+    scores = page_scores(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr, page_size=config.page_size,
+                         impl=config.impl)
+    scores = force_pages(scores, cache.length, page_size=config.page_size, sink=sink, recent=recent)
+    idx = ops.page_topk(scores, cache.length, page_size=config.page_size, k=config.topk, num_slots=cache.capacity,
+                        impl=config.impl)
+  else:
+    idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr, page_size=config.page_size,
+                         k=config.topk, num_slots=cache.capacity, impl=config.impl)
   return idx, ops.prefix_valid(idx, cache.length)
+
+
+def page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
+  """HSA's group page probabilities [B, K, P] (`hsa_scores.hsa_page_scores`): the reference with "xla", the
+  scoring kernel (normalised in XLA) otherwise."""
+  impl = ops.resolve_impl(impl)
+  if impl == "xla":
+    return hsa_scores.hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
+                                                page_size=page_size)
+  return hsa_scores.hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
+                                    interpret=impl == "interpret")
+
+
+def force_pages(scores_BKP, length_B, *, page_size: int, sink: int, recent: int):
+  """Page scores with the pages holding slots [0, sink) or [length - recent, length) raised to FORCED_SCORE
+  (pages with no valid slot stay -inf)."""
+  lo_P = jnp.arange(scores_BKP.shape[-1]) * page_size  # first slot of each page
+  forced_BP = (lo_P[None, :] < sink) | (lo_P[None, :] + page_size > length_B[:, None] - recent)
+  forced_BP &= lo_P[None, :] < length_B[:, None]
+  return jnp.where(forced_BP[:, None, :], FORCED_SCORE, scores_BKP)
+
+
+def forced_slots_max(page_size: int, sink: int, recent: int) -> int:
+  """The most slots the forced pages can hold: the sink's pages (from slot 0) plus the most pages that `recent`
+  consecutive slots can touch."""
+  recent_pages = -(-(recent - 1) // page_size) + 1 if recent else 0
+  return (-(-sink // page_size) + recent_pages) * page_size
+
+
+def check_forced(config) -> None:
+  """Checks hsa_sink_tokens / hsa_recent_tokens: ints >= 0 whose pages fit in topk with room for a chosen page."""
+  sink, recent = config.hsa_sink_tokens, config.hsa_recent_tokens
+  check_int("hsa_sink_tokens", sink, 0)
+  check_int("hsa_recent_tokens", recent, 0)
+  n = forced_slots_max(config.page_size, sink, recent)
+  if n and n + config.page_size > config.topk:
+    raise ValueError(f"hsa_sink_tokens={sink} and hsa_recent_tokens={recent} force up to {n} slots (pages of "
+                     f"page_size={config.page_size}), which leaves no page of topk={config.topk} to choose: "
+                     f"they must force at most topk - page_size = {config.topk - config.page_size}")
 
 
 def score_read_bytes(config, length: int, *, kt_itemsize: int) -> int:

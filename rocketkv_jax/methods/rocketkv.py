@@ -5,7 +5,7 @@ import dataclasses
 from typing import ClassVar
 
 from rocketkv_jax import hsa, stage1
-from rocketkv_jax.budget import plan_budget
+from rocketkv_jax.budget import check_int, plan_budget, stage2_replan
 from rocketkv_jax.methods.base import MethodConfig, SelectingMixin, kt_itemsize
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window (ALGORITHM.md §2)
@@ -16,11 +16,19 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
   """RocketKV: stage 1 keeps `prompt_budget` prompt tokens per KV head (SnapKV, window `window_size`,
   max-pool `kernel_size`, optional `sink_tokens` forced in); stage 2 (HSA) attends to the top `topk`
   tokens per step, scored from page min/max (`page_size` slots per page) over the top `topr` channels.
-  `kt_cache_dtype`: None (the keys' dtype), "bfloat16", "float8_e5m2" or "float32"."""
+  `kt_cache_dtype`: None (the keys' dtype), "bfloat16", "float8_e5m2" or "float32".
+
+  Variant options (this project's extension, docs/ALGORITHM.md; the defaults are the paper's method):
+    hsa_sink_tokens, hsa_recent_tokens: stage 2 always attends the pages holding the first `hsa_sink_tokens`
+      slots and the last `hsa_recent_tokens` valid slots, inside `topk` (the same traffic: these pages are
+      scored anyway). Slots, not positions: slot 0 holds position 0 only if stage 1 keeps it (`sink_tokens`).
+    plan_page_size, plan_topk: inputs of `from_budget`'s plan. Stage 2 uses this page size and/or top-k, and
+      top-r becomes the most channels whose step reads no more than the paper plan's (`budget.stage2_replan`).
+      Ignored when the config is built directly (topk, topr, page_size are then as given)."""
 
   method: ClassVar[str] = "rocketkv"
   uses_kt_pages: ClassVar[bool] = True
-  plan_fields: ClassVar[tuple[str, ...]] = ("window_size",)
+  plan_fields: ClassVar[tuple[str, ...]] = ("window_size", "plan_page_size", "plan_topk")
   prompt_budget: int
   max_new_tokens: int
   topk: int
@@ -30,10 +38,18 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
   kernel_size: int = 63
   kt_cache_dtype: str | None = None
   sink_tokens: int = 0
+  hsa_sink_tokens: int = 0
+  hsa_recent_tokens: int = 0
+  plan_page_size: int | None = None
+  plan_topk: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
     stage1.check_config(self)
+    hsa.check_forced(self)
+    for name in ("plan_page_size", "plan_topk"):
+      if getattr(self, name) is not None:
+        check_int(name, getattr(self, name))
 
   @property
   def capacity(self) -> int:
@@ -50,8 +66,15 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
           else DEFAULT_WINDOW
     plan = plan_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len,
                        window_size=1 if "prompt_budget" in kw else window_size)
-    planned = dict(prompt_budget=plan.prompt_budget, max_new_tokens=max_new_tokens, topk=plan.top_k,
-                   topr=plan.top_r, page_size=plan.page_size)
+    page_size, topr, topk = plan.page_size, plan.top_r, plan.top_k
+    plan_page_size, plan_topk = kw.get("plan_page_size"), kw.get("plan_topk")
+    if plan_page_size is not None or plan_topk is not None:
+      for name, value in (("plan_page_size", plan_page_size), ("plan_topk", plan_topk)):
+        if value is not None:
+          check_int(name, value)
+      page_size, topr, topk = stage2_replan(plan, page_size=plan_page_size, top_k=plan_topk)
+    planned = dict(prompt_budget=plan.prompt_budget, max_new_tokens=max_new_tokens, topk=topk, topr=topr,
+                   page_size=page_size)
     return cls(**{**planned, **kw, "window_size": window_size})
 
   @classmethod
