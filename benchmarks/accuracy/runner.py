@@ -189,6 +189,46 @@ def machine() -> dict:
           "devices": [d.device_kind for d in jax.devices()], "cpu_count": os.cpu_count()}
 
 
+def prefill_bytes_per_prompt(context: int, model_cfg, itemsize: int = 4) -> int:
+  """Device bytes one prompt of the shared dense prefill needs at its peak: every layer's post-RoPE (q, k, v)
+  kept (`models.prefill_dense`), plus one layer's [heads, T, T] float32 attention scores where the prefill's
+  attention is dense (T <= llama.DENSE_ATTENTION_MAX_T; blocked above)."""
+  from rocketkv_jax.models import llama
+  c = model_cfg
+  kept = context * c.n_layers * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * itemsize
+  scores = c.n_heads * context * context * 4 * 2 if context <= llama.DENSE_ATTENTION_MAX_T else 0
+  return kept + scores
+
+
+def available_bytes() -> int | None:
+  """Memory the prefill can use: the first device's limit on a GPU, the host's available memory on CPU."""
+  import jax
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    stats = dev.memory_stats() or {}
+    return stats.get("bytes_limit")
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def fit_batch(batch: int, context: int, model_cfg, log=print, share: float = 0.5) -> int:
+  """`batch`, or fewer prompts per prefill when `batch` would need more than `share` of the available memory
+  (`prefill_bytes_per_prompt`), said in the log: a batch that does not fit is killed by the OS on a CPU host
+  without a Python error, and on a GPU it is an out-of-memory error after minutes of compiling."""
+  avail = available_bytes()
+  if not avail:
+    return batch
+  per = prefill_bytes_per_prompt(context, model_cfg)
+  fit = max(1, int(share * avail // per))
+  if fit < batch:
+    log(f"context {context}: --batch {batch} needs ~{batch * per / 2**30:.1f} GiB for the dense prefill, "
+        f"{avail / 2**30:.1f} GiB available: prefilling {fit} prompts at a time")
+    return fit
+  return batch
+
+
 def plan_configs(methods, budgets, context, max_new, model_cfg, impl="auto"):
   """(method, budget, config or error string); a method the budget does not change (full) runs once, with
   budget None: the reference every figure is compared with."""
@@ -316,7 +356,7 @@ def run(args, progress=None, log=print, checkpoint=None, done=None, record=None)
     for mode, m, b, c in confs:
       if isinstance(c, str):
         skip({"context": C, "mode": mode, "method": m, "budget": b, "why": c})
-    B = min(args.batch, len(samples)) or 1
+    B = fit_batch(min(args.batch, len(samples)) or 1, C, cfg, log)
     batches = [samples[i:i + B] for i in range(0, len(samples), B)]
     todo = [{(mode, m, b) for mode, m, b, c in confs if not isinstance(c, str)
              and any((C, mode, m, b, s.task, s.seed) not in done_tasks for s in chunk)} for chunk in batches]

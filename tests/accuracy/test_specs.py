@@ -48,3 +48,21 @@ def test_overrides_reach_the_config_and_the_spec_is_the_label():
   # a value the method refuses is a skipped config (the message names it), not a crash
   (_, _, bad), = plan_configs(("rocketkv[topr=99]",), (128,), 1024, 8, cfg)
   assert isinstance(bad, str) and "topr" in bad
+
+
+def test_fit_batch_caps_the_prefill_batch_to_memory(monkeypatch):
+  """A batch whose dense prefill would not fit half the available memory is split, and the log says so."""
+  from types import SimpleNamespace
+
+  from benchmarks.accuracy import runner as R
+  cfg = SimpleNamespace(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64)
+  per = R.prefill_bytes_per_prompt(4096, cfg)
+  assert per == 4096 * 30 * 15 * 64 * 4  # above the dense-attention length: no [T, T] scores
+  assert R.prefill_bytes_per_prompt(1024, cfg) == 1024 * 30 * 15 * 64 * 4 + 9 * 1024 * 1024 * 8
+  monkeypatch.setattr(R, "available_bytes", lambda: 10 * per)
+  said = []
+  assert R.fit_batch(32, 4096, cfg, said.append) == 5
+  assert "prefilling 5 prompts at a time" in said[0]
+  assert R.fit_batch(4, 4096, cfg, said.append) == 4 and len(said) == 1
+  monkeypatch.setattr(R, "available_bytes", lambda: None)
+  assert R.fit_batch(32, 4096, cfg, said.append) == 32
