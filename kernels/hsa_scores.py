@@ -91,6 +91,27 @@ def choose_channels(q_GH, topr: int):
   return use_max, chosen & ~use_max
 
 
+def block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
+  """One page block's scaled scores s = (q . rep) / tau [G, block] (MASK_VALUE on empty pages) and its softmax
+  partials: m [G] the max over the block's non-empty pages, l [G] the sum over them of n[p] * exp(s - m).
+  rep must be 0 wherever it is not a chosen channel's value of a non-empty page."""
+  # one dot with float32 accumulation (bf16 operands multiply exactly; float32 operands at full precision)
+  s = jnp.dot(q_GR, rep_RB, precision=prec, preferred_element_type=jnp.float32) * inv_tau_G[:, None]
+  s = jnp.where(p_ok_B[None, :], s, MASK_VALUE)
+  m = s.max(axis=-1)
+  e = jnp.where(p_ok_B[None, :], jnp.exp(s - m[:, None]), 0.0)
+  return s, m, (e * n_B[None, :].astype(jnp.float32)).sum(axis=-1)
+
+
+def store_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l) -> None:
+  """Writes a block's (s, m, l) of the real query rows: s to columns [slot * block, +block), m and l to
+  column `slot`."""
+  Gp = row_ok.shape[0]
+  pltriton.store(s_ref.at[pl.ds(0, Gp), pl.ds(slot * block, block)], s, mask=row_ok[:, None])
+  pltriton.store(m_ref.at[pl.ds(0, Gp), slot], m, mask=row_ok)
+  pltriton.store(l_ref.at[pl.ds(0, Gp), slot], l, mask=row_ok)
+
+
 def _hsa_scores_kernel(
     # inputs
     q_ref,  # [G, H]
@@ -135,17 +156,8 @@ def _hsa_scores_kernel(
     rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
     rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
-    # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]: one dot with float32 accumulation
-    # (bf16 operands multiply exactly; float32 operands run at full precision, no TF32).
-    s = jnp.dot(q_r, rep, precision=prec, preferred_element_type=jnp.float32) * inv_tau[:, None]
-    s = jnp.where(p_ok[None, :], s, MASK_VALUE)
-    m = s.max(axis=-1)
-    e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
-    l = (e * n[None, :].astype(jnp.float32)).sum(axis=-1)
-    Gp = row_ok.shape[0]
-    pltriton.store(s_ref.at[pl.ds(0, Gp), pl.ds(i * block_p, block_p)], s, mask=row_ok[:, None])
-    pltriton.store(m_ref.at[pl.ds(0, Gp), i], m, mask=row_ok)
-    pltriton.store(l_ref.at[pl.ds(0, Gp), i], l, mask=row_ok)
+    # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]
+    store_partials(s_ref, m_ref, l_ref, row_ok, block_p, i, *block_partials(q_r, rep, inv_tau, n, p_ok, prec))
     return carry
 
   lax.fori_loop(0, blocks_per_program, page_block, 0)
@@ -215,15 +227,7 @@ def _hsa_scores_gather_kernel(
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
     # masked-off lanes (pad rows, pages past the length or past P) hold whatever the load left: zero them
     rep = jnp.where((use_max | use_min)[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))
-    s = jnp.dot(q, rep, precision=prec, preferred_element_type=jnp.float32) * inv_tau[:, None]
-    s = jnp.where(p_ok[None, :], s, MASK_VALUE)
-    m = s.max(axis=-1)
-    e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
-    l = (e * n[None, :].astype(jnp.float32)).sum(axis=-1)
-    Gp = row_ok.shape[0]
-    pltriton.store(s_ref.at[pl.ds(0, Gp), pl.ds(i * block_p, block_p)], s, mask=row_ok[:, None])
-    pltriton.store(m_ref.at[pl.ds(0, Gp), i], m, mask=row_ok)
-    pltriton.store(l_ref.at[pl.ds(0, Gp), i], l, mask=row_ok)
+    store_partials(s_ref, m_ref, l_ref, row_ok, block_p, i, *block_partials(q, rep, inv_tau, n, p_ok, prec))
     return carry
 
   del G, Rp

@@ -42,9 +42,10 @@ from jax.experimental.pallas import triton as pltriton
 from jax.interpreters import mlir
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
-from rocketkv_jax.kernels.hsa_scores import choose_channels, temperature, hsa_page_scores_reference
+from rocketkv_jax.kernels.hsa_scores import (block_partials, choose_channels, hsa_page_scores_reference,
+                                             store_partials, temperature)
 from rocketkv_jax.kernels.page_topk import MAX_PAGES, hsa_page_topk_body, page_topk_reference
-from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
+from rocketkv_jax.kernels.triton_util import (MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
                                               next_pow2, page_slots)
 
 
@@ -96,7 +97,6 @@ def _score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref
   q_r = q_r.astype(dot_dtype)
   prec = dot_precision(dot_dtype)
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
-  Gp = row_ok.shape[0]
 
   def page_block(i, carry):
     block = first_block + i
@@ -108,14 +108,7 @@ def _score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref
     rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
     rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
-    s = jnp.dot(q_r, rep, precision=prec, preferred_element_type=jnp.float32) * inv_tau[:, None]
-    s = jnp.where(p_ok[None, :], s, MASK_VALUE)
-    m = s.max(axis=-1)
-    e = jnp.where(p_ok[None, :], jnp.exp(s - m[:, None]), 0.0)
-    l = (e * n[None, :].astype(jnp.float32)).sum(axis=-1)
-    pltriton.store(s_ref.at[pl.ds(0, Gp), pl.ds(block * block_p, block_p)], s, mask=row_ok[:, None])
-    pltriton.store(m_ref.at[pl.ds(0, Gp), block], m, mask=row_ok)
-    pltriton.store(l_ref.at[pl.ds(0, Gp), block], l, mask=row_ok)
+    store_partials(s_ref, m_ref, l_ref, row_ok, block_p, block, *block_partials(q_r, rep, inv_tau, n, p_ok, prec))
     return carry
 
   lax.fori_loop(0, num_blocks, page_block, 0)
