@@ -37,7 +37,7 @@ _TARGET_PROGRAMS = 2 * 132
 _TILE_ELEMS = 8192
 
 
-def temperature(qr_GR, qf_GH):
+def _temperature(qr_GR, qf_GH):
   """tau[g] = sqrt(H * |q_g[channels]|_1 / |q_g|_1); 1 where that is not a positive number. qr holds q on
   the chosen channels (gathered, or zero elsewhere); one head's [H] rows give a scalar."""
   H = qf_GH.shape[-1]
@@ -65,7 +65,7 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
     ok = n > 0
     rep = jnp.where(ok[None, :], rep, 0.0)  # empty pages may hold junk
     s = jnp.einsum("GR,RP->GP", qr, rep, precision=lax.Precision.HIGHEST)
-    s = s / temperature(qr, qf)[:, None]
+    s = s / _temperature(qr, qf)[:, None]
     s = jnp.where(ok[None, :], s, -jnp.inf)
     m = s.max(-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -76,7 +76,7 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
   return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
-def choose_channels(q_GH, topr: int):
+def _choose_channels(q_GH, topr: int):
   """(use_max, use_min) [H] bool: the group's top-r channels of sum_g |q_g|, ties toward the lower channel,
   split by the sign of the group's summed query (zero counts as negative). A channel's rank counts the
   channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial
@@ -91,7 +91,7 @@ def choose_channels(q_GH, topr: int):
   return use_max, chosen & ~use_max
 
 
-def block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
+def _block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
   """One page block's scaled scores s = (q . rep) / tau [G, block] (MASK_VALUE on empty pages) and its softmax
   partials: m [G] the max over the block's non-empty pages, l [G] the sum over them of n[p] * exp(s - m).
   rep must be 0 wherever it is not a chosen channel's value of a non-empty page."""
@@ -103,7 +103,7 @@ def block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
   return s, m, (e * n_B[None, :].astype(jnp.float32)).sum(axis=-1)
 
 
-def store_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l) -> None:
+def _store_block_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l) -> None:
   """Writes a block's (s, m, l) of the real query rows: s to columns [slot * block, +block), m and l to
   column `slot`."""
   Gp = row_ok.shape[0]
@@ -112,36 +112,25 @@ def store_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l) -> No
   pltriton.store(l_ref.at[pl.ds(0, Gp), slot], l, mask=row_ok)
 
 
-def _hsa_scores_kernel(
-    # inputs
-    q_ref,  # [G, H]
-    kt_min_ref,  # [H, P]
-    kt_max_ref,  # [H, P]
-    length_ref,  # []
-    # outputs
-    s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
-    m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
-    l_ref,  # [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
-    *,
-    topr: int,
-    block_p: int,
-    blocks_per_program: int,
-    page_size: int,
-    num_pages: int,
-    dot_dtype,
-):
+def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, *, first_block,
+                      num_blocks: int, store_from, topr: int, block_p: int, page_size: int, num_pages: int,
+                      dot_dtype):
+  """The "rank" layout's work for one program: choose the group's channels (q_ref [G, H]), then score page
+  blocks [first_block, first_block + num_blocks) of the row, block first_block + i's (s, m, l) stored at
+  column store_from + i of s_ref / m_ref / l_ref (`_store_block_partials`). `_hsa_scores_kernel` stores its
+  blocks from 0 (its outputs are blocked per program); `hsa_select` stores them at the row's absolute
+  positions."""
   H = q_ref.shape[1]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
   q = q_in.astype(jnp.float32)
-  use_max, use_min = choose_channels(q, topr)
+  use_max, use_min = _choose_channels(q, topr)
   chosen = use_max | use_min
   # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
   q_r = jnp.where(chosen[None, :], q, 0.0)
-  inv_tau = 1.0 / temperature(q_r, q)  # [Gp]
+  inv_tau = 1.0 / _temperature(q_r, q)  # [Gp]
   q_r = q_r.astype(dot_dtype)
   prec = dot_precision(dot_dtype)
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
-  first_block = pl.program_id(2) * blocks_per_program
 
   def page_block(i, carry):
     p0 = (first_block + i) * block_p
@@ -157,10 +146,30 @@ def _hsa_scores_kernel(
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
     rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
     # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]
-    store_partials(s_ref, m_ref, l_ref, row_ok, block_p, i, *block_partials(q_r, rep, inv_tau, n, p_ok, prec))
+    _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, store_from + i,
+                          *_block_partials(q_r, rep, inv_tau, n, p_ok, prec))
     return carry
 
-  lax.fori_loop(0, blocks_per_program, page_block, 0)
+  lax.fori_loop(0, num_blocks, page_block, 0)
+
+
+def _hsa_scores_kernel(
+    # inputs
+    q_ref,  # [G, H]
+    kt_min_ref,  # [H, P]
+    kt_max_ref,  # [H, P]
+    length_ref,  # []
+    # outputs
+    s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
+    m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
+    l_ref,  # [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
+    *,
+    blocks_per_program: int,
+    **kw,
+):
+  rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref,
+                    first_block=pl.program_id(2) * blocks_per_program, num_blocks=blocks_per_program,
+                    store_from=0, **kw)
 
 
 def row_channels(q_BKGH, topr: int, dot_dtype):
@@ -174,7 +183,7 @@ def row_channels(q_BKGH, topr: int, dot_dtype):
   _, ch = lax.top_k(jnp.abs(qf).sum(axis=2), topr)  # [B, K, R]
   qr = jnp.take_along_axis(qf, ch[:, :, None, :], axis=-1)  # [B, K, G, R]
   use_max = (qr.sum(axis=2) > 0).astype(jnp.int32)
-  inv_tau = 1.0 / temperature(qr, qf)
+  inv_tau = 1.0 / _temperature(qr, qf)
   pad = max(MIN_DOT_DIM, next_pow2(topr)) - topr
   if pad:
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, pad)))
@@ -227,7 +236,8 @@ def _hsa_scores_gather_kernel(
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
     # masked-off lanes (pad rows, pages past the length or past P) hold whatever the load left: zero them
     rep = jnp.where((use_max | use_min)[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))
-    store_partials(s_ref, m_ref, l_ref, row_ok, block_p, i, *block_partials(q, rep, inv_tau, n, p_ok, prec))
+    _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, i,
+                          *_block_partials(q, rep, inv_tau, n, p_ok, prec))
     return carry
 
   del G, Rp
@@ -310,55 +320,46 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   exact_in_bf16 = (jnp.dtype(q_BKGH.dtype) == jnp.dtype(jnp.bfloat16) and
                    jnp.dtype(kt_min_BKHP.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2)))
   dot_dtype = jnp.bfloat16 if exact_in_bf16 else jnp.float32
-  out_specs = [
-      pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
-      pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
-      pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
-  ]
-  out_shape = [
-      jax.ShapeDtypeStruct((B, K, G, P_pad), jnp.float32),
-      jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
-      jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
-  ]
+  kt_spec = pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0))
+  length_spec = pl.BlockSpec((None,), lambda b, k, j: (b,))
+  call = functools.partial(
+      pl.pallas_call,
+      grid=(B, K, num_blocks // bpp),
+      out_specs=[
+          pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
+          pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
+          pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((B, K, G, P_pad), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
+      ],
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret)
+  length_B = length_B.astype(jnp.int32)  # clipped in the kernels
   if layout == "gather":
     q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = row_channels(q_BKGH, topr, dot_dtype)
     kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp,
                                page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
-    return pl.pallas_call(
+    return call(
         kernel,
-        grid=(B, K, num_blocks // bpp),
         in_specs=[
             pl.BlockSpec((None, None, G, Rp), lambda b, k, j: (b, k, 0, 0)),
             pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
             pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
             pl.BlockSpec((None, None, G), lambda b, k, j: (b, k, 0)),
-            pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
-            pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
-            pl.BlockSpec((None,), lambda b, k, j: (b,)),
+            kt_spec, kt_spec, length_spec,
         ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
         name="rocketkv_hsa_scores_gather",
-    )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B.astype(jnp.int32))
+    )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B)
   kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
                              page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
-  return pl.pallas_call(
+  return call(
       kernel,
-      grid=(B, K, num_blocks // bpp),
-      in_specs=[
-          pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0)),
-          pl.BlockSpec((None,), lambda b, k, j: (b,)),
-      ],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
+      in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)), kt_spec, kt_spec, length_spec],
       name="rocketkv_hsa_scores",
-  )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B.astype(jnp.int32))  # length clipped in the kernel
+  )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
 def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int):

@@ -6,7 +6,8 @@ launch/latency-bound kernels per layer with the partials round-tripping through 
 on one of two grids (`split_pages`):
 
 - one program per (b, k) row (grid (B, K, 1), the default):
-  1. the scoring arithmetic of `hsa_scores`, op for op (`_score_blocks`), walking all the row's page blocks:
+  1. the scoring of `hsa_scores`' rank layout, the same code (`hsa_scores.rank_score_blocks`), walking all the
+     row's page blocks:
      the group's channels chosen once, then per page block each head's s/tau and the block's softmax partials
      (max, weighted sum), stored to scratch outputs of this call (the row's s [G, P_pad] and m, l [G, NB]: a
      few KB, L2-resident; Triton has no scratch memory). The per-head s is kept, not recomputed;
@@ -42,11 +43,9 @@ from jax.experimental.pallas import triton as pltriton
 from jax.interpreters import mlir
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
-from rocketkv_jax.kernels.hsa_scores import (block_partials, choose_channels, hsa_page_scores_reference,
-                                             store_partials, temperature)
+from rocketkv_jax.kernels.hsa_scores import hsa_page_scores_reference, rank_score_blocks
 from rocketkv_jax.kernels.page_topk import MAX_PAGES, hsa_page_topk_body, page_topk_reference
-from rocketkv_jax.kernels.triton_util import (MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
-                                              next_pow2, page_slots)
+from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, cdiv, next_pow2
 
 
 def _register_interpret_barrier():
@@ -81,39 +80,6 @@ def hsa_select_fused_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, to
   return page_topk_reference(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
 
 
-def _score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, *, first_block, num_blocks: int,
-                  topr: int, block_p: int, page_size: int, num_pages: int, dot_dtype):
-  """Page blocks [first_block, first_block + num_blocks) of the row: each head's s/tau into s_ref [G, P_pad] and
-  the block's softmax partials into column `block` of m_ref, l_ref [G, NB]. The arithmetic of
-  `hsa_scores`' kernel body, op for op (the tests hold the two paths bit-for-bit equal), with the row's
-  channels chosen once; stores at the row's absolute block positions."""
-  H = q_ref.shape[1]
-  q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0
-  q = q_in.astype(jnp.float32)
-  use_max, use_min = choose_channels(q, topr)
-  chosen = use_max | use_min
-  q_r = jnp.where(chosen[None, :], q, 0.0)
-  inv_tau = 1.0 / temperature(q_r, q)  # [Gp]
-  q_r = q_r.astype(dot_dtype)
-  prec = dot_precision(dot_dtype)
-  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
-
-  def page_block(i, carry):
-    block = first_block + i
-    page = block * block_p + jnp.arange(block_p)
-    n = page_slots(length, page, page_size)
-    p_ok = (n > 0) & (page < num_pages)
-    rows_H, cols = jnp.arange(H)[:, None], page[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
-    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
-    rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
-    store_partials(s_ref, m_ref, l_ref, row_ok, block_p, block, *block_partials(q_r, rep, inv_tau, n, p_ok, prec))
-    return carry
-
-  lax.fori_loop(0, num_blocks, page_block, 0)
-
-
 def _hsa_select_fused_kernel(
     # inputs
     q_ref,  # [G, H]
@@ -130,8 +96,8 @@ def _hsa_select_fused_kernel(
     **score_kw,
 ):
   """One program per row (grid (B, K, 1)): all the row's page blocks, a block barrier, the selection."""
-  _score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, first_block=0,
-                num_blocks=m_ref.shape[1], **score_kw)
+  rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, first_block=0,
+                    num_blocks=m_ref.shape[1], store_from=0, **score_kw)
   pltriton.debug_barrier()  # phase 2 reads what other threads of the block stored
   hsa_page_topk_body(s_ref, m_ref, l_ref, length_ref, idx_ref, **select_kw)
 
@@ -154,8 +120,9 @@ def _hsa_select_split_kernel(
   are ordered before the count (a block barrier, then the count's acquire-release atomic at GPU scope, done
   by one thread); the program that brings the count to NB reads every block's partials after its own atomic."""
   del count_in_ref
-  _score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, first_block=pl.program_id(2),
-                num_blocks=1, **score_kw)
+  block = pl.program_id(2)
+  rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, first_block=block,
+                    num_blocks=1, store_from=block, **score_kw)
   pltriton.debug_barrier()
   done_before = pltriton.atomic_add(count_ref, jnp.int32(0), jnp.int32(1))
   lax.cond(done_before == m_ref.shape[1] - 1,

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from rocketkv_jax import ops
 from rocketkv_jax.budget import check_int
 from rocketkv_jax.cache import KVCache
-from rocketkv_jax.kernels import hsa_scores
 
 # Above any page probability (each is at most 1): a forced page's score.
 FORCED_SCORE = 2.0
@@ -34,8 +33,8 @@ def select(config, cache: KVCache, q_BKGH):
   topr = min(config.topr, q_BKGH.shape[-1])
   sink, recent = getattr(config, "hsa_sink_tokens", 0), getattr(config, "hsa_recent_tokens", 0)
   if sink or recent:
-    scores = page_scores(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr, page_size=config.page_size,
-                         impl=config.impl)
+    scores = ops.hsa_page_scores(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr,
+                                 page_size=config.page_size, impl=config.impl)
     scores = force_pages(scores, cache.length, page_size=config.page_size, sink=sink, recent=recent)
     idx = ops.page_topk(scores, cache.length, page_size=config.page_size, k=config.topk, num_slots=cache.capacity,
                         impl=config.impl)
@@ -43,17 +42,6 @@ def select(config, cache: KVCache, q_BKGH):
     idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr, page_size=config.page_size,
                          k=config.topk, num_slots=cache.capacity, impl=config.impl)
   return idx, ops.prefix_valid(idx, cache.length)
-
-
-def page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
-  """HSA's group page probabilities [B, K, P] (`hsa_scores.hsa_page_scores`): the reference with "xla", the
-  scoring kernel (normalised in XLA) otherwise."""
-  impl = ops.resolve_impl(impl)
-  if impl == "xla":
-    return hsa_scores.hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
-                                                page_size=page_size)
-  return hsa_scores.hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
-                                    interpret=impl == "interpret")
 
 
 def force_pages(scores_BKP, length_B, *, page_size: int, sink: int, recent: int):

@@ -149,6 +149,7 @@ OPS = {
     "sparse_decode_attention": Op(sparse_decode.sparse_decode_attention_reference,
                                   sparse_decode.sparse_decode_attention),
     "page_topk": Op(_page_topk_xla, _page_topk_pallas),
+    "hsa_page_scores": Op(hsa_scores.hsa_page_scores_reference, hsa_scores.hsa_page_scores),
     "hsa_select": Op(_hsa_select_xla, _hsa_select_pallas),
     "cache_append": Op(cache_append_scatter, cache_append_kernel.cache_append),
     "add_rms_norm": Op(rms_norm_kernel.add_rms_norm_reference, rms_norm_kernel.add_rms_norm),
@@ -181,6 +182,12 @@ def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl):
   """The k best valid slots when each slot scores its page: idx [B, K, M] ascending, then 0s (M = min(k, S);
   the first min(length, M) entries are valid); ties toward the lower slot."""
   return call("page_topk", scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl)
+
+
+def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
+  """HSA's group page probabilities [B, K, P] float32 (-inf on pages with no valid slot)."""
+  return call("hsa_page_scores", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
+              impl=impl)
 
 
 def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rk
-from rocketkv_jax import hsa, ops
+from rocketkv_jax import ops
 from rocketkv_jax.budget import plan_budget, stage2_replan
 from rocketkv_jax.select import attention_probs, topk_tokens
 
@@ -80,8 +80,8 @@ def test_forced_pages_always_selected(impl, page_size, sink, recent):
   cache = dataclasses.replace(cache, k=kk, kt_min=kt_min, kt_max=kt_max)
   base = _sets(*paper.select(cache, q1))
   got = _sets(*jax.jit(variant.select)(cache, q1))
-  scores = np.asarray(hsa.page_scores(q1, kt_min, kt_max, cache.length, topr=paper.topr, page_size=page_size,
-                                      impl="xla"))
+  scores = np.asarray(ops.hsa_page_scores(q1, kt_min, kt_max, cache.length, topr=paper.topr,
+                                          page_size=page_size, impl="xla"))
   for b, n in enumerate(length):
     forced = {s for s in range(n) if s < sink or s >= n - recent}
     forced_pages = {s // page_size for s in forced}

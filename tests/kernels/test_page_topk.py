@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import lower_for_h200, needs_gpu, ragged_lengths
+from conftest import assert_near_ties_only, lower_for_h200, needs_gpu, ragged_lengths
 from rocketkv_jax.kernels.page_topk import MAX_PAGES, page_topk, page_topk_reference
 
 
@@ -126,14 +126,7 @@ def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_
   # The kernel normalises in another order than XLA: a differing choice must be a near tie of the scores.
   P = -(-num_slots // page_size)
   scores = np.asarray(normalize_partials(s[..., :P], m, l, jnp.minimum(length, num_slots), page_size=page_size))
-  for b in range(B):
-    n = min(k, int(length[b]))
-    for h in range(K):
-      mine, theirs = set(out[b, h, :n].tolist()), set(ref[b, h, :n].tolist())
-      threshold = min(scores[b, h, t // page_size] for t in theirs) if theirs else 0.0
-      for slot in mine ^ theirs:
-        assert np.isclose(scores[b, h, slot // page_size], threshold, rtol=1e-5), \
-            f"(b={b}, h={h}) slot {slot} differs from the reference and is no near tie"
+  assert_near_ties_only(out, ref, scores, length, page_size=page_size, k=k)
 
 
 @pytest.mark.parametrize("B,K,G,H,num_slots,page_size,k,topr,block_p", [
