@@ -126,8 +126,9 @@ class Runner:
   Every jitted piece (the decode loops, the per-layer compression) runs from an executable cached here by
   (function, static arguments, argument shapes). `precompile` builds many of them at once in a thread pool:
   tracing holds the GIL but XLA's compilation releases it, so a many-core host compiles a context's whole grid
-  of configs in parallel, while the device runs those already compiled (measured in README.md). `stats` counts compiles, their seconds (trace and XLA compile, summed over threads) and the compiles
-  that happened outside `precompile` ("late")."""
+  of configs in parallel, while the device runs those already compiled (measured in README.md). `stats`
+  counts compiles, their seconds (trace and XLA compile, summed over threads) and the compiles that happened
+  outside `precompile` ("late")."""
 
   def __init__(self, model):
     self.model = model
