@@ -53,12 +53,12 @@ for part in "$@"; do
       serve 300 --methods rocketkv --token-budget 256 --prompt 32k --slots "" --turn2 512,4096 ;;
     stage2_kernels)  # issue 15: the changed stage-2 kernels compiled (GPU tests), the scoring layouts at large batch
                      # and the selection (two kernels vs fused) at small batch
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -m gpu tests/kernels/test_hsa_scores.py \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -m gpu tests/kernels/test_hsa_scores.py \
         tests/kernels/test_hsa_select.py tests/kernels/test_page_topk.py -q -rfE -p no:cacheprovider \
         >"$out/gpu_tests.txt" 2>&1; tail -3 "$out/gpu_tests.txt" >>"$out/log.txt"
-      PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather,rank \
+      PYTHONPATH=$PWD timeout 130 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather,rank \
         --block-p 64,128 --warps 4 --stages 1 --out "$out/tune_hsa.jsonl" >>"$out/log.txt" 2>&1
-      PYTHONPATH=$PWD timeout 200 python3 benchmarks/kernels.py --out "$out/kernels_select.jsonl" --only select \
+      PYTHONPATH=$PWD timeout 150 python3 benchmarks/kernels.py --out "$out/kernels_select.jsonl" --only select \
         --batches 1,8,32 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac

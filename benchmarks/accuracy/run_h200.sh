@@ -6,6 +6,8 @@
 #          undone; each part appends its rows to OUT_DIR/cells_<part>.jsonl as they are measured and resumes
 #          from that file if it is there (copy a returned cells file back into OUT_DIR to continue it).
 #   SECONDS: the time all PARTS may take together (default 540); each part gets what is left, under `timeout`.
+#   METHODS (environment, optional): method specs instead of the default grid's nine, e.g. the nine plus
+#          "rocketkv[hsa_recent_tokens=8]" (see runner.DEFAULT_METHODS and parse_methods).
 # Writes only OUT_DIR/cells_<part>.jsonl and OUT_DIR/log_<part>.txt (the device returns at most 8 files); render
 # the tables and plots afterwards, anywhere:
 #   python -m benchmarks.accuracy.report OUT_DIR/cells_a.jsonl OUT_DIR/cells_b.jsonl --out benchmarks/results/accuracy_h200
@@ -26,7 +28,7 @@ for part in ${parts//,/ }; do
   # the default grid (runner.GRIDS["default"]): every method, t=64..512, 32 samples x 4 tasks, both modes,
   # fidelity 4 x 64 (diagnostic at t=256)
   timeout -k 10 "$left" python3 -m benchmarks.accuracy --model "$gguf" --contexts "$contexts" --batch "$batch" \
-    --compile-workers 16 --cells "$out/cells_$part.jsonl" --no-render --out "$out/acc_$part" \
+    ${METHODS:+--methods "$METHODS"} --compile-workers 16 --cells "$out/cells_$part.jsonl" --no-render --out "$out/acc_$part" \
     >>"$out/log_$part.txt" 2>&1
   echo "part $part exited $? after $(( $(date +%s) - start )) s" >>"$out/log_$part.txt"
 done
