@@ -27,34 +27,49 @@ def _percentiles(x) -> tuple[float, float] | None:
   return float(lo), float(hi)
 
 
+def _task_resamples(scores: dict, others: tuple = (), *, resamples: int, seed: int) -> list[np.ndarray]:
+  """Bootstrap task accuracies of `scores` and of each dict in `others` (same tasks, prompts in the same order):
+  each resample draws every task's prompts with replacement (stratified: the tasks' weights stay equal, as in
+  the accuracy), one draw shared by all (paired). Returns one array of `resamples` accuracies per input."""
+  rng = np.random.default_rng(seed)
+  sums = [np.zeros(resamples) for _ in range(1 + len(others))]
+  for task in sorted(scores):
+    s = np.asarray(scores[task], np.float64)
+    idx = rng.integers(0, len(s), size=(resamples, len(s)))
+    for acc, d in zip(sums, (scores,) + tuple(others)):
+      x = np.asarray(d[task], np.float64)
+      if x.shape != s.shape:
+        raise ValueError(f"task {task!r}: {len(x)} paired scores for {len(s)} scores")
+      acc += x[idx].mean(axis=1)
+  return [a / len(scores) for a in sums]
+
+
 def task_ci(scores: dict, reference: dict | None = None, *, resamples: int = BOOTSTRAP_RESAMPLES,
             seed: int = BOOTSTRAP_SEED) -> tuple[float, float] | None:
   """95% percentile-bootstrap interval of the task accuracy: the mean over tasks of each task's mean score.
 
-  scores: task -> the scores of its prompts. Each resample draws every task's prompts with replacement
-  (stratified: the tasks' weights stay equal, as in the accuracy). With `reference` (task -> full KV's scores on
-  the same prompts, in the same order) the interval is of the ratio accuracy / reference accuracy, and the
-  bootstrap is paired: one draw of prompts serves both, so what the method and full KV share cancels. Resamples
-  whose reference accuracy is 0 (ratio undefined) are dropped. Fixed seed: the same rows give the same
-  interval. None when there is nothing to resample."""
+  scores: task -> the scores of its prompts; resampled stratified by task (_task_resamples). With `reference`
+  (task -> full KV's scores on the same prompts, in the same order) the interval is of the ratio accuracy /
+  reference accuracy, and the bootstrap is paired: one draw of prompts serves both, so what the method and full
+  KV share cancels. Resamples whose reference accuracy is 0 (ratio undefined) are dropped. Fixed seed: the same
+  rows give the same interval. None when there is nothing to resample."""
   if not scores:
     return None
-  rng = np.random.default_rng(seed)
-  num = np.zeros(resamples)
-  den = np.zeros(resamples)
-  for task in sorted(scores):
-    s = np.asarray(scores[task], np.float64)
-    idx = rng.integers(0, len(s), size=(resamples, len(s)))
-    num += s[idx].mean(axis=1)
-    if reference is not None:
-      r = np.asarray(reference[task], np.float64)
-      if r.shape != s.shape:
-        raise ValueError(f"task {task!r}: {len(r)} reference scores for {len(s)} scores")
-      den += r[idx].mean(axis=1)
   if reference is None:
-    return _percentiles(num / len(scores))
+    return _percentiles(_task_resamples(scores, resamples=resamples, seed=seed)[0])
+  num, den = _task_resamples(scores, (reference,), resamples=resamples, seed=seed)
   with np.errstate(divide="ignore", invalid="ignore"):
     return _percentiles(np.where(den > 0, num / np.where(den > 0, den, 1), np.nan))
+
+
+def difference_ci(scores: dict, base: dict, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+                  ) -> tuple[float, float] | None:
+  """95% paired-bootstrap interval of task accuracy(scores) - task accuracy(base), both task -> the scores of the
+  same prompts in the same order (a variant against its base method). None when there is nothing to resample."""
+  if not scores:
+    return None
+  a, b = _task_resamples(scores, (base,), resamples=resamples, seed=seed)
+  return _percentiles(a - b)
 
 
 def mean_ci(values, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
@@ -137,8 +152,59 @@ def summarize(res) -> dict:
     if f.get("top1_pos"):
       row["top1_ci"] = mean_ci(f["top1_pos"])
       row["kl_ci"] = mean_ci(f["kl_pos"])
-  return {"rows": out, "full_accuracy": full, "full_per_task": full_task,
+  return {"rows": out, "full_accuracy": full, "full_per_task": full_task, "variants": _variants(scores, out),
           "ci": f"{int(100 * CI_LEVEL)}% percentile bootstrap, {BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED}"}
+
+
+def base_method(spec: str) -> str:
+  """'rocketkv[hsa_recent_tokens=8]' -> 'rocketkv' (runner.parse_methods' spec syntax); a plain name -> itself."""
+  return spec.split("[", 1)[0]
+
+
+def _variants(scores: dict, rows: list) -> list[dict]:
+  """Each method spec with overrides against its base method, cell by cell (context, mode, budget) on the same
+  prompts: the accuracy difference with its paired-bootstrap 95% CI (`difference_ci`), and whether the two
+  methods' own accuracy intervals overlap. A cell is a win when the difference's interval lies above 0, a loss
+  when it lies below 0 (beyond noise), else a tie."""
+  acc = {(r["context"], r["mode"], r["method"], r["budget"]): r for r in rows if "accuracy" in r}
+  out = []
+  for (c, mode, m, b) in sorted(scores, key=lambda k: (k[2], k[0], MODES.index(k[1]) if k[1] in MODES else 9, k[3] or 0)):
+    base = base_method(m)
+    if base == m or (c, mode, base, b) not in scores:
+      continue
+    mine, theirs = scores[(c, mode, m, b)], scores[(c, mode, base, b)]
+    seeds = {t: sorted(set(mine[t]) & set(theirs.get(t, {}))) for t in mine}
+    if not all(seeds.values()):
+      continue
+    a = {t: [mine[t][x] for x in ss] for t, ss in seeds.items()}
+    ref = {t: [theirs[t][x] for x in ss] for t, ss in seeds.items()}
+    diff = float(np.mean([np.mean(v) for v in a.values()]) - np.mean([np.mean(v) for v in ref.values()]))
+    ci = difference_ci(a, ref)
+    ci_m, ci_b = acc[(c, mode, m, b)].get("accuracy_ci"), acc[(c, mode, base, b)].get("accuracy_ci")
+    apart = bool(ci_m and ci_b and (ci_m[0] > ci_b[1] or ci_m[1] < ci_b[0]))
+    verdict = "win" if ci and ci[0] > 0 else "loss" if ci and ci[1] < 0 else "tie"
+    out.append({"method": m, "base": base, "context": c, "mode": mode, "budget": b, "difference": diff,
+                "difference_ci": ci, "intervals_apart": apart, "verdict": verdict,
+                "prompts": sum(len(v) for v in a.values())})
+  return out
+
+
+def variant_verdicts(variants: list[dict]) -> dict:
+  """Per variant: its wins, losses and ties over the cells compared, the wins whose accuracy intervals do not
+  overlap the base's, and the project's registration rule (docs/ALGORITHM.md, "Extension: stage-2 options"):
+  a win with intervals apart somewhere, no loss anywhere, and cells of both modes compared."""
+  out = {}
+  for v in variants:
+    d = out.setdefault(v["method"], {"base": v["base"], "cells": 0, "win": 0, "loss": 0, "tie": 0, "wins_apart": 0,
+                                     "modes": set()})
+    d["cells"] += 1
+    d[v["verdict"]] += 1
+    d["wins_apart"] += v["verdict"] == "win" and v["intervals_apart"]
+    d["modes"].add(v["mode"])
+  for d in out.values():
+    d["rule_met"] = bool(d["wins_apart"] and not d["loss"] and set(MODES) <= d["modes"])
+    d["modes"] = sorted(d["modes"], key=lambda m: MODES.index(m) if m in MODES else 9)
+  return out
 
 
 def _reference_methods(rows) -> set:
@@ -199,6 +265,28 @@ def headline(res, budget: int = 256) -> str:
   return "\n".join(out)
 
 
+def variants_markdown(res) -> list[str]:
+  """The variants against their base method: a verdict line each, then every compared cell (lines; [] if none)."""
+  variants = res["summary"].get("variants") or []
+  if not variants:
+    return []
+  lines = ["## Variants against their base method (same prompts, paired)", "",
+           "Difference in task accuracy (variant - base) with its paired-bootstrap 95% CI. *win*: the interval lies "
+           "above 0; *loss*: below 0; *apart*: the two methods' own accuracy intervals do not overlap. Registration "
+           "rule: a win with intervals apart somewhere, no loss anywhere, in both modes.", ""]
+  for m, d in variant_verdicts(variants).items():
+    lines.append(f"- **{m}** against {d['base']}: {d['win']} win(s) ({d['wins_apart']} with intervals apart), "
+                 f"{d['loss']} loss(es), {d['tie']} tie(s) over {d['cells']} cells ({', '.join(d['modes'])}); "
+                 f"rule {'met' if d['rule_met'] else 'not met'}.")
+  lines += ["", "| variant | context | mode | t | variant - base [95% CI] | verdict |", "|---|---|---|---|---|---|"]
+  for v in variants:
+    ci = v["difference_ci"]
+    cell = f"{100 * v['difference']:+.0f} pts" + (f" [{100 * ci[0]:+.0f}, {100 * ci[1]:+.0f}]" if ci else "")
+    verdict = v["verdict"] + (", apart" if v["intervals_apart"] else "")
+    lines.append(f"| {v['method']} | {v['context']} | {v['mode']} | {v['budget']} | {cell} | {verdict} |")
+  return lines + [""]
+
+
 def markdown(res) -> str:
   meta, rows = res["meta"], res["summary"]["rows"]
   g = meta["grid"]
@@ -220,6 +308,7 @@ def markdown(res) -> str:
   methods = [m for m in g["methods"] if m not in reference]
   by = _index(rows)
   lines += headline(res), ""
+  lines += variants_markdown(res)
   for c in g["contexts"]:
     lines += [f"## Context {c} tokens", ""]
     for mode in modes:
