@@ -220,19 +220,17 @@ def _hsa_scores_gather_kernel(
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
   first_block = pl.program_id(2) * blocks_per_program
 
-  def page_block(i, carry, whole):
+  def page_block(i, carry):
     p0 = (first_block + i) * block_p
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, page_size)
     p_ok = (n > 0) & (page < num_pages)
-    # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
-    # A block wholly inside the P pages is loaded with a per-row mask only: a mask that varies along the
-    # pages would stop Triton from vectorising the contiguous row segment. Its junk pages (past the length)
-    # are zeroed below.
+    # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max, and
+    # only the valid pages of them. (Loading whole blocks with a per-row mask only, junk pages zeroed after
+    # the load, measured 25-30% slower at 108 and 391 rows on the H200: results/stage2_h200_2026-12-01_568f0e8.)
     rows, cols = ch[:, None], page[None, :]
-    in_row = jnp.ones((1, block_p), jnp.bool_) if whole else (page < num_pages)[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & in_row)
-    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & in_row)
+    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & p_ok[None, :])
+    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & p_ok[None, :])
     rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
     # masked-off lanes (pad rows, pages past the length or past P) hold whatever the load left: zero them
     rep = jnp.where((use_max | use_min)[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))
@@ -241,10 +239,7 @@ def _hsa_scores_gather_kernel(
     return carry
 
   del G, Rp
-  # This program's blocks that lie wholly inside the P pages come first, then at most one partial block.
-  n_whole = jnp.clip(num_pages // block_p - first_block, 0, blocks_per_program)
-  lax.fori_loop(0, n_whole, functools.partial(page_block, whole=True), 0)
-  lax.fori_loop(n_whole, blocks_per_program, functools.partial(page_block, whole=False), 0)
+  lax.fori_loop(0, blocks_per_program, page_block, 0)
 
 
 # Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row in XLA)
