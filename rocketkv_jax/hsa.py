@@ -48,7 +48,9 @@ def force_pages(scores_BKP, length_B, *, page_size: int, sink: int, recent: int)
   """Page scores with the pages holding slots [0, sink) or [length - recent, length) raised to FORCED_SCORE
   (pages with no valid slot stay -inf)."""
   lo_P = jnp.arange(scores_BKP.shape[-1]) * page_size  # first slot of each page
-  forced_BP = (lo_P[None, :] < sink) | (lo_P[None, :] + page_size > length_B[:, None] - recent)
+  forced_BP = lo_P[None, :] < sink
+  if recent:  # (with recent = 0 the test below would still hold for a partial last page)
+    forced_BP = forced_BP | (lo_P[None, :] + page_size > length_B[:, None] - recent)
   forced_BP &= lo_P[None, :] < length_B[:, None]
   return jnp.where(forced_BP[:, None, :], FORCED_SCORE, scores_BKP)
 

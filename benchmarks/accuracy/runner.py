@@ -28,7 +28,8 @@ from benchmarks.accuracy.engine import Runner, make_config
 from benchmarks.accuracy.report import summarize, write_outputs
 
 MODES = ("aware", "agnostic")  # question inside stage 1's window / fed after the context was compressed
-DEFAULT_METHODS = ("full", "rocketkv", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa", "exact_topk")
+DEFAULT_METHODS = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
+                   "exact_topk")
 GRIDS = {
     # the issue's default grid for SmolLM2: 8000, not 8192, because context + max_new must stay within the
     # model's max_len 8192. 32 samples per task = 128 prompts per context and mode, in batches of 64 (the

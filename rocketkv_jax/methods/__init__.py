@@ -14,14 +14,14 @@ from rocketkv_jax.methods.full import FullConfig
 from rocketkv_jax.methods.h2o import H2OConfig
 from rocketkv_jax.methods.hsa import HSAConfig
 from rocketkv_jax.methods.quest import QuestConfig
-from rocketkv_jax.methods.rocketkv import RocketKVConfig
+from rocketkv_jax.methods.rocketkv import RocketKVConfig, RocketKVPlusConfig
 from rocketkv_jax.methods.snapkv import SnapKVConfig
 from rocketkv_jax.methods.sparq import SparQConfig
 from rocketkv_jax.methods.streaming_llm import StreamingLLMConfig
 
 REGISTRY: dict[str, type[MethodConfig]] = {
     c.method: c for c in (FullConfig, StreamingLLMConfig, H2OConfig, SnapKVConfig, QuestConfig, SparQConfig,
-                          HSAConfig, ExactTopKConfig, RocketKVConfig)}
+                          HSAConfig, ExactTopKConfig, RocketKVConfig, RocketKVPlusConfig)}
 METHODS = tuple(REGISTRY)
 
 
@@ -48,5 +48,5 @@ def make_config(method: str, *, token_budget: int, prompt_len: int, max_new_toke
 
 
 __all__ = ["REGISTRY", "METHODS", "MethodConfig", "get_method", "make_config", "ExactTopKConfig", "FullConfig",
-           "H2OConfig", "HSAConfig", "QuestConfig", "RocketKVConfig", "SnapKVConfig", "SparQConfig",
+           "H2OConfig", "HSAConfig", "QuestConfig", "RocketKVConfig", "RocketKVPlusConfig", "SnapKVConfig", "SparQConfig",
            "StreamingLLMConfig"]

@@ -67,7 +67,9 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
     plan = plan_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len,
                        window_size=1 if "prompt_budget" in kw else window_size)
     page_size, topr, topk = plan.page_size, plan.top_r, plan.top_k
-    plan_page_size, plan_topk = kw.get("plan_page_size"), kw.get("plan_topk")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # a subclass's defaults plan too
+    plan_page_size = kw.get("plan_page_size", defaults["plan_page_size"])
+    plan_topk = kw.get("plan_topk", defaults["plan_topk"])
     if plan_page_size is not None or plan_topk is not None:
       for name, value in (("plan_page_size", plan_page_size), ("plan_topk", plan_topk)):
         if value is not None:
@@ -100,3 +102,18 @@ class RocketKVConfig(SelectingMixin, MethodConfig):
 
   def score_read_bytes(self, length, *, head_dim, itemsize):
     return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RocketKVPlusConfig(RocketKVConfig):
+  """rocketkv_plus: this project's extension of RocketKV (docs/ALGORITHM.md, "Extension: stage-2 options"), at
+  the paper plan's decode traffic: stage 2 planned on 2-slot pages (`plan_page_size=2`, top_r refitted to the
+  paper plan's bytes) and the pages of the last 8 valid slots always attended inside top_k
+  (`hsa_recent_tokens=8`). Stage 1 is RocketKV's. Registered because it beat `rocketkv` on the whole accuracy
+  grid with no loss (benchmarks/results/accuracy_h200_2026-12-01.md). Its KT cache is as large as K (the
+  paper's 3-slot pages: two thirds of K). Token budgets below 24 leave no page to choose besides the forced
+  ones and are refused (hsa.check_forced)."""
+
+  method: ClassVar[str] = "rocketkv_plus"
+  hsa_recent_tokens: int = 8
+  plan_page_size: int | None = 2

@@ -72,7 +72,7 @@ class RefSequence:
 
   def _prefill_keep(self, q, k, v, L, kh):
     m, c = self.method, self.cfg
-    if m in ("snapkv", "rocketkv"):
+    if m in ("snapkv", "rocketkv", "rocketkv_plus"):
       return snapkv_keep(q, k, L, kh, prompt_budget=c.prompt_budget, window_size=c.window_size,
                          kernel_size=c.kernel_size, sink_tokens=c.sink_tokens), None
     if m == "streaming_llm":
@@ -164,7 +164,7 @@ class RefSequence:
       slot_scores = [ub[i // P] for i in range(n)]
       sel = top_sorted(slot_scores, c.topk)
       return attend(qg, K[sel], V[sel])
-    if m in ("hsa", "rocketkv"):
+    if m in ("hsa", "rocketkv", "rocketkv_plus"):
       P = c.page_size
       n = len(K)
       kt_min = np.stack([K[p:p + P].min(0) for p in range(0, n, P)])
@@ -178,6 +178,12 @@ class RefSequence:
         tau = math.sqrt(self.h * np.abs(q[ch]).sum() / np.abs(q).sum())
         s_page = rep @ q[ch]
         ps.append(softmax(np.array([s_page[i // P] for i in range(n)]) / tau))
-      sel = top_sorted(np.mean(ps, axis=0), c.topk)
+      slot_scores = np.mean(ps, axis=0)
+      # this project's extension: the pages holding the first `sink` slots and the last `recent` slots are
+      # always attended, inside the top-k (they outrank every probability)
+      sink, recent = getattr(c, "hsa_sink_tokens", 0), getattr(c, "hsa_recent_tokens", 0)
+      first = np.arange(n) // P * P  # the first slot of each slot's page
+      forced = (first < sink) | ((recent > 0) & (first + P > n - recent))
+      sel = top_sorted(np.where(forced, 2.0, slot_scores), c.topk)
       return attend(qg, K[sel], V[sel])
     raise ValueError(m)

@@ -55,6 +55,8 @@ CASES = [  # (method, budget, prompt T, lengths)
     ("exact_topk", 32, 200, [200, 141]),
     ("rocketkv", 64, 300, [300, 187]),
     ("rocketkv", 128, 600, [600, 451]),
+    ("rocketkv_plus", 64, 300, [300, 187]),
+    ("rocketkv_plus", 128, 600, [600, 451]),
 ]
 
 

@@ -197,3 +197,46 @@ def test_bad_option_values_raise(kw, match):
 def test_bad_plan_values_raise(kw, match):
   with pytest.raises(ValueError, match=match):
     rk.make_config("rocketkv", token_budget=256, prompt_len=4096, max_new_tokens=24, head_dim=64, **kw)
+
+
+# ----------------------------------------------------------------------------- the registered variant
+
+
+@pytest.mark.parametrize("budget,prompt_len,head_dim", [(24, 4096, 64), (64, 1024, 64), (256, 4096, 64),
+                                                        (512, 8000, 64), (256, 32768, 128), (1024, 131072, 128)])
+def test_rocketkv_plus_is_the_measured_option_pair(budget, prompt_len, head_dim):
+  """rocketkv_plus is exactly rocketkv[plan_page_size=2,hsa_recent_tokens=8], the spec the accuracy grid ran."""
+  kw = dict(token_budget=budget, prompt_len=prompt_len, max_new_tokens=24, head_dim=head_dim)
+  plus = rk.make_config("rocketkv_plus", **kw)
+  spec = rk.make_config("rocketkv", plan_page_size=2, hsa_recent_tokens=8, **kw)
+  assert isinstance(plus, rk.RocketKVConfig) and plus.method == "rocketkv_plus"
+  assert dataclasses.asdict(plus) == dataclasses.asdict(spec)
+  paper = rk.make_config("rocketkv", **kw)
+  assert plus.page_size == 2 and plus.topk == paper.topk and plus.prompt_budget == paper.prompt_budget
+  assert plus.step_read_bytes(plus.capacity, head_dim=head_dim, itemsize=2) <= \
+      paper.step_read_bytes(paper.capacity, head_dim=head_dim, itemsize=2)
+
+
+def test_rocketkv_plus_overrides_back_to_the_paper_plan():
+  kw = dict(token_budget=256, prompt_len=4096, max_new_tokens=24, head_dim=64)
+  back = rk.make_config("rocketkv_plus", plan_page_size=None, hsa_recent_tokens=0, **kw)
+  assert dataclasses.asdict(back) == dataclasses.asdict(rk.make_config("rocketkv", **kw))
+
+
+def test_rocketkv_plus_refuses_a_budget_with_no_page_to_choose():
+  with pytest.raises(ValueError, match=r"hsa_recent_tokens=8 force up to 10 slots.*topk=8"):
+    rk.make_config("rocketkv_plus", token_budget=16, prompt_len=4096, max_new_tokens=24, head_dim=64)
+
+
+def test_rocketkv_plus_decodes_like_the_option_pair():
+  kw = dict(token_budget=32, prompt_len=64, max_new_tokens=8, head_dim=H, impl="xla", window_size=8)
+  q, k, v, q1 = _qkv(3, 2, 64)
+  lengths = jnp.asarray([64, 50], jnp.int32)
+  outs = []
+  for cfg in (rk.make_config("rocketkv_plus", **kw),
+              rk.make_config("rocketkv", plan_page_size=2, hsa_recent_tokens=8, **kw)):
+    cache = rk.prefill_compress(q, k, v, lengths, config=cfg)
+    out, cache = rk.decode_step(cache, q1.reshape(2, N, H), k[:, -1], v[:, -1], config=cfg)
+    outs.append((np.asarray(out), np.asarray(cache.k)))
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+  np.testing.assert_array_equal(outs[0][1], outs[1][1])
