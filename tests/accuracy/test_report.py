@@ -125,3 +125,53 @@ def test_rows_without_a_mode_are_aware_and_cells_count_modes(tmp_path):
   assert res["meta"]["grid"]["modes"] == ["aware", "agnostic"]
   assert {(r["mode"], r["accuracy"]) for r in res["summary"]["rows"]} == {("aware", 1.0), ("agnostic", 0.0)}
   json.dumps(res)
+
+
+# ----------------------------------------------------------------------------- variants against their base method
+
+
+def test_difference_ci_is_paired():
+  from benchmarks.accuracy.report import difference_ci
+  s = [0.0, 1.0] * 20
+  assert difference_ci({"passkey": s}, {"passkey": s}) == (0.0, 0.0)  # identical prompt by prompt: no noise
+  better = [1.0] * 40  # solves every prompt the base fails: +0.5, the interval well above 0
+  lo, hi = difference_ci({"passkey": better}, {"passkey": s})
+  assert 0.3 < lo <= 0.5 <= hi < 0.7
+
+
+def _variant_run(variant_scores_by_cell):
+  """A run with full, rocketkv and rocketkv[x=1] at two budgets in both modes; rocketkv solves half."""
+  tasks = []
+  base = [0.0, 1.0] * 20
+  for mode in ("aware", "agnostic"):
+    for s, v in enumerate([1.0] * 40):
+      tasks.append(dict(context=4096, mode=mode, method="full", budget=None, task="passkey", seed=s, score=v))
+    for b in (128, 256):
+      for s, v in enumerate(base):
+        tasks.append(dict(context=4096, mode=mode, method="rocketkv", budget=b, task="passkey", seed=s, score=v))
+      for s, v in enumerate(variant_scores_by_cell.get((mode, b), base)):
+        tasks.append(dict(context=4096, mode=mode, method="rocketkv[x=1]", budget=b, task="passkey", seed=s,
+                          score=v))
+  res = _run("rocketkv", 256, [], [], [])
+  res["meta"]["grid"].update(methods=["full", "rocketkv", "rocketkv[x=1]"], budgets=[128, 256],
+                             modes=["aware", "agnostic"], samples=40)
+  res["tasks"] = tasks
+  return res
+
+
+def test_variants_verdicts_and_the_registration_rule():
+  from benchmarks.accuracy.report import variant_verdicts
+  win = _variant_run({("aware", 256): [1.0] * 40})
+  v = summarize(win)["variants"]
+  assert len(v) == 4 and {x["base"] for x in v} == {"rocketkv"}
+  cell = next(x for x in v if (x["mode"], x["budget"]) == ("aware", 256))
+  assert cell["verdict"] == "win" and cell["intervals_apart"] and cell["difference"] == 0.5
+  assert sum(x["verdict"] == "tie" for x in v) == 3
+  d = variant_verdicts(v)["rocketkv[x=1]"]
+  assert (d["win"], d["loss"], d["wins_apart"], d["rule_met"]) == (1, 0, 1, True)
+  win["summary"] = summarize(win)
+  assert "rule met" in markdown(win) and "+50 pts" in markdown(win)
+  # the same win with one loss beyond noise elsewhere: the rule is not met
+  lose = _variant_run({("aware", 256): [1.0] * 40, ("agnostic", 128): [0.0] * 40})
+  d = variant_verdicts(summarize(lose)["variants"])["rocketkv[x=1]"]
+  assert (d["win"], d["loss"], d["rule_met"]) == (1, 1, False)
