@@ -291,7 +291,8 @@ def markdown(res) -> str:
   meta, rows = res["meta"], res["summary"]["rows"]
   g = meta["grid"]
   modes = modes_of(res)
-  lines = [f"# Accuracy and fidelity: {meta['model']}", "",
+  model = model_label(meta["model"]) + (f" (run as `{meta['model_path']}`)" if meta.get("model_path") else "")
+  lines = [f"# Accuracy and fidelity: {model}", "",
            f"- date: {meta['date']}; machine: {meta['machine']['backend']} "
            f"({', '.join(sorted(set(meta['machine']['devices'])))}), {meta['machine']['cpu_count']} cores, "
            f"host {meta['machine']['host']}; jax {meta['machine']['jax']}",
@@ -637,6 +638,9 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--plots-only", action="store_true", help="redraw each input's plots beside it; write nothing else")
   p.add_argument("--note", default=None, help="what the merged table is made of, shown first in its notes")
+  p.add_argument("--model", default=None,
+                 help="the model's name in titles, when the runs' model path does not say it (e.g. a renamed GGUF "
+                      "on another machine): smollm2, or any name")
   a = p.parse_args(argv)
   if a.plots_only:
     for x in a.inputs:
@@ -648,6 +652,8 @@ def main(argv=None):
   if not a.out:
     p.error("--out is required (or --plots-only)")
   res = merge([load(x) for x in a.inputs], note=a.note)
+  if a.model:
+    res["meta"]["model_path"], res["meta"]["model"] = res["meta"]["model"], a.model
   for path in write_outputs(res, a.out):
     print(f"wrote {path}")
 
