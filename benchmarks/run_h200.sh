@@ -51,10 +51,11 @@ for part in "$@"; do
       run 580 --shape 70b --mesh 1,8 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
     turn2)  # a second turn of 512 / 4096 new tokens over a stored 32k first turn, against re-prefilling it all
       serve 300 --methods rocketkv --token-budget 256 --prompt 32k --slots "" --turn2 512,4096 ;;
-    stage2_kernels)  # issue 15: the changed stage-2 kernels compiled (GPU tests), the scoring layouts at large batch
-                     # and the selection (two kernels vs fused) at small batch
+    stage2_kernels)  # issue 15: the changed stage-2 kernels compiled (GPU tests; the fused selection's last: its
+                     # variants compile slowly), the scoring layouts at large batch and the selection (two kernels
+                     # vs fused) at small batch
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -m gpu tests/kernels/test_hsa_scores.py \
-        tests/kernels/test_hsa_select.py tests/kernels/test_page_topk.py -q -rfE -p no:cacheprovider \
+        tests/kernels/test_page_topk.py tests/kernels/test_hsa_select.py -q -rfE -p no:cacheprovider \
         >"$out/gpu_tests.txt" 2>&1; tail -3 "$out/gpu_tests.txt" >>"$out/log.txt"
       PYTHONPATH=$PWD timeout 130 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather,rank \
         --block-p 64,128 --warps 4 --stages 1 --out "$out/tune_hsa.jsonl" >>"$out/log.txt" 2>&1
