@@ -32,6 +32,29 @@ from rocketkv_jax.kernels.triton_util import MASK_VALUE, masked_scatter, next_po
 # A row's page scores live in registers: up to this many pages per row (4096 pages of 3 slots is a
 # 12k-token cache, above RocketKV's capacity at t = 2048).
 MAX_PAGES = 4096
+# Above any page probability (each is at most 1): the score of a forced page (RocketKV's hsa_sink_tokens /
+# hsa_recent_tokens, this project's extension), so it is always among the top-k.
+FORCED_SCORE = 2.0
+
+
+def forced_pages(page, length, *, page_size: int, sink: int, recent: int):
+  """Whether each page (an int array, broadcast against `length`) holds one of the first `sink` slots or one of
+  the last `recent` valid slots [length - recent, length), and a valid slot at all. Plain jnp: used in the
+  kernel and in XLA alike."""
+  first = page * page_size
+  forced = first < sink
+  if recent:  # (with recent = 0 the test below would still hold for a partial last page)
+    forced = forced | (first + page_size > length - recent)
+  return forced & (first < length)
+
+
+def force_pages(scores_BKP, length_B, *, page_size: int, sink: int, recent: int):
+  """Page scores [B, K, P] with the forced pages (`forced_pages`) raised to FORCED_SCORE."""
+  if not (sink or recent):
+    return scores_BKP
+  page = jnp.arange(scores_BKP.shape[-1])[None, :]
+  forced_BP = forced_pages(page, length_B[:, None], page_size=page_size, sink=sink, recent=recent)
+  return jnp.where(forced_BP[:, None, :], FORCED_SCORE, scores_BKP)
 
 
 def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int,
@@ -49,12 +72,14 @@ def page_topk_reference(scores_BKP, length_B, *, page_size: int, k: int, num_slo
 
 
 def hsa_page_topk_reference(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int,
-                            **unused_tuning):
-  """`page_topk_reference` of the scores that `hsa_scores.normalize_partials` makes from the partials."""
+                            sink: int = 0, recent: int = 0, **unused_tuning):
+  """`page_topk_reference` of the scores that `hsa_scores.normalize_partials` makes from the partials, the
+  forced pages (`force_pages`) raised."""
   del unused_tuning
   P = -(-num_slots // page_size)
   length = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
   scores = normalize_partials(s_BKGP[..., :P], m_BKGN, l_BKGN, length, page_size=page_size)
+  scores = force_pages(scores, length, page_size=page_size, sink=sink, recent=recent)
   return page_topk_reference(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
 
 
@@ -114,6 +139,8 @@ def hsa_page_topk_body(
     num_pages: int,
     num_slots: int,
     interpret: bool,
+    sink: int = 0,
+    recent: int = 0,
 ):
   G, NB = m_ref.shape
   Pp, NBp = next_pow2(num_pages), next_pow2(NB)
@@ -131,7 +158,10 @@ def hsa_page_topk_body(
     denom = (l_g * jnp.exp(m_g - top)).sum()
     inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
     prob = prob + jnp.exp(s_g - top) * inv
-  _write_top_slots(order_key(prob / G), cnt, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
+  prob = prob / G
+  if sink or recent:
+    prob = jnp.where(forced_pages(page, length, page_size=page_size, sink=sink, recent=recent), FORCED_SCORE, prob)
+  _write_top_slots(order_key(prob), cnt, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
 
 
 def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
@@ -185,13 +215,18 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
                num_warps, "rocketkv_page_topk")
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
-def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int,
-                  interpret: bool = False, num_warps: int = 4):
+@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "sink", "recent", "interpret",
+                                             "num_warps"])
+def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int, sink: int = 0,
+                  recent: int = 0, interpret: bool = False, num_warps: int = 4):
   """`page_topk` of the HSA page scores, straight from the HSA kernel's partials (`hsa_page_partials`):
   this kernel normalises each head's softmax over all page blocks and averages the group itself, so no
-  XLA op runs between scoring and selection. Same output as `page_topk`.
+  XLA op runs between scoring and selection. Same output as `page_topk`. sink, recent (>= 0): the pages
+  holding the first `sink` slots and the last `recent` valid slots score FORCED_SCORE (`forced_pages`), so
+  they are always taken, inside k.
   """
+  if not (isinstance(sink, int) and isinstance(recent, int) and sink >= 0 and recent >= 0):
+    raise ValueError(f"sink={sink!r} and recent={recent!r} must be ints >= 0")
   if s_BKGP.ndim != 4 or m_BKGN.ndim != 4 or l_BKGN.shape != m_BKGN.shape or \
       s_BKGP.shape[:3] != m_BKGN.shape[:3]:
     raise ValueError(f"s_BKGP.shape={s_BKGP.shape}, m_BKGN.shape={m_BKGN.shape} and l_BKGN.shape="
@@ -203,6 +238,7 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
     raise ValueError(f"pages P={P} (num_slots={num_slots}, page_size={page_size}) must lie in "
                      f"[NB={NB}, P_pad={P_pad}]")
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
-  kernel = functools.partial(hsa_page_topk_body, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
+  kernel = functools.partial(hsa_page_topk_body, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
+                             sink=sink, recent=recent)
   return _call(kernel, tuple(x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN)), length_B, B, K,
                min(k, num_slots), interpret, num_warps, "rocketkv_hsa_page_topk")

@@ -9,50 +9,26 @@ selected tokens is exact (`ops.sparse_decode_attention`).
 
 Forced pages (rocketkv's `hsa_sink_tokens` / `hsa_recent_tokens`, this project's extension): the pages
 holding the first sink slots and the last recent valid slots score above any probability, so they are always
-among the top-k; the rest of the top-k is the paper's rule. That path scores pages (the XLA reference, or the
-scoring kernel + XLA normalisation with Pallas), raises the forced pages and selects with `ops.page_topk`
-(its kernel with Pallas): the fused selection kernels take no forced pages.
+among the top-k; the rest of the top-k is the paper's rule. The selection kernel raises them itself
+(`page_topk.hsa_page_topk`), so the option runs the same two kernels as the paper's rule.
 """
 from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
-
 from rocketkv_jax import ops
 from rocketkv_jax.budget import check_int
 from rocketkv_jax.cache import KVCache
-
-# Above any page probability (each is at most 1): a forced page's score.
-FORCED_SCORE = 2.0
 
 
 def select(config, cache: KVCache, q_BKGH):
   """(idx, valid) [B, K, M]: the top-k slots of the step, the new token already appended, ties toward the
   lower slot; the first min(length, M) entries are valid."""
   topr = min(config.topr, q_BKGH.shape[-1])
-  sink, recent = getattr(config, "hsa_sink_tokens", 0), getattr(config, "hsa_recent_tokens", 0)
-  if sink or recent:
-    scores = ops.hsa_page_scores(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr,
-                                 page_size=config.page_size, impl=config.impl)
-    scores = force_pages(scores, cache.length, page_size=config.page_size, sink=sink, recent=recent)
-    idx = ops.page_topk(scores, cache.length, page_size=config.page_size, k=config.topk, num_slots=cache.capacity,
-                        impl=config.impl)
-  else:
-    idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr, page_size=config.page_size,
-                         k=config.topk, num_slots=cache.capacity, impl=config.impl)
+  idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr, page_size=config.page_size,
+                       k=config.topk, num_slots=cache.capacity, sink=getattr(config, "hsa_sink_tokens", 0),
+                       recent=getattr(config, "hsa_recent_tokens", 0), impl=config.impl)
   return idx, ops.prefix_valid(idx, cache.length)
-
-
-def force_pages(scores_BKP, length_B, *, page_size: int, sink: int, recent: int):
-  """Page scores with the pages holding slots [0, sink) or [length - recent, length) raised to FORCED_SCORE
-  (pages with no valid slot stay -inf)."""
-  lo_P = jnp.arange(scores_BKP.shape[-1]) * page_size  # first slot of each page
-  forced_BP = lo_P[None, :] < sink
-  if recent:  # (with recent = 0 the test below would still hold for a partial last page)
-    forced_BP = forced_BP | (lo_P[None, :] + page_size > length_B[:, None] - recent)
-  forced_BP &= lo_P[None, :] < length_B[:, None]
-  return jnp.where(forced_BP[:, None, :], FORCED_SCORE, scores_BKP)
 
 
 def forced_slots_max(page_size: int, sink: int, recent: int) -> int:

@@ -116,22 +116,27 @@ def _page_topk_pallas(scores_BKP, length_B, *, page_size, k, num_slots, interpre
                                     interpret=interpret)
 
 
-def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots):
+def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent):
   scores = hsa_scores.hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
                                                 page_size=page_size)
+  scores = page_topk_kernel.force_pages(scores, jnp.clip(length_B.astype(jnp.int32), 0, num_slots),
+                                        page_size=page_size, sink=sink, recent=recent)
   return _page_topk_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
 
 
-def _hsa_select_pallas(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, interpret):
+def _hsa_select_pallas(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent,
+                       interpret):
   """Two kernels back to back and nothing between them: the scoring kernel's partials go straight to a
-  selection kernel that normalises and picks. Above the selection kernel's page limit, the scores are
-  normalised in XLA and selected in XLA."""
+  selection kernel that normalises, raises the forced pages and picks. Above the selection kernel's page
+  limit, the scores are normalised in XLA and selected in XLA."""
   args = (q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
   if kt_min_BKHP.shape[-1] <= page_topk_kernel.MAX_PAGES:
     s, m, l = hsa_scores.hsa_page_partials(*args, topr=topr, page_size=page_size, interpret=interpret)
     return page_topk_kernel.hsa_page_topk(s, m, l, length_B, page_size=page_size, k=k, num_slots=num_slots,
-                                          interpret=interpret)
+                                          sink=sink, recent=recent, interpret=interpret)
   scores = hsa_scores.hsa_page_scores(*args, topr=topr, page_size=page_size, interpret=interpret)
+  scores = page_topk_kernel.force_pages(scores, jnp.clip(length_B.astype(jnp.int32), 0, num_slots),
+                                        page_size=page_size, sink=sink, recent=recent)
   return _page_topk_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
 
 
@@ -190,10 +195,13 @@ def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_si
               impl=impl)
 
 
-def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl):
-  """`page_topk` of `hsa_page_scores`: idx [B, K, M] as page_topk."""
+def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl, sink=0,
+               recent=0):
+  """`page_topk` of `hsa_page_scores`: idx [B, K, M] as page_topk. sink, recent: the pages holding the first
+  `sink` slots and the last `recent` valid slots are always taken, inside k (RocketKV's hsa_sink_tokens /
+  hsa_recent_tokens, this project's extension)."""
   return call("hsa_select", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size, k=k,
-              num_slots=num_slots, impl=impl)
+              num_slots=num_slots, sink=sink, recent=recent, impl=impl)
 
 
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,

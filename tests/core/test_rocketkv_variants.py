@@ -243,7 +243,7 @@ def test_rocketkv_plus_decodes_like_the_option_pair():
 
 
 def test_sinks_alone_do_not_force_the_last_partial_page():
-  from rocketkv_jax.hsa import force_pages
+  from rocketkv_jax.kernels.page_topk import force_pages
   scores = jnp.zeros((1, 1, 4))  # 4 pages of 3 slots; 10 valid slots: the last page is partial
   forced = np.asarray(force_pages(scores, jnp.asarray([10]), page_size=3, sink=2, recent=0))[0, 0]
   np.testing.assert_array_equal(forced > 1, [True, False, False, False])

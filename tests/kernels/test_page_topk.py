@@ -113,19 +113,27 @@ def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
                            **tuning), length
 
 
-def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None):
+def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None, sink=0, recent=0):
   from rocketkv_jax.kernels.hsa_scores import normalize_partials
-  from rocketkv_jax.kernels.page_topk import hsa_page_topk, hsa_page_topk_reference
+  from rocketkv_jax.kernels.page_topk import force_pages, hsa_page_topk, hsa_page_topk_reference
   (s, m, l), length = hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p)
-  kw = dict(page_size=page_size, k=k, num_slots=num_slots)
+  kw = dict(page_size=page_size, k=k, num_slots=num_slots, sink=sink, recent=recent)
   out = np.asarray(hsa_page_topk(s, m, l, length, interpret=interpret, **kw))
   ref = np.asarray(hsa_page_topk_reference(s, m, l, length, **kw))
   assert out.shape == ref.shape == (B, K, min(k, num_slots))
+  n = np.minimum(np.asarray(length), num_slots)
+  for b in range(B):  # the forced slots are always taken (their pages fit in k in these cases)
+    must = {x for x in range(n[b]) if x < -(-sink // page_size) * page_size or
+            (recent and x // page_size * page_size + page_size > n[b] - recent)}
+    for h in range(K):
+      assert must <= set(out[b, h, :min(n[b], k)].tolist()), (b, h)
   if np.array_equal(out, ref):
     return
   # The kernel normalises in another order than XLA: a differing choice must be a near tie of the scores.
   P = -(-num_slots // page_size)
-  scores = np.asarray(normalize_partials(s[..., :P], m, l, jnp.minimum(length, num_slots), page_size=page_size))
+  scores = normalize_partials(s[..., :P], m, l, jnp.minimum(length, num_slots), page_size=page_size)
+  scores = np.asarray(force_pages(scores, jnp.minimum(length, num_slots), page_size=page_size, sink=sink,
+                                  recent=recent))
   assert_near_ties_only(out, ref, scores, length, page_size=page_size, k=k)
 
 
@@ -134,6 +142,14 @@ def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_
     (1, 2, 8, 128, 1617, 3, 128, 61, None)])
 def test_hsa_page_topk_matches_reference_interpret(B, K, G, H, num_slots, page_size, k, topr, block_p):
   check_hsa(num_slots, B, K, G, H, num_slots, page_size, k, topr, interpret=True, block_p=block_p)
+
+
+@pytest.mark.parametrize("B,K,G,H,num_slots,page_size,k,topr,sink,recent", [
+    (3, 2, 4, 64, 97, 2, 24, 21, 0, 8), (2, 1, 3, 64, 130, 3, 32, 16, 4, 5), (2, 2, 2, 64, 50, 1, 12, 9, 2, 0)])
+def test_hsa_page_topk_forced_pages_interpret(B, K, G, H, num_slots, page_size, k, topr, sink, recent):
+  """RocketKV's hsa_sink_tokens / hsa_recent_tokens inside the selection kernel: the forced slots always taken,
+  the rest as the reference (ragged lengths, junk on empty pages)."""
+  check_hsa(num_slots + 7, B, K, G, H, num_slots, page_size, k, topr, interpret=True, sink=sink, recent=recent)
 
 
 def test_hsa_page_topk_lowers_for_h200_through_triton():
@@ -152,3 +168,4 @@ def test_hsa_page_topk_lowers_for_h200_through_triton():
 def test_hsa_page_topk_matches_reference_gpu(B, K, G, H, num_slots, page_size, k, topr):
   needs_gpu()
   check_hsa(num_slots + 1, B, K, G, H, num_slots, page_size, k, topr, interpret=False)
+  check_hsa(num_slots + 2, B, K, G, H, num_slots, page_size, k, topr, interpret=False, sink=2, recent=8)
