@@ -154,7 +154,6 @@ OPS = {
     "sparse_decode_attention": Op(sparse_decode.sparse_decode_attention_reference,
                                   sparse_decode.sparse_decode_attention),
     "page_topk": Op(_page_topk_xla, _page_topk_pallas),
-    "hsa_page_scores": Op(hsa_scores.hsa_page_scores_reference, hsa_scores.hsa_page_scores),
     "hsa_select": Op(_hsa_select_xla, _hsa_select_pallas),
     "cache_append": Op(cache_append_scatter, cache_append_kernel.cache_append),
     "add_rms_norm": Op(rms_norm_kernel.add_rms_norm_reference, rms_norm_kernel.add_rms_norm),
@@ -189,17 +188,11 @@ def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl):
   return call("page_topk", scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl)
 
 
-def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, impl):
-  """HSA's group page probabilities [B, K, P] float32 (-inf on pages with no valid slot)."""
-  return call("hsa_page_scores", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
-              impl=impl)
-
-
 def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl, sink=0,
                recent=0):
-  """`page_topk` of `hsa_page_scores`: idx [B, K, M] as page_topk. sink, recent: the pages holding the first
-  `sink` slots and the last `recent` valid slots are always taken, inside k (RocketKV's hsa_sink_tokens /
-  hsa_recent_tokens, this project's extension)."""
+  """`page_topk` of HSA's group page probabilities (`hsa_scores.hsa_page_scores_reference`): idx [B, K, M] as
+  page_topk. sink, recent: the pages holding the first `sink` slots and the last `recent` valid slots are
+  always taken, inside k (RocketKV's hsa_sink_tokens / hsa_recent_tokens, this project's extension)."""
   return call("hsa_select", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size, k=k,
               num_slots=num_slots, sink=sink, recent=recent, impl=impl)
 

@@ -80,8 +80,9 @@ def test_forced_pages_always_selected(impl, page_size, sink, recent):
   cache = dataclasses.replace(cache, k=kk, kt_min=kt_min, kt_max=kt_max)
   base = _sets(*paper.select(cache, q1))
   got = _sets(*jax.jit(variant.select)(cache, q1))
-  scores = np.asarray(ops.hsa_page_scores(q1, kt_min, kt_max, cache.length, topr=paper.topr,
-                                          page_size=page_size, impl="xla"))
+  from rocketkv_jax.kernels.hsa_scores import hsa_page_scores_reference
+  scores = np.asarray(hsa_page_scores_reference(q1, kt_min, kt_max, cache.length, topr=paper.topr,
+                                                page_size=page_size))
   for b, n in enumerate(length):
     forced = {s for s in range(n) if s < sink or s >= n - recent}
     forced_pages = {s // page_size for s in forced}
