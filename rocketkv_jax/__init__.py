@@ -15,6 +15,6 @@ CONFIGS = REGISTRY  # name -> config class (the method)
 __all__ = [
     "BudgetPlan", "CONFIGS", "CacheSpec", "ExactTopKConfig", "FullConfig", "H2OConfig", "HSAConfig", "KVCache",
     "METHODS", "MethodConfig", "QuestConfig", "REGISTRY", "RocketKVConfig", "RocketKVPlusConfig", "SnapKVConfig",
-    "SparQConfig", "StreamingLLMConfig", "cache_nbytes", "concat_caches", "decode_step", "get_method", "in_jit_checks", "make_config",
-    "plan_budget", "prefill_compress",
+    "SparQConfig", "StreamingLLMConfig", "cache_nbytes", "concat_caches", "decode_step", "get_method", "in_jit_checks",
+    "make_config", "plan_budget", "prefill_compress",
 ]

@@ -116,12 +116,18 @@ def _page_topk_pallas(scores_BKP, length_B, *, page_size, k, num_slots, interpre
                                     interpret=interpret)
 
 
+def _select_pages_xla(scores_BKP, length_B, *, page_size, k, num_slots, sink, recent):
+  """The XLA selection from HSA's page probabilities: the forced pages raised, then `page_topk`."""
+  scores_BKP = page_topk_kernel.force_pages(scores_BKP, jnp.clip(length_B.astype(jnp.int32), 0, num_slots),
+                                            page_size=page_size, sink=sink, recent=recent)
+  return _page_topk_xla(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots)
+
+
 def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent):
   scores = hsa_scores.hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
                                                 page_size=page_size)
-  scores = page_topk_kernel.force_pages(scores, jnp.clip(length_B.astype(jnp.int32), 0, num_slots),
-                                        page_size=page_size, sink=sink, recent=recent)
-  return _page_topk_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
+  return _select_pages_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, sink=sink,
+                           recent=recent)
 
 
 def _hsa_select_pallas(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent,
@@ -135,9 +141,8 @@ def _hsa_select_pallas(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page
     return page_topk_kernel.hsa_page_topk(s, m, l, length_B, page_size=page_size, k=k, num_slots=num_slots,
                                           sink=sink, recent=recent, interpret=interpret)
   scores = hsa_scores.hsa_page_scores(*args, topr=topr, page_size=page_size, interpret=interpret)
-  scores = page_topk_kernel.force_pages(scores, jnp.clip(length_B.astype(jnp.int32), 0, num_slots),
-                                        page_size=page_size, sink=sink, recent=recent)
-  return _page_topk_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
+  return _select_pages_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, sink=sink,
+                           recent=recent)
 
 
 # ----------------------------------------------------------------------------- the table

@@ -90,6 +90,11 @@ def _mode(r) -> str:
   return r.get("mode", "aware")
 
 
+def _mode_order(mode) -> int:
+  """Sort key of a mode: MODES' order, anything else last."""
+  return MODES.index(mode) if mode in MODES else len(MODES)
+
+
 def modes_of(res) -> list[str]:
   """The run's task modes: its grid's, else those its rows hold (rows without a mode are query-aware)."""
   g = res["meta"]["grid"].get("modes")
@@ -118,7 +123,7 @@ def summarize(res) -> dict:
   out = []
   full = {}
   full_task = {}
-  for k in sorted(scores, key=lambda k: (k[0], MODES.index(k[1]) if k[1] in MODES else 9, k[2], k[3] or 0)):
+  for k in sorted(scores, key=lambda k: (k[0], _mode_order(k[1]), k[2], k[3] or 0)):
     c, mode, m, b = k
     by_task = {t: [v for _, v in sorted(ss.items())] for t, ss in scores[k].items()}
     row = {"context": c, "mode": mode, "method": m, "budget": b,
@@ -168,7 +173,7 @@ def _variants(scores: dict, rows: list) -> list[dict]:
   when it lies below 0 (beyond noise), else a tie."""
   acc = {(r["context"], r["mode"], r["method"], r["budget"]): r for r in rows if "accuracy" in r}
   out = []
-  for (c, mode, m, b) in sorted(scores, key=lambda k: (k[2], k[0], MODES.index(k[1]) if k[1] in MODES else 9, k[3] or 0)):
+  for (c, mode, m, b) in sorted(scores, key=lambda k: (k[2], k[0], _mode_order(k[1]), k[3] or 0)):
     base = base_method(m)
     if base == m or (c, mode, base, b) not in scores:
       continue
@@ -203,7 +208,7 @@ def variant_verdicts(variants: list[dict]) -> dict:
     d["modes"].add(v["mode"])
   for d in out.values():
     d["rule_met"] = bool(d["wins_apart"] and not d["loss"] and set(MODES) <= d["modes"])
-    d["modes"] = sorted(d["modes"], key=lambda m: MODES.index(m) if m in MODES else 9)
+    d["modes"] = sorted(d["modes"], key=_mode_order)
   return out
 
 

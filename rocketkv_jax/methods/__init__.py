@@ -48,5 +48,5 @@ def make_config(method: str, *, token_budget: int, prompt_len: int, max_new_toke
 
 
 __all__ = ["REGISTRY", "METHODS", "MethodConfig", "get_method", "make_config", "ExactTopKConfig", "FullConfig",
-           "H2OConfig", "HSAConfig", "QuestConfig", "RocketKVConfig", "RocketKVPlusConfig", "SnapKVConfig", "SparQConfig",
-           "StreamingLLMConfig"]
+           "H2OConfig", "HSAConfig", "QuestConfig", "RocketKVConfig", "RocketKVPlusConfig", "SnapKVConfig",
+           "SparQConfig", "StreamingLLMConfig"]
