@@ -1,5 +1,13 @@
-"""Tuning sweep of the HSA scoring kernel's layouts at one shape (RocketKV stage 2, 32k context): device time
-per call from the profiler against the chosen rows' bytes at copy bandwidth. GPU only.
+"""Tuning sweep of RocketKV's stage-2 kernels at one shape (32k context by default): device time per call from
+the profiler against the bytes the call must move at copy bandwidth. GPU only.
+
+- scoring (`hsa_page_partials`): every combination of --layouts, --split, --block-p, --warps, --stages,
+  --load-masks and --pad-pages (extra junk pages appended to the KT arrays, so that the row stride P becomes
+  a multiple of 8: what the loads may vectorise on); floor: the chosen rows' bytes;
+- selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps; floor: the partials'
+  bytes;
+- token append (`cache_append`, 16 appends in a loop, per append) at each of --append-warps; floor: the rows
+  and KT page columns written (each column value a 32-byte sector read and written).
 
 python -m benchmarks.tune_hsa --batches 108,391 --out tune.jsonl
 """
@@ -12,8 +20,15 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.kernels import (G, H, K_HEADS, copy_bandwidth, random_cache, rocketkv_config, time_fn)
+from benchmarks.kernels import (G, H, K_HEADS, LAYER_STEPS, copy_bandwidth, random_cache, rocketkv_config,
+                                time_fn)
+from rocketkv_jax.kernels.cache_append import cache_append
 from rocketkv_jax.kernels.hsa_scores import hsa_page_partials
+from rocketkv_jax.kernels.page_topk import hsa_page_topk
+
+
+def _ints(x: str) -> list[int]:
+  return [int(v) for v in x.split(",") if v]
 
 
 def main():
@@ -22,40 +37,87 @@ def main():
   ap.add_argument("--length", type=int, default=32768)
   ap.add_argument("--budget", type=int, default=256)
   ap.add_argument("--out", default="tune_hsa.jsonl")
-  ap.add_argument("--layouts", default="gather,rank")
-  ap.add_argument("--block-p", default="64,128,256")
-  ap.add_argument("--warps", default="4,8")
-  ap.add_argument("--stages", default="1,2")
+  ap.add_argument("--layouts", default="gather,compact,rank")
+  ap.add_argument("--split", default="0,1", help="split_pages values: 0 one program per row, 1 per page block")
+  ap.add_argument("--block-p", default="64,128")
+  ap.add_argument("--warps", default="4")
+  ap.add_argument("--stages", default="1")
+  ap.add_argument("--load-masks", default="pages")
+  ap.add_argument("--pad-pages", default="0")
+  ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
+  ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
   a = ap.parse_args()
   bw = copy_bandwidth(True)[0]
   cfg = rocketkv_config(a.length, a.budget, "pallas")
   R, ps = cfg.topr, cfg.page_size
   P = -(-cfg.capacity // ps)
   out = open(a.out, "w")
-  for B in [int(x) for x in a.batches.split(",")]:
-    ks = jax.random.split(jax.random.PRNGKey(B), 2)
-    sets = [(jax.random.normal(ks[0], (B, K_HEADS, G, H), jnp.bfloat16), random_cache(ks[1], B, cfg))]
-    nbytes = B * K_HEADS * R * P * sets[0][1].kt_min.dtype.itemsize
-    ints = lambda x: [int(v) for v in x.split(",")]  # noqa: E731
-    grid = itertools.product(a.layouts.split(","), (False, True), ints(a.block_p), ints(a.warps), ints(a.stages))
-    for layout, split, block_p, warps, stages in grid:
-      if layout == "rank" and (block_p > 64 or stages > 1):
+
+  def emit(rec, dev, nbytes):
+    rec.update(device_us=dev, floor_us=nbytes / bw * 1e6,
+               x_floor=None if dev is None else dev / (nbytes / bw * 1e6))
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
+    print(json.dumps(rec), flush=True)
+
+  def timed(rec, f, sets, nbytes):
+    try:
+      dev, _, top = time_fn(f, sets, 30, True)
+    except Exception as e:  # noqa: BLE001 - a config Triton rejects is reported, not fatal
+      print(json.dumps(dict(rec, error=repr(e)[:300])), flush=True)
+      return
+    emit(dict(rec, top=top[:2]), dev, nbytes)
+
+  for B in _ints(a.batches):
+    ks = jax.random.split(jax.random.PRNGKey(B), 4)
+    q = jax.random.normal(ks[0], (B, K_HEADS, G, H), jnp.bfloat16)
+    cache = random_cache(ks[1], B, cfg)
+    base = dict(B=B, L=a.length, t=a.budget, R=R, P=P)
+    nbytes = B * K_HEADS * R * P * cache.kt_min.dtype.itemsize
+    grid = itertools.product(a.layouts.split(","), _ints(a.split), _ints(a.block_p), _ints(a.warps),
+                             _ints(a.stages), a.load_masks.split(","), _ints(a.pad_pages))
+    for layout, split, block_p, warps, stages, load_mask, pad in grid:
+      if layout == "rank" and (block_p > 64 or stages > 1 or load_mask != "pages"):
         continue
-      f = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps,
-                                                 split_pages=split, layout=layout, block_p=block_p,
-                                                 num_warps=warps, num_stages=stages))
-      try:
-        dev, wall, top = time_fn(f, sets, 30, True)
-      except Exception as e:  # noqa: BLE001 - a config Triton rejects is reported, not fatal
-        print(json.dumps(dict(B=B, layout=layout, split=split, block_p=block_p, warps=warps, stages=stages,
-                              error=repr(e)[:200])), flush=True)
-        continue
-      rec = dict(B=B, L=a.length, t=a.budget, R=R, P=P, layout=layout, split=split, block_p=block_p,
-                 warps=warps, stages=stages, device_us=dev, floor_us=nbytes / bw * 1e6,
-                 x_floor=None if dev is None else dev / (nbytes / bw * 1e6), top=top[:2])
-      out.write(json.dumps(rec) + "\n")
-      out.flush()
-      print(json.dumps(rec), flush=True)
+      kt = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in (cache.kt_min, cache.kt_max)]
+      f = jax.jit(lambda q, kmin, kmax, n: hsa_page_partials(
+          q, kmin, kmax, n, topr=R, page_size=ps, split_pages=bool(split), layout=layout, block_p=block_p,
+          num_warps=warps, num_stages=stages, load_mask=load_mask))
+      timed(dict(base, kind="scores", layout=layout, split=bool(split), block_p=block_p, warps=warps,
+                 stages=stages, load_mask=load_mask, pad_pages=pad), f, [(q, *kt, cache.length)], nbytes)
+      del kt
+    if a.topk_warps:
+      parts = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps))(
+          q, cache)
+      part_bytes = sum(x.size * x.dtype.itemsize for x in parts)
+      for warps in _ints(a.topk_warps):
+        f = jax.jit(lambda s, m, l, n: hsa_page_topk(s, m, l, n, page_size=ps, k=cfg.top_k,
+                                                     num_slots=cfg.capacity, num_warps=warps))
+        timed(dict(base, kind="page_topk", warps=warps), f, [(*parts, cache.length)], part_bytes)
+      del parts
+    if a.append_warps:
+      k_new = jax.random.normal(ks[2], (B, K_HEADS, H), jnp.bfloat16)
+      v_new = jax.random.normal(ks[3], (B, K_HEADS, H), jnp.bfloat16)
+      # per append: K and V rows written, two KT page columns of H values read and written, each value a
+      # 32-byte sector (the column is strided by P)
+      append_bytes = B * K_HEADS * (2 * H * 2 + 2 * 2 * H * 32)
+      for warps in _ints(a.append_warps):
+        def steps(k_new, v_new, c, warps=warps):
+          def body(i, carry):
+            slot = jnp.broadcast_to((c.length + i)[:, None], k_new.shape[:2])
+            return cache_append(*carry[:2], k_new, v_new, slot, *carry[2:], page_size=ps, num_warps=warps)
+          return jax.lax.fori_loop(0, LAYER_STEPS, body, (c.k, c.v, c.kt_min, c.kt_max))
+        f = jax.jit(steps)
+        try:
+          dev, _, top = time_fn(f, [(k_new, v_new, cache)], 10, True)
+        except Exception as e:  # noqa: BLE001
+          print(json.dumps(dict(base, kind="append", warps=warps, error=repr(e)[:300])), flush=True)
+          continue
+        # the loop's one copy of its non-donated cache is not the append's: only the kernel counts
+        kern = dict(top).get("rocketkv_cache_append")
+        emit(dict(base, kind="append", warps=warps, top=top[:3], loop_us=dev),
+             None if kern is None else kern / LAYER_STEPS, append_bytes)
+    del cache
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@ fold of the new key into its min/max page (ALGORITHM.md section 3).
 
 Row slot[b, k] of k[b, k] / v[b, k] becomes k_new[b, k] / v_new[b, k]. With KT pages (channel-major
 [B, K, H, P]), page p = slot // page_size: when slot % page_size == 0 the page starts fresh (min = max =
-k_new), otherwise min/max take the element-wise min/max with k_new. One program per (b, k) reads one K row,
-one V row and one page column of each of kt_min and kt_max and writes them back in place
-(input_output_aliases), so nothing else of the cache moves. This replaces two XLA scatters and a separate
-KT kernel, three launch-bound launches per layer on the H200, by one.
+k_new), otherwise min/max take the element-wise min/max with k_new. One program per (b, k) writes one K row
+and one V row, and reads and writes one page column of each of kt_min and kt_max, in place
+(input_output_aliases), so nothing else of the cache moves. This replaces two XLA scatters and a separate KT
+kernel, three launch-bound launches per layer on the H200, by one.
 """
 from __future__ import annotations
 
@@ -65,27 +65,31 @@ def _cache_append_kernel(
 ):
   S, H = k_ref.shape
   slot = slot_ref[...]
-  # Out of range: every store below writes back what it read (no masked stores, so interpret mode agrees).
+  # Out of range: every store below is masked off, so nothing changes. All loads come first: the stores
+  # wait on nothing but them, so one memory round trip is exposed, not one per array.
   in_range = (slot >= 0) & (slot < S)
   row = jnp.clip(slot, 0, S - 1)
   chans = jnp.arange(H)
+  write = jnp.zeros((H,), jnp.bool_) | in_range
   rows = jnp.zeros((H,), jnp.int32) + row
-  for src_ref, new_ref, out_ref in ((k_ref, k_new_ref, k_out_ref), (v_ref, v_new_ref, v_out_ref)):
-    old = src_ref[rows, chans]
-    out_ref[rows, chans] = jnp.where(in_range, new_ref[...].astype(out_ref.dtype), old)
+  k_new = k_new_ref[...]
+  v_new = v_new_ref[...]
+  if kt_min_ref is not None:
+    page = row // page_size  # < P, as P = cdiv(S, page_size)
+    fresh = (slot % page_size) == 0
+    cols = jnp.zeros((H,), jnp.int32) + page
+    # min/max in float32; an f8/bf16 page value round-trips float32 exactly
+    old_min = kt_min_ref[chans, cols].astype(jnp.float32)
+    old_max = kt_max_ref[chans, cols].astype(jnp.float32)
+  pltriton.store(k_out_ref.at[rows, chans], k_new.astype(k_out_ref.dtype), mask=write)
+  pltriton.store(v_out_ref.at[rows, chans], v_new.astype(v_out_ref.dtype), mask=write)
   if kt_min_ref is None:
     return
-  page = row // page_size  # < P, as P = cdiv(S, page_size)
-  fresh = (slot % page_size) == 0
-  cols = jnp.zeros((H,), jnp.int32) + page
-  k = k_new_ref[...].astype(jnp.float32)
-  # min/max in float32; an f8/bf16 page value round-trips float32 exactly, so out of range stays bit-equal.
-  old_min = kt_min_ref[chans, cols].astype(jnp.float32)
-  old_max = kt_max_ref[chans, cols].astype(jnp.float32)
+  k = k_new.astype(jnp.float32)
   new_min = jnp.where(fresh, k, jnp.minimum(old_min, k))
   new_max = jnp.where(fresh, k, jnp.maximum(old_max, k))
-  kt_min_out_ref[chans, cols] = jnp.where(in_range, new_min, old_min).astype(kt_min_out_ref.dtype)
-  kt_max_out_ref[chans, cols] = jnp.where(in_range, new_max, old_max).astype(kt_max_out_ref.dtype)
+  pltriton.store(kt_min_out_ref.at[chans, cols], new_min.astype(kt_min_out_ref.dtype), mask=write)
+  pltriton.store(kt_max_out_ref.at[chans, cols], new_max.astype(kt_max_out_ref.dtype), mask=write)
 
 
 def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size):

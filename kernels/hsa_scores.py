@@ -1,7 +1,7 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
 KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks) (or (B, K, 1) with a loop over the
-row's page blocks). Two layouts, picked by row count (B * K):
+row's page blocks). Three layouts, picked by row count (B * K):
 
 - "rank" (few rows): each program takes the group's query [G, H] and does the whole per-(b, k) selection
   itself, so no XLA op runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
@@ -11,6 +11,9 @@ row's page blocks). Two layouts, picked by row count (B * K):
 - "gather" (many rows): `row_channels` does that choice once per row in XLA (lax.top_k, same ties), and
   each program gets the group's query on the chosen channels [G, Rp], their row indices and signs, and
   1 / tau: no per-program ranking, and a compact [Rp, block_p] gather of the chosen rows.
+- "compact": the rank layout's choice in the kernel, once per program, then the chosen channels compacted
+  by rank (a one-hot [H, Rp]) and the gather layout's page loop. With one program per row (large batch) the
+  ranking is once per row, and no XLA op runs before the kernel.
 
 Either way each chosen row is read from the min or the max page summary only (by that sign): R * block_p
 values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
@@ -77,7 +80,7 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
 
 
 def _choose_channels(q_GH, topr: int):
-  """(use_max, use_min) [H] bool: the group's top-r channels of sum_g |q_g|, ties toward the lower channel,
+  """(use_max, use_min) [H] bool and each channel's rank [H] int32: the group's top-r channels of sum_g |q_g|, ties toward the lower channel,
   split by the sign of the group's summed query (zero counts as negative). A channel's rank counts the
   channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial
   loop). Pad rows of q must be 0."""
@@ -86,9 +89,10 @@ def _choose_channels(q_GH, topr: int):
   c = jnp.arange(H)
   a_i, a_j = a[:, None], a[None, :]
   beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
-  chosen = jnp.sum(beats.astype(jnp.int32), axis=1) < topr  # [H]
+  rank = jnp.sum(beats.astype(jnp.int32), axis=1)  # [H], a permutation of 0..H-1
+  chosen = rank < topr
   use_max = chosen & (q_GH.sum(axis=0) > 0)
-  return use_max, chosen & ~use_max
+  return use_max, chosen & ~use_max, rank
 
 
 def _block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
@@ -123,7 +127,7 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
   H = q_ref.shape[1]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
   q = q_in.astype(jnp.float32)
-  use_max, use_min = _choose_channels(q, topr)
+  use_max, use_min, _ = _choose_channels(q, topr)
   chosen = use_max | use_min
   # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
   q_r = jnp.where(chosen[None, :], q, 0.0)
@@ -192,6 +196,39 @@ def row_channels(q_BKGH, topr: int, dot_dtype):
   return qr.astype(dot_dtype), ch.astype(jnp.int32), use_max, inv_tau
 
 
+def _gather_score_blocks(q, row_ok, inv_tau, ch, use_max, use_min, kt_min_ref, kt_max_ref, length, s_ref, m_ref,
+                         l_ref, *, first_block, block_p: int, blocks_per_program: int, page_size: int,
+                         num_pages: int, dot_dtype, load_mask: str):
+  """The page loop of the compact layouts ("gather", "compact"): q [Gp, Rp] the group on the chosen channels
+  (0 on pads and pad rows), ch [Rp] their row indices, use_max / use_min [Rp] bool (neither on a pad), inv_tau
+  [Gp]. Scores page blocks [first_block, + blocks_per_program), block first_block + i's (s, m, l) stored at
+  column i (`_store_block_partials`)."""
+  prec = dot_precision(dot_dtype)
+
+  def page_block(i, carry):
+    p0 = (first_block + i) * block_p
+    page = p0 + jnp.arange(block_p)
+    n = page_slots(length, page, page_size)
+    p_ok = (n > 0) & (page < num_pages)
+    # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
+    # load_mask "pages": only the valid pages of them; "rows": every page inside the array (junk pages
+    # zeroed below), a mask constant along the pages, so that Triton can vectorise the loads when the row
+    # stride P is a multiple of 8. (With P = 539, "rows" measured 25-30% slower at 108 and 391 rows on the
+    # H200: results/stage2_h200_2026-12-01_568f0e8.)
+    rows, cols = ch[:, None], page[None, :]
+    ld_ok = p_ok if load_mask == "pages" else page < num_pages
+    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & ld_ok[None, :])
+    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & ld_ok[None, :])
+    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
+    # masked-off lanes (pad rows, pages past the length or past P) hold whatever the load left: zero them
+    rep = jnp.where((use_max | use_min)[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))
+    _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, i,
+                          *_block_partials(q, rep, inv_tau, n, p_ok, prec))
+    return carry
+
+  lax.fori_loop(0, blocks_per_program, page_block, 0)
+
+
 def _hsa_scores_gather_kernel(
     # inputs
     q_ref,  # [G, Rp] the group's query on the chosen channels (0 on pads), in the dot dtype
@@ -204,42 +241,57 @@ def _hsa_scores_gather_kernel(
     # outputs: as _hsa_scores_kernel
     s_ref, m_ref, l_ref,
     *,
-    block_p: int,
+    blocks_per_program: int,
+    page_size: int,
+    num_pages: int,
+    **kw,
+):
+  q, row_ok = load_query_group(q_ref)  # [Gp, Rp], pad rows 0
+  inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
+  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
+  _gather_score_blocks(q, row_ok, inv_tau, ch_ref[...], use_max_ref[...] > 0, use_max_ref[...] == 0, kt_min_ref,
+                       kt_max_ref, length, s_ref, m_ref, l_ref, first_block=pl.program_id(2) * blocks_per_program,
+                       blocks_per_program=blocks_per_program, page_size=page_size, num_pages=num_pages, **kw)
+
+
+def _hsa_scores_compact_kernel(
+    # inputs
+    q_ref,  # [G, H]
+    kt_min_ref,  # [H, P]
+    kt_max_ref,  # [H, P]
+    length_ref,  # []
+    # outputs: as _hsa_scores_kernel
+    s_ref, m_ref, l_ref,
+    *,
+    topr: int,
     blocks_per_program: int,
     page_size: int,
     num_pages: int,
     dot_dtype,
+    **kw,
 ):
-  G, Rp = q_ref.shape
-  q, row_ok = load_query_group(q_ref)  # [Gp, Rp], pad rows 0
-  inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
-  ch = ch_ref[...]
-  use_max = use_max_ref[...] > 0
-  use_min = use_max_ref[...] == 0
-  prec = dot_precision(dot_dtype)
+  """The "compact" layout: the rank layout's channel choice in the kernel (once per program), then the chosen
+  channels compacted to Rp slots by rank (a one-hot [H, Rp]: slot r holds the channel of rank r) and the
+  gather layout's page loop: no XLA op before the kernel, and the gather's compact reads."""
+  H = q_ref.shape[1]
+  q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
+  q = q_in.astype(jnp.float32)
+  use_max_H, use_min_H, rank = _choose_channels(q, topr)
+  Rp = max(MIN_DOT_DIM, next_pow2(topr))
+  onehot = (rank[:, None] == jnp.arange(Rp)[None, :]) & (rank < topr)[:, None]  # [H, Rp]
+  ch = jnp.sum(jnp.where(onehot, jnp.arange(H)[:, None], 0), axis=0)  # [Rp], 0 on pads
+  use_max = jnp.sum(jnp.where(onehot & use_max_H[:, None], 1, 0), axis=0) > 0
+  use_min = jnp.sum(jnp.where(onehot & use_min_H[:, None], 1, 0), axis=0) > 0
+  # q on the chosen channels: one nonzero product per output, exact in a float32-accumulated dot of the query's
+  # own dtype (bf16 x {0, 1} or float32 at full precision)
+  q_GR = jnp.dot(q_in, onehot.astype(q_in.dtype), precision=dot_precision(q_in.dtype),
+                 preferred_element_type=jnp.float32)
+  inv_tau = 1.0 / _temperature(q_GR, q)  # [Gp]
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
-  first_block = pl.program_id(2) * blocks_per_program
-
-  def page_block(i, carry):
-    p0 = (first_block + i) * block_p
-    page = p0 + jnp.arange(block_p)
-    n = page_slots(length, page, page_size)
-    p_ok = (n > 0) & (page < num_pages)
-    # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max, and
-    # only the valid pages of them. (Loading whole blocks with a per-row mask only, junk pages zeroed after
-    # the load, measured 25-30% slower at 108 and 391 rows on the H200: results/stage2_h200_2026-12-01_568f0e8.)
-    rows, cols = ch[:, None], page[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & p_ok[None, :])
-    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
-    # masked-off lanes (pad rows, pages past the length or past P) hold whatever the load left: zero them
-    rep = jnp.where((use_max | use_min)[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))
-    _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, i,
-                          *_block_partials(q, rep, inv_tau, n, p_ok, prec))
-    return carry
-
-  del G, Rp
-  lax.fori_loop(0, blocks_per_program, page_block, 0)
+  _gather_score_blocks(q_GR.astype(dot_dtype), row_ok, inv_tau, ch, use_max, use_min, kt_min_ref, kt_max_ref,
+                       length, s_ref, m_ref, l_ref, first_block=pl.program_id(2) * blocks_per_program,
+                       blocks_per_program=blocks_per_program, page_size=page_size, num_pages=num_pages,
+                       dot_dtype=dot_dtype, **kw)
 
 
 # Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row in XLA)
@@ -255,10 +307,10 @@ _GATHER_TILE_ELEMS = 4096
 
 
 @functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "num_warps", "num_stages", "layout"])
+                                             "num_warps", "num_stages", "layout", "load_mask"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
-                      num_warps: int = 4, num_stages: int = 1, layout: str = "auto"):
+                      num_warps: int = 4, num_stages: int = 1, layout: str = "auto", load_mask: str = "pages"):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -271,10 +323,14 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.
     split_pages: one program per page block (True), or one program per row looping over its blocks; None:
-      page blocks, except the gather layout from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
+      page blocks, except the gather and compact layouts from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
     layout: "rank" (each program ranks the group's channels itself: no XLA op before the kernel, best when
       rows are few), "gather" (`row_channels` chooses them once per row in XLA; programs read only the
-      chosen rows, compacted: best at large batch), or "auto" (gather from GATHER_MIN_ROWS rows of B * K).
+      chosen rows, compacted: best at large batch), "compact" (the channels ranked in the kernel, once per
+      program, then compacted as the gather layout's: no XLA op before the kernel), or "auto" (gather from
+      GATHER_MIN_ROWS rows of B * K).
+    load_mask: the gather and compact layouts' loads: "pages" (only the valid pages) or "rows" (every page of the array,
+      junk zeroed after the load).
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -295,17 +351,19 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
   if layout == "auto":
     layout = "gather" if B * K >= GATHER_MIN_ROWS else "rank"
-  if layout not in ("rank", "gather"):
-    raise ValueError(f"layout={layout!r} must be 'rank', 'gather' or 'auto'")
+  if layout not in ("rank", "gather", "compact"):
+    raise ValueError(f"layout={layout!r} must be 'rank', 'gather', 'compact' or 'auto'")
+  if load_mask not in ("pages", "rows"):
+    raise ValueError(f"load_mask={load_mask!r} must be 'pages' or 'rows'")
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
   if block_p is None:
     # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
     # ranking in the kernel, [Rp, block_p] when gathering the chosen rows).
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
-    tile = _GATHER_TILE_ELEMS // Rp if layout == "gather" else _TILE_ELEMS // H
+    tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // Rp
     block_p = min(max(32, tile), max(32, next_pow2(want)))
   if split_pages is None:
-    split_pages = not (layout == "gather" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
+    split_pages = not (layout != "rank" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
   if block_p < MIN_DOT_DIM or block_p & (block_p - 1):
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)
@@ -336,7 +394,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   if layout == "gather":
     q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = row_channels(q_BKGH, topr, dot_dtype)
     kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp,
-                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
+                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
     return call(
         kernel,
         in_specs=[
@@ -348,12 +406,16 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
         ],
         name="rocketkv_hsa_scores_gather",
     )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B)
-  kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                             page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
+  if layout == "compact":
+    kernel = functools.partial(_hsa_scores_compact_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
+                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
+  else:
+    kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
+                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
   return call(
       kernel,
       in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)), kt_spec, kt_spec, length_spec],
-      name="rocketkv_hsa_scores",
+      name=f"rocketkv_hsa_scores{'_compact' if layout == 'compact' else ''}",
   )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 

@@ -47,11 +47,11 @@ def assert_same(out, ref):
     np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(r.astype(jnp.float32)))
 
 
-def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0):
+def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0, num_warps=1):
   slot = slots(B, K, S, page_size, per_head)
   args = make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot, seed)
   ref = cache_append_reference(*args, page_size=page_size)
-  out = cache_append(*[jnp.copy(x) for x in args], page_size=page_size, interpret=interpret)
+  out = cache_append(*[jnp.copy(x) for x in args], page_size=page_size, interpret=interpret, num_warps=num_warps)
   assert_same(out, ref)
   if not per_head:  # one [B] slot for every KV head: the same result
     args_B = args[:4] + (slot[:, 0],) + args[5:]
@@ -170,3 +170,4 @@ def test_matches_reference_gpu(kt_dtype):
   needs_gpu()
   check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False)
   check(B=5, K=2, S=70, H=64, page_size=1, dtype=jnp.float32, kt_dtype=kt_dtype, interpret=False, per_head=True)
+  check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False, num_warps=4)

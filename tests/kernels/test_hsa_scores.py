@@ -68,13 +68,23 @@ def test_one_program_per_row_walking_its_pages(c):
 
 
 @pytest.mark.parametrize("split_pages", [True, False])
+@pytest.mark.parametrize("layout,load_mask", [("gather", "pages"), ("compact", "rows")])
 @pytest.mark.parametrize("c,page_size,R,kt_dtype",
                          [pytest.param(c.values[0], *_KT_SETS[(i + 1) % len(_KT_SETS)], id=c.id)
                           for i, c in enumerate(CASES)])
-def test_gather_layout_matches_reference_interpret(c, page_size, R, kt_dtype, split_pages):
-  """layout="gather": the channels chosen once per row in XLA, the kernel reading only those rows."""
+def test_gather_layouts_match_reference_interpret(c, page_size, R, kt_dtype, layout, load_mask, split_pages):
+  """layout="gather": the channels chosen once per row in XLA, the kernel reading only those rows;
+  "compact": chosen and compacted in the kernel. load_mask "rows" loads junk pages too (NaN / inf here) and
+  must zero them."""
   check(c, seed=6, page_size=page_size, R=min(R, c["H"]), kt_dtype=kt_dtype, interpret=True, block_p=16,
-        split_pages=split_pages, layout="gather")
+        split_pages=split_pages, layout=layout, load_mask=load_mask)
+
+
+@pytest.mark.parametrize("layout,load_mask", [("gather", "rows"), ("compact", "pages")])
+def test_other_load_masks_interpret(layout, load_mask):
+  c = CASES[1].values[0]
+  check(c, seed=8, page_size=3, R=min(21, c["H"]), kt_dtype=jnp.bfloat16, interpret=True, block_p=16,
+        split_pages=False, layout=layout, load_mask=load_mask)
 
 
 def test_auto_layout_picks_by_rows():
@@ -86,8 +96,11 @@ def test_auto_layout_picks_by_rows():
   a, b = run(layout="rank"), run(layout="gather")
   live = np.isfinite(a)
   assert (np.isfinite(b) == live).all() and rel_err(b, a, where=live) < 1e-5
+  assert rel_err(run(layout="compact"), a, where=live) < 1e-5
   with pytest.raises(ValueError, match="layout='rows'"):
     run(layout="rows")
+  with pytest.raises(ValueError, match="load_mask='cols'"):
+    run(layout="gather", load_mask="cols")
   lowered = jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True)).lower(
       q, kt_min, kt_max, length).as_text()
   assert "top_k" not in lowered  # 3 rows < GATHER_MIN_ROWS: ranking stays in the kernel
@@ -128,6 +141,9 @@ def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages)
   text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
                                                    layout="gather"), q, kt, kt, length)
   assert "rocketkv_hsa_scores_gather" in text
+  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
+                                                   layout="compact", load_mask="rows"), q, kt, kt, length)
+  assert "rocketkv_hsa_scores_compact" in text
 
 
 @pytest.mark.gpu
@@ -138,6 +154,9 @@ def test_matches_reference_gpu(c, kt_dtype):
   needs_gpu()
   check(c, seed=3, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False)
   check(c, seed=4, page_size=1, R=c["H"] // 2, kt_dtype=kt_dtype, interpret=False, block_p=32)
+  for layout, load_mask in (("gather", "rows"), ("compact", "pages"), ("compact", "rows")):
+    check(c, seed=5, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout=layout,
+          load_mask=load_mask, split_pages=False)
   check(c, seed=5, page_size=3, R=min(40, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=False)
   for split in (True, False):
     check(c, seed=8, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=split,

@@ -113,12 +113,13 @@ def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
                            **tuning), length
 
 
-def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None, sink=0, recent=0):
+def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None, sink=0, recent=0,
+              num_warps=4):
   from rocketkv_jax.kernels.hsa_scores import normalize_partials
   from rocketkv_jax.kernels.page_topk import force_pages, hsa_page_topk, hsa_page_topk_reference
   (s, m, l), length = hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p)
   kw = dict(page_size=page_size, k=k, num_slots=num_slots, sink=sink, recent=recent)
-  out = np.asarray(hsa_page_topk(s, m, l, length, interpret=interpret, **kw))
+  out = np.asarray(hsa_page_topk(s, m, l, length, interpret=interpret, num_warps=num_warps, **kw))
   ref = np.asarray(hsa_page_topk_reference(s, m, l, length, **kw))
   assert out.shape == ref.shape == (B, K, min(k, num_slots))
   n = np.minimum(np.asarray(length), num_slots)
@@ -169,3 +170,5 @@ def test_hsa_page_topk_matches_reference_gpu(B, K, G, H, num_slots, page_size, k
   needs_gpu()
   check_hsa(num_slots + 1, B, K, G, H, num_slots, page_size, k, topr, interpret=False)
   check_hsa(num_slots + 2, B, K, G, H, num_slots, page_size, k, topr, interpret=False, sink=2, recent=8)
+  for warps in (1, 2, 8):
+    check_hsa(num_slots + 3, B, K, G, H, num_slots, page_size, k, topr, interpret=False, num_warps=warps)
