@@ -91,7 +91,7 @@ def main():
           q, cache)
       part_bytes = sum(x.size * x.dtype.itemsize for x in parts)
       for warps in _ints(a.topk_warps):
-        f = jax.jit(lambda s, m, l, n: hsa_page_topk(s, m, l, n, page_size=ps, k=cfg.top_k,
+        f = jax.jit(lambda s, m, l, n: hsa_page_topk(s, m, l, n, page_size=ps, k=cfg.topk,
                                                      num_slots=cfg.capacity, num_warps=warps))
         timed(dict(base, kind="page_topk", warps=warps), f, [(*parts, cache.length)], part_bytes)
       del parts

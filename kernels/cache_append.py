@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
-from rocketkv_jax.kernels.triton_util import cdiv
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, kt_num_pages
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
@@ -75,7 +74,7 @@ def _cache_append_kernel(
   k_new = k_new_ref[...]
   v_new = v_new_ref[...]
   if kt_min_ref is not None:
-    page = row // page_size  # < P, as P = cdiv(S, page_size)
+    page = row // page_size  # < P, as P >= cdiv(S, page_size)
     fresh = (slot % page_size) == 0
     cols = jnp.zeros((H,), jnp.int32) + page
     # min/max in float32; an f8/bf16 page value round-trips float32 exactly
@@ -116,10 +115,10 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
     raise ValueError("kt_min_BKHP and kt_max_BKHP must be given together (or neither)")
   if kt_min_BKHP is not None:
     pages = check_kt_pages(kt_min_BKHP, kt_max_BKHP)
-    want = (B, K, H, cdiv(S, page_size))
+    want = (B, K, H, kt_num_pages(S, page_size))
     if pages != want:
       raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} must be {want}: the pages of S={S} slots "
-                       f"at page_size={page_size}")
+                       f"at page_size={page_size} (kt_num_pages)")
 
 
 @functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps"])

@@ -5,6 +5,17 @@ import jax.numpy as jnp
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2))
+# KT pages per row are padded to a multiple of this many: each channel row then starts 16-byte aligned in every
+# KT dtype, so the HSA scoring kernel's loads vectorise along the pages (H200, 32k context, t=256, 391 x 8 rows:
+# 539 pages 200 us, padded to 544 pages 103 us; benchmarks/results/stage2_h200_2026-12-02/). The pad pages
+# never hold a valid slot.
+KT_PAGE_ALIGN = 16
+
+
+def kt_num_pages(num_slots: int, page_size: int) -> int:
+  """KT pages of a cache of `num_slots` slots: ceil(num_slots / page_size), rounded up to KT_PAGE_ALIGN."""
+  pages = -(-num_slots // page_size)
+  return -(-pages // KT_PAGE_ALIGN) * KT_PAGE_ALIGN
 
 
 def check_dtype(name: str, dtype, allowed) -> None:

@@ -302,6 +302,9 @@ def _hsa_scores_compact_kernel(
 #   / 84 (rows); B=391: rank 375, gather 251 (page blocks) / 223 (rows).
 GATHER_MIN_ROWS = 256
 GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
+# (num_warps, num_stages) of one program per row: at 391 x 8 rows, 544 pages, vectorised loads (tune_hsa,
+# benchmarks/results/stage2_h200_2026-12-02/): 2 warps 2 stages 103 us; 2/1 114; 4/2 113; 4/1 125.
+ROW_PROGRAM_WARPS_STAGES = (2, 2)
 # Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
 _GATHER_TILE_ELEMS = 4096
 
@@ -310,7 +313,8 @@ _GATHER_TILE_ELEMS = 4096
                                              "num_warps", "num_stages", "layout", "load_mask"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
-                      num_warps: int = 4, num_stages: int = 1, layout: str = "auto", load_mask: str = "pages"):
+                      num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
+                      load_mask: str = "auto"):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -329,8 +333,11 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       chosen rows, compacted: best at large batch), "compact" (the channels ranked in the kernel, once per
       program, then compacted as the gather layout's: no XLA op before the kernel), or "auto" (gather from
       GATHER_MIN_ROWS rows of B * K).
-    load_mask: the gather and compact layouts' loads: "pages" (only the valid pages) or "rows" (every page of the array,
-      junk zeroed after the load).
+    load_mask: the gather and compact layouts' loads: "pages" (only the valid pages), "rows" (every page of
+      the array, junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or
+      "auto" ("rows" exactly then).
+    num_warps, num_stages: None: 2 warps and 2 stages for one program per row in the gather and compact
+      layouts, else 4 and 1 (ROW_PROGRAM_WARPS_STAGES).
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -353,8 +360,10 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     layout = "gather" if B * K >= GATHER_MIN_ROWS else "rank"
   if layout not in ("rank", "gather", "compact"):
     raise ValueError(f"layout={layout!r} must be 'rank', 'gather', 'compact' or 'auto'")
+  if load_mask == "auto":
+    load_mask = "rows" if (P * jnp.dtype(kt_min_BKHP.dtype).itemsize) % 16 == 0 else "pages"
   if load_mask not in ("pages", "rows"):
-    raise ValueError(f"load_mask={load_mask!r} must be 'pages' or 'rows'")
+    raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
   if block_p is None:
     # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
@@ -364,6 +373,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     block_p = min(max(32, tile), max(32, next_pow2(want)))
   if split_pages is None:
     split_pages = not (layout != "rank" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
+  warps, stages = ROW_PROGRAM_WARPS_STAGES if (layout != "rank" and not split_pages) else (4, 1)
+  num_warps = warps if num_warps is None else num_warps
+  num_stages = stages if num_stages is None else num_stages
   if block_p < MIN_DOT_DIM or block_p & (block_p - 1):
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rocketkv_jax.kernels.checks import kt_num_pages
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
@@ -70,9 +72,10 @@ def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
 
 
 def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype) -> tuple[jax.Array, jax.Array]:
-  """Per-page key min/max, channel-major [B, K, H, P]; junk slots never enter, empty pages hold 0."""
+  """Per-page key min/max, channel-major [B, K, H, P] (P = `kt_num_pages`: padded with empty pages); junk slots
+  never enter, empty pages hold 0."""
   b, n_kv, s, h = k_BKSH.shape
-  num_pages = -(-s // page_size)
+  num_pages = kt_num_pages(s, page_size)
   pad = num_pages * page_size - s
   kf = jnp.pad(k_BKSH.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
   valid = slot_valid(length_B, num_pages * page_size)[:, None, :, None]

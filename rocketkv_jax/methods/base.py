@@ -24,6 +24,7 @@ import numpy as np
 from rocketkv_jax import ops
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.cache import CacheSpec, KVCache, kept_cache, slot_valid
+from rocketkv_jax.kernels.checks import kt_num_pages
 
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
 
@@ -99,7 +100,7 @@ class MethodConfig:
     shapes = dict(k=(batch, n_kv_heads, s, head_dim), v=(batch, n_kv_heads, s, head_dim), length=(batch,),
                   pos=(batch,))
     if self.uses_kt_pages:
-      shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, -(-s // self.page_size))
+      shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, kt_num_pages(s, self.page_size))
     return shapes
 
   @property

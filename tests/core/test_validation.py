@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rk
+from rocketkv_jax.kernels.checks import kt_num_pages
 
 B, T, N, K, H = 2, 64, 4, 2, 16
 
@@ -177,7 +178,7 @@ def test_append_outside_the_cache_changes_nothing_on_either_path(bad):
   from rocketkv_jax import ops
   ks = jax.random.split(jax.random.PRNGKey(3), 6)
   k, v = (jax.random.normal(x, (B, K, T, H)) for x in ks[:2])
-  kt_min, kt_max = (jax.random.normal(x, (B, K, H, -(-T // 3))) for x in ks[2:4])
+  kt_min, kt_max = (jax.random.normal(x, (B, K, H, kt_num_pages(T, 3))) for x in ks[2:4])
   k_new, v_new = (jax.random.normal(x, (B, K, H)) for x in ks[4:])
   slot = jnp.array([bad, 7], jnp.int32)
   outs = {impl: ops.cache_append(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=3, impl=impl)

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import lower_for_h200, needs_gpu
 from rocketkv_jax.kernels.cache_append import cache_append, cache_append_reference
+from rocketkv_jax.kernels.checks import kt_num_pages
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
 
@@ -25,7 +26,7 @@ def make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot_BK, seed=0):
   v_new = jax.random.normal(ks[3], (B, K, H), jnp.float32).astype(dtype)
   if kt_dtype is None:
     return (k, v, k_new, v_new, slot_BK)
-  P = -(-S // page_size)
+  P = kt_num_pages(S, page_size)
   a = jax.random.normal(ks[4], (B, K, H, P))
   b = jax.random.normal(ks[5], (B, K, H, P))
   return (k, v, k_new, v_new, slot_BK, jnp.minimum(a, b).astype(kt_dtype), jnp.maximum(a, b).astype(kt_dtype))
@@ -145,7 +146,7 @@ def _sd(B, K, S, H, P, dtype, kt_dtype, slot_shape=None):
 
 @pytest.mark.parametrize("kt_dtype", KT_DTYPES + [None])
 def test_lowers_for_h200_through_triton(kt_dtype):
-  text = lower_for_h200(lambda *a: cache_append(*a, page_size=3), *_sd(2, 8, 1617, 128, 539, jnp.bfloat16, kt_dtype))
+  text = lower_for_h200(lambda *a: cache_append(*a, page_size=3), *_sd(2, 8, 1617, 128, 544, jnp.bfloat16, kt_dtype))
   assert "rocketkv_cache_append" in text
   # In place: every cache output aliases its input (k, v and, with KT pages, operands 5 and 6).
   assert text.count("stablehlo.output_operand_alias<") == (2 if kt_dtype is None else 4)
@@ -155,12 +156,12 @@ def test_lowers_for_h200_through_triton(kt_dtype):
 
 def test_lowers_for_h200_one_slot_per_sequence():
   text = lower_for_h200(lambda *a: cache_append(*a, page_size=3),
-                        *_sd(8, 8, 1617, 128, 539, jnp.bfloat16, jnp.bfloat16, slot_shape=(8,)))
+                        *_sd(8, 8, 1617, 128, 544, jnp.bfloat16, jnp.bfloat16, slot_shape=(8,)))
   assert "rocketkv_cache_append" in text
 
 
 def test_lowers_for_h200_f32_cache_h64():
-  text = lower_for_h200(lambda *a: cache_append(*a, page_size=1), *_sd(3, 2, 70, 64, 70, jnp.float32, jnp.float32))
+  text = lower_for_h200(lambda *a: cache_append(*a, page_size=1), *_sd(3, 2, 70, 64, 80, jnp.float32, jnp.float32))
   assert "rocketkv_cache_append" in text
 
 
