@@ -302,9 +302,12 @@ def _hsa_scores_compact_kernel(
 #   / 84 (rows); B=391: rank 375, gather 251 (page blocks) / 223 (rows).
 GATHER_MIN_ROWS = 256
 GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
-# (num_warps, num_stages) of one program per row: at 391 x 8 rows, 544 pages, vectorised loads (tune_hsa,
-# benchmarks/results/stage2_h200_2026-12-02/): 2 warps 2 stages 103 us; 2/1 114; 4/2 113; 4/1 125.
+# (num_warps, num_stages) of the gather and compact layouts, one program per row / per page block. 32k, t=256,
+# 544 pages, vectorised loads, us per layer (tune_hsa, benchmarks/results/stage2_h200_2026-12-02/): rows at
+# 391 x 8: 2 warps 2 stages 103, 2/1 114, 4/2 113, 4/1 125; page blocks at 108 x 8: 2/1 33.6, 4/1 35.5; at
+# 32 x 8: 2/1 9.6, 4/1 10.3. The rank layout keeps 4 warps, 1 stage.
 ROW_PROGRAM_WARPS_STAGES = (2, 2)
+PAGE_BLOCK_WARPS_STAGES = (2, 1)
 # Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
 _GATHER_TILE_ELEMS = 4096
 
@@ -336,8 +339,8 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     load_mask: the gather and compact layouts' loads: "pages" (only the valid pages), "rows" (every page of
       the array, junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or
       "auto" ("rows" exactly then).
-    num_warps, num_stages: None: 2 warps and 2 stages for one program per row in the gather and compact
-      layouts, else 4 and 1 (ROW_PROGRAM_WARPS_STAGES).
+    num_warps, num_stages: None: the measured best of the layout (ROW_PROGRAM_WARPS_STAGES,
+      PAGE_BLOCK_WARPS_STAGES; 4 warps and 1 stage for "rank").
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -373,7 +376,10 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     block_p = min(max(32, tile), max(32, next_pow2(want)))
   if split_pages is None:
     split_pages = not (layout != "rank" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
-  warps, stages = ROW_PROGRAM_WARPS_STAGES if (layout != "rank" and not split_pages) else (4, 1)
+  if layout == "rank":
+    warps, stages = 4, 1
+  else:
+    warps, stages = PAGE_BLOCK_WARPS_STAGES if split_pages else ROW_PROGRAM_WARPS_STAGES
   num_warps = warps if num_warps is None else num_warps
   num_stages = stages if num_stages is None else num_stages
   if block_p < MIN_DOT_DIM or block_p & (block_p - 1):

@@ -218,15 +218,21 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
                num_warps, "rocketkv_page_topk")
 
 
+# Rows (B * K) from which `hsa_page_topk` runs one warp per row instead of two: its bisection's reductions then
+# stay inside a warp. 32k, t=256, us per layer (tune_hsa, benchmarks/results/stage2_h200_2026-12-02/): 3128
+# rows 1 warp 26.3, 2 32.8, 4 45.1; 864 rows 10.7 / 12.7 / 15.4; 256 rows 7.9 / 6.6 / 7.2; 64 rows 7.7 / 6.2 / 6.2.
+ONE_WARP_MIN_ROWS = 512
+
+
 @functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "sink", "recent", "interpret",
                                              "num_warps"])
 def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int, sink: int = 0,
-                  recent: int = 0, interpret: bool = False, num_warps: int = 4):
+                  recent: int = 0, interpret: bool = False, num_warps: int | None = None):
   """`page_topk` of the HSA page scores, straight from the HSA kernel's partials (`hsa_page_partials`):
   this kernel normalises each head's softmax over all page blocks and averages the group itself, so no
   XLA op runs between scoring and selection. Same output as `page_topk`. sink, recent (>= 0): the pages
   holding the first `sink` slots and the last `recent` valid slots score FORCED_SCORE (`forced_pages`), so
-  they are always taken, inside k.
+  they are always taken, inside k. num_warps None: 1 from ONE_WARP_MIN_ROWS rows of B * K, else 2.
   """
   if not (isinstance(sink, int) and isinstance(recent, int) and sink >= 0 and recent >= 0):
     raise ValueError(f"sink={sink!r} and recent={recent!r} must be ints >= 0")
@@ -241,6 +247,8 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
     raise ValueError(f"pages P={P} (num_slots={num_slots}, page_size={page_size}) must lie in "
                      f"[NB={NB}, P_pad={P_pad}]")
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
+  if num_warps is None:
+    num_warps = 1 if B * K >= ONE_WARP_MIN_ROWS else 2
   kernel = functools.partial(hsa_page_topk_body, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
                              sink=sink, recent=recent)
   return _call(kernel, tuple(x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN)), length_B, B, K,

@@ -114,7 +114,7 @@ def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
 
 
 def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None, sink=0, recent=0,
-              num_warps=4):
+              num_warps=None):
   from rocketkv_jax.kernels.hsa_scores import normalize_partials
   from rocketkv_jax.kernels.page_topk import force_pages, hsa_page_topk, hsa_page_topk_reference
   (s, m, l), length = hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p)
@@ -170,5 +170,5 @@ def test_hsa_page_topk_matches_reference_gpu(B, K, G, H, num_slots, page_size, k
   needs_gpu()
   check_hsa(num_slots + 1, B, K, G, H, num_slots, page_size, k, topr, interpret=False)
   check_hsa(num_slots + 2, B, K, G, H, num_slots, page_size, k, topr, interpret=False, sink=2, recent=8)
-  for warps in (1, 2, 8):
+  for warps in (1, 4):
     check_hsa(num_slots + 3, B, K, G, H, num_slots, page_size, k, topr, interpret=False, num_warps=warps)
