@@ -216,6 +216,7 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
   ap.add_argument("--iters", type=int, default=50)
   ap.add_argument("--only", default="", help="dense|sparse|select (select: the sparse points' HSA selection only)")
+  ap.add_argument("--skip-fused", action="store_true", help="leave out the fused-selection variants (slow compiles)")
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--lengths", default="4096,32768,131072")
   ap.add_argument("--budgets", default="256,1024")
@@ -334,7 +335,7 @@ def main():
           # One program per row (default block_p=64 at H=128, 8 warps; more warps per program, not more elements
           # per thread, for fewer loop steps), or "split": one per page block as the two-kernel scoring grid,
           # the row's last block selecting (bit-for-bit the two-kernel path while that uses the rank layout).
-          for name, tune in (("fused split", dict(split_pages=True)),
+          for name, tune in () if args.skip_fused else (("fused split", dict(split_pages=True)),
                              ("fused split w8", dict(split_pages=True, num_warps=8)), ("fused", {}),
                              ("fused bp32 w4", dict(block_p=32, num_warps=4)),
                              ("fused bp64 w4", dict(block_p=64, num_warps=4)),
