@@ -323,9 +323,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
 
   Args:
     q_BKGH: queries (bf16 or f32), the new token already appended to the cache.
-    kt_min_BKHP, kt_max_BKHP: per-page element-wise key min / max, channel-major, P =
-      ceil(S / page_size) pages, dtype f32, bf16 or float8_e5m2 (upcast to f32). Pages with no
-      valid slot may hold junk.
+    kt_min_BKHP, kt_max_BKHP: per-page element-wise key min / max, channel-major, P pages (a cache holds
+      `checks.kt_num_pages`: ceil(S / page_size) rounded up to 16), dtype f32, bf16 or float8_e5m2 (upcast to
+      f32). Pages with no valid slot may hold junk.
     length_B: int32 valid slots per sequence.
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_near_ties_only, lower_for_h200, needs_gpu
+from rocketkv_jax.kernels.checks import kt_num_pages
 from rocketkv_jax.kernels.hsa_scores import hsa_page_partials, hsa_page_scores_reference
 from rocketkv_jax.kernels.hsa_select import hsa_select_fused, hsa_select_fused_reference
 from rocketkv_jax.kernels.page_topk import MAX_PAGES, hsa_page_topk
@@ -22,12 +23,12 @@ def lengths_for(rng, B, num_slots, page_size):
                      jnp.int32)
 
 
-def make_inputs(seed, B, K, G, H, num_slots, page_size, q_dtype, kt_dtype, ties=False):
+def make_inputs(seed, B, K, G, H, num_slots, page_size, q_dtype, kt_dtype, ties=False, aligned=False):
   """Random q and KT pages; pages with no valid slot hold junk (NaN, +-inf, huge); with ties, every page
   repeats one of three columns so whole pages tie exactly (the choice falls to the lower slot)."""
   rng = np.random.default_rng(seed)
   ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  P = -(-num_slots // page_size)
+  P = kt_num_pages(num_slots, page_size) if aligned else -(-num_slots // page_size)  # aligned: as caches hold them
   q = jax.random.normal(ks[0], (B, K, G, H), jnp.float32).astype(q_dtype)
   a, b = jax.random.normal(ks[1], (B, K, H, P)), jax.random.normal(ks[2], (B, K, H, P))
   if ties:
@@ -46,8 +47,8 @@ _scores_reference = jax.jit(hsa_page_scores_reference, static_argnames=["topr", 
 
 
 def check(seed, B, K, G, H, num_slots, page_size, k, topr, q_dtype, kt_dtype, interpret, block_p=None,
-          ties=False, split_pages=False, **tuning):
-  q, kt_min, kt_max, length = make_inputs(seed, B, K, G, H, num_slots, page_size, q_dtype, kt_dtype, ties)
+          ties=False, split_pages=False, aligned=False, **tuning):
+  q, kt_min, kt_max, length = make_inputs(seed, B, K, G, H, num_slots, page_size, q_dtype, kt_dtype, ties, aligned)
   kw = dict(topr=topr, page_size=page_size)
   sel = dict(page_size=page_size, k=k, num_slots=num_slots)
   out = np.asarray(hsa_select_fused(q, kt_min, kt_max, length, topr=topr, k=k, num_slots=num_slots,
@@ -158,3 +159,8 @@ def test_matches_two_kernels_and_reference_gpu(B, K, G, H, num_slots, page_size,
   check(num_slots + 6, *args, interpret=False, split_pages=True)
   check(num_slots + 7, *args, interpret=False, split_pages=True, block_p=64)
   check(num_slots + 8, *args, interpret=False, split_pages=True, ties=True)
+
+
+def test_padded_kt_pages_interpret():
+  """KT rows padded to kt_num_pages, as every cache holds them: the pad pages hold junk and never a slot."""
+  check(11, 3, 2, 4, 64, 37, 3, 8, 21, jnp.float32, jnp.float32, interpret=True, aligned=True)
