@@ -2,7 +2,7 @@
 the profiler against the bytes the call must move at copy bandwidth. GPU only.
 
 - scoring (`hsa_page_partials`): every combination of --layouts, --split, --block-p, --warps, --stages,
-  --load-masks and --pad-pages (extra junk pages appended to the KT arrays, so that the row stride P becomes
+  --load-masks, --channel-choices and --pad-pages (extra junk pages appended to the KT arrays, so that the row stride P becomes
   a multiple of 8: what the loads may vectorise on); floor: the chosen rows' bytes;
 - selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps; floor: the partials'
   bytes;
@@ -44,6 +44,7 @@ def main():
   ap.add_argument("--stages", default="1")
   ap.add_argument("--load-masks", default="pages")
   ap.add_argument("--pad-pages", default="0")
+  ap.add_argument("--channel-choices", default="compare", help="rank and compact layouts: compare,bisect")
   ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
   ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
   a = ap.parse_args()
@@ -75,16 +76,19 @@ def main():
     base = dict(B=B, L=a.length, t=a.budget, R=R, P=P)
     nbytes = B * K_HEADS * R * P * cache.kt_min.dtype.itemsize
     grid = itertools.product(a.layouts.split(","), _ints(a.split), _ints(a.block_p), _ints(a.warps),
-                             _ints(a.stages), a.load_masks.split(","), _ints(a.pad_pages))
-    for layout, split, block_p, warps, stages, load_mask, pad in grid:
+                             _ints(a.stages), a.load_masks.split(","), _ints(a.pad_pages), a.channel_choices.split(","))
+    for layout, split, block_p, warps, stages, load_mask, pad, choice in grid:
       if layout == "rank" and (block_p > 64 or stages > 1 or load_mask != "pages"):
+        continue
+      if layout == "gather" and choice != "compare":  # (the gather layout chooses in XLA)
         continue
       kt = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in (cache.kt_min, cache.kt_max)]
       f = jax.jit(lambda q, kmin, kmax, n: hsa_page_partials(
           q, kmin, kmax, n, topr=R, page_size=ps, split_pages=bool(split), layout=layout, block_p=block_p,
-          num_warps=warps, num_stages=stages, load_mask=load_mask))
+          num_warps=warps, num_stages=stages, load_mask=load_mask, channel_choice=choice))
       timed(dict(base, kind="scores", layout=layout, split=bool(split), block_p=block_p, warps=warps,
-                 stages=stages, load_mask=load_mask, pad_pages=pad), f, [(q, *kt, cache.length)], nbytes)
+                 stages=stages, load_mask=load_mask, pad_pages=pad, channel_choice=choice), f,
+            [(q, *kt, cache.length)], nbytes)
       del kt
     if a.topk_warps:
       parts = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps))(

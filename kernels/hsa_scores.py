@@ -12,7 +12,7 @@ row's page blocks). Three layouts, picked by row count (B * K):
   each program gets the group's query on the chosen channels [G, Rp], their row indices and signs, and
   1 / tau: no per-program ranking, and a compact [Rp, block_p] gather of the chosen rows.
 - "compact": the rank layout's choice in the kernel, once per program, then the chosen channels compacted
-  by rank (a one-hot [H, Rp]) and the gather layout's page loop. With one program per row (large batch) the
+  (a one-hot [H, Rp]) and the gather layout's page loop. With one program per row (large batch) the
   ranking is once per row, and no XLA op runs before the kernel.
 
 Either way each chosen row is read from the min or the max page summary only (by that sign): R * block_p
@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
+from rocketkv_jax.kernels.topk_select import best_units_take, order_key
 from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
                                               next_pow2, page_slots)
 
@@ -79,20 +80,32 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
   return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
-def _choose_channels(q_GH, topr: int):
-  """(use_max, use_min) [H] bool and each channel's rank [H] int32: the group's top-r channels of sum_g |q_g|, ties toward the lower channel,
-  split by the sign of the group's summed query (zero counts as negative). A channel's rank counts the
-  channels that beat it ([H, H] compares of one register vector, so ranks are a permutation; no serial
-  loop). Pad rows of q must be 0."""
+# How a program chooses the group's channels (static `channel_choice` of the rank and compact layouts):
+# "compare" ranks every channel by [H, H] compares; "bisect" finds the r-th largest |q| sum by bisection over
+# its bits (`topk_select.best_units_take`: 32 masked sums over H lanes). The same channels either way.
+CHANNEL_CHOICES = ("compare", "bisect")
+
+
+def _choose_channels(q_GH, topr: int, channel_choice: str = "compare"):
+  """(use_max, use_min) [H] bool and a slot [H] int32 per channel: the group's top-r channels of sum_g |q_g|,
+  ties toward the lower channel, split by the sign of the group's summed query (zero counts as negative); the
+  chosen channels' slots are 0..r-1 (distinct), the others' >= r. "compare": the slot is the channel's rank,
+  the channels that beat it ([H, H] compares of one register vector; no serial loop). "bisect": the chosen
+  set from `best_units_take`, slots in channel order (an exclusive cumsum). Pad rows of q must be 0."""
   H = q_GH.shape[-1]
   a = jnp.abs(q_GH).sum(axis=0)  # [H]
-  c = jnp.arange(H)
-  a_i, a_j = a[:, None], a[None, :]
-  beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
-  rank = jnp.sum(beats.astype(jnp.int32), axis=1)  # [H], a permutation of 0..H-1
-  chosen = rank < topr
+  if channel_choice == "bisect":
+    chosen = best_units_take(order_key(a), jnp.ones((H,), jnp.int32), topr) > 0
+    before = jnp.cumsum(chosen.astype(jnp.int32)) - chosen.astype(jnp.int32)
+    slot = jnp.where(chosen, before, H)
+  else:
+    c = jnp.arange(H)
+    a_i, a_j = a[:, None], a[None, :]
+    beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
+    slot = jnp.sum(beats.astype(jnp.int32), axis=1)  # [H], a permutation of 0..H-1
+    chosen = slot < topr
   use_max = chosen & (q_GH.sum(axis=0) > 0)
-  return use_max, chosen & ~use_max, rank
+  return use_max, chosen & ~use_max, slot
 
 
 def _block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
@@ -118,7 +131,7 @@ def _store_block_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l
 
 def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, *, first_block,
                       num_blocks: int, store_from, topr: int, block_p: int, page_size: int, num_pages: int,
-                      dot_dtype):
+                      dot_dtype, channel_choice: str = "compare"):
   """The "rank" layout's work for one program: choose the group's channels (q_ref [G, H]), then score page
   blocks [first_block, first_block + num_blocks) of the row, block first_block + i's (s, m, l) stored at
   column store_from + i of s_ref / m_ref / l_ref (`_store_block_partials`). `_hsa_scores_kernel` stores its
@@ -127,7 +140,7 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
   H = q_ref.shape[1]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
   q = q_in.astype(jnp.float32)
-  use_max, use_min, _ = _choose_channels(q, topr)
+  use_max, use_min, _ = _choose_channels(q, topr, channel_choice)
   chosen = use_max | use_min
   # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
   q_r = jnp.where(chosen[None, :], q, 0.0)
@@ -268,17 +281,18 @@ def _hsa_scores_compact_kernel(
     page_size: int,
     num_pages: int,
     dot_dtype,
+    channel_choice: str,
     **kw,
 ):
   """The "compact" layout: the rank layout's channel choice in the kernel (once per program), then the chosen
-  channels compacted to Rp slots by rank (a one-hot [H, Rp]: slot r holds the channel of rank r) and the
+  channels compacted to Rp slots (a one-hot [H, Rp]: slot r holds the channel `_choose_channels` gave slot r) and the
   gather layout's page loop: no XLA op before the kernel, and the gather's compact reads."""
   H = q_ref.shape[1]
   q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
   q = q_in.astype(jnp.float32)
-  use_max_H, use_min_H, rank = _choose_channels(q, topr)
+  use_max_H, use_min_H, slot = _choose_channels(q, topr, channel_choice)
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
-  onehot = (rank[:, None] == jnp.arange(Rp)[None, :]) & (rank < topr)[:, None]  # [H, Rp]
+  onehot = (slot[:, None] == jnp.arange(Rp)[None, :]) & (slot < topr)[:, None]  # [H, Rp]
   ch = jnp.sum(jnp.where(onehot, jnp.arange(H)[:, None], 0), axis=0)  # [Rp], 0 on pads
   use_max = jnp.sum(jnp.where(onehot & use_max_H[:, None], 1, 0), axis=0) > 0
   use_min = jnp.sum(jnp.where(onehot & use_min_H[:, None], 1, 0), axis=0) > 0
@@ -313,11 +327,11 @@ _GATHER_TILE_ELEMS = 4096
 
 
 @functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "num_warps", "num_stages", "layout", "load_mask"])
+                                             "num_warps", "num_stages", "layout", "load_mask", "channel_choice"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
-                      load_mask: str = "auto"):
+                      load_mask: str = "auto", channel_choice: str = "compare"):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -339,6 +353,8 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     load_mask: the gather and compact layouts' loads: "pages" (only the valid pages), "rows" (every page of
       the array, junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or
       "auto" ("rows" exactly then).
+    channel_choice: how the rank and compact layouts choose the channels in the kernel (CHANNEL_CHOICES; the
+      same channels either way).
     num_warps, num_stages: None: the measured best of the layout (ROW_PROGRAM_WARPS_STAGES,
       PAGE_BLOCK_WARPS_STAGES; 4 warps and 1 stage for "rank").
   Returns:
@@ -365,6 +381,8 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     raise ValueError(f"layout={layout!r} must be 'rank', 'gather', 'compact' or 'auto'")
   if load_mask == "auto":
     load_mask = "rows" if (P * jnp.dtype(kt_min_BKHP.dtype).itemsize) % 16 == 0 else "pages"
+  if channel_choice not in CHANNEL_CHOICES:
+    raise ValueError(f"channel_choice={channel_choice!r} must be one of {CHANNEL_CHOICES}")
   if load_mask not in ("pages", "rows"):
     raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
@@ -426,10 +444,11 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B)
   if layout == "compact":
     kernel = functools.partial(_hsa_scores_compact_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
+                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask,
+                               channel_choice=channel_choice)
   else:
     kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
+                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, channel_choice=channel_choice)
   return call(
       kernel,
       in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)), kt_spec, kt_spec, length_spec],

@@ -102,9 +102,26 @@ def test_auto_layout_picks_by_rows():
     run(layout="rows")
   with pytest.raises(ValueError, match="load_mask='cols'"):
     run(layout="gather", load_mask="cols")
+  with pytest.raises(ValueError, match="channel_choice='sort'"):
+    run(layout="rank", channel_choice="sort")
   lowered = jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True)).lower(
       q, kt_min, kt_max, length).as_text()
   assert "top_k" not in lowered  # 3 rows < GATHER_MIN_ROWS: ranking stays in the kernel
+
+
+@pytest.mark.parametrize("layout,split_pages", [("rank", True), ("rank", False), ("compact", False)])
+@pytest.mark.parametrize("channel_choice", ["compare", "bisect"])
+def test_channel_choice_ties_toward_the_lower_channel_interpret(layout, split_pages, channel_choice):
+  """Both in-kernel channel choices give the reference's channels when |q| sums tie exactly (every channel has
+  a twin): an odd top-r splits a tied pair, which the lower channel must win."""
+  c = dict(B=2, K=2, G=4, H=64, S=60, dtype=jnp.bfloat16)
+  q, kt_min, kt_max, length, n = make_inputs(c, 13, 3, 21, jnp.bfloat16, aligned=True)
+  q = q.at[..., 1::2].set(q[..., 0::2])
+  out = np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=21, page_size=3, interpret=True, block_p=16,
+                                   layout=layout, split_pages=split_pages, channel_choice=channel_choice))
+  ref = np.asarray(hsa_page_scores_reference(q, kt_min, kt_max, length, topr=21, page_size=3))
+  live = np.isfinite(ref)
+  assert (np.isfinite(out) == live).all() and rel_err(out, ref, where=live) < 1e-5
 
 
 def test_single_channel_and_all_channels():
@@ -145,6 +162,9 @@ def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages)
   text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
                                                    layout="compact", load_mask="rows"), q, kt, kt, length)
   assert "rocketkv_hsa_scores_compact" in text
+  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
+                                                   channel_choice="bisect"), q, kt, kt, length)
+  assert "rocketkv_hsa_scores" in text
 
 
 @pytest.mark.gpu
@@ -164,3 +184,6 @@ def test_matches_reference_gpu(c, kt_dtype):
   for layout, load_mask in (("gather", "pages"), ("gather", "rows"), ("compact", "pages"), ("compact", "rows")):
     check(c, seed=5, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout=layout,
           load_mask=load_mask, split_pages=False)
+  for layout in ("rank", "compact"):
+    check(c, seed=9, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout=layout,
+          channel_choice="bisect")
