@@ -2,12 +2,13 @@
 the profiler against the bytes the call must move at copy bandwidth. GPU only.
 
 - scoring (`hsa_page_partials`): every combination of --layouts, --split, --block-p, --warps, --stages,
-  --load-masks, --channel-choices and --pad-pages (extra junk pages appended to the KT arrays, so that the row stride P becomes
-  a multiple of 8: what the loads may vectorise on); floor: the chosen rows' bytes;
+  --load-masks, --channel-choices and --pad-pages (extra junk pages appended to the KT arrays; the caches'
+  rows are already padded to a multiple of 16 pages, `kt_num_pages`); floor: the chosen rows' bytes;
 - selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps; floor: the partials'
   bytes;
-- token append (`cache_append`, 16 appends in a loop, per append) at each of --append-warps; floor: the rows
-  and KT page columns written (each column value a 32-byte sector read and written).
+- token append (`cache_append`, 16 appends in a loop, per append) at each of --append-warps and
+  --append-kt-updates; floor: the rows and KT page columns written (each column value a 32-byte sector read
+  and written).
 
 python -m benchmarks.tune_hsa --batches 108,391 --out tune.jsonl
 """
@@ -47,6 +48,7 @@ def main():
   ap.add_argument("--channel-choices", default="compare", help="rank and compact layouts: compare,bisect")
   ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
   ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
+  ap.add_argument("--append-kt-updates", default="fold", help="cache_append kt_update values: fold,rows")
   a = ap.parse_args()
   bw = copy_bandwidth(True)[0]
   cfg = rocketkv_config(a.length, a.budget, "pallas")
@@ -105,21 +107,23 @@ def main():
       # per append: K and V rows written, two KT page columns of H values read and written, each value a
       # 32-byte sector (the column is strided by P)
       append_bytes = B * K_HEADS * (2 * H * 2 + 2 * 2 * H * 32)
-      for warps in _ints(a.append_warps):
-        def steps(k_new, v_new, c, warps=warps):
+      for warps, kt_update in itertools.product(_ints(a.append_warps), a.append_kt_updates.split(",")):
+        def steps(k_new, v_new, c, warps=warps, kt_update=kt_update):
           def body(i, carry):
             slot = jnp.broadcast_to((c.length + i)[:, None], k_new.shape[:2])
-            return cache_append(*carry[:2], k_new, v_new, slot, *carry[2:], page_size=ps, num_warps=warps)
+            return cache_append(*carry[:2], k_new, v_new, slot, *carry[2:], page_size=ps, num_warps=warps,
+                                kt_update=kt_update)
           return jax.lax.fori_loop(0, LAYER_STEPS, body, (c.k, c.v, c.kt_min, c.kt_max))
         f = jax.jit(steps)
         try:
           dev, _, top = time_fn(f, [(k_new, v_new, cache)], 10, True)
         except Exception as e:  # noqa: BLE001
-          print(json.dumps(dict(base, kind="append", warps=warps, error=repr(e)[:300])), flush=True)
+          print(json.dumps(dict(base, kind="append", warps=warps, kt_update=kt_update, error=repr(e)[:300])),
+                flush=True)
           continue
         # the loop's one copy of its non-donated cache is not the append's: only the kernel counts
         kern = dict(top).get("rocketkv_cache_append")
-        emit(dict(base, kind="append", warps=warps, top=top[:3], loop_us=dev),
+        emit(dict(base, kind="append", warps=warps, kt_update=kt_update, top=top[:3], loop_us=dev),
              None if kern is None else kern / LAYER_STEPS, append_bytes)
     del cache
 

@@ -18,12 +18,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, kt_num_pages
+from rocketkv_jax.kernels.triton_util import next_pow2
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
-                           *, page_size: int = 1, **unused_tuning):
+                           *, page_size: int = 1, kt_update: str = "fold", **unused_tuning):
   """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
-  with its page updated when KT pages are given. A slot outside [0, S) changes nothing."""
+  with its page updated when KT pages are given. A slot outside [0, S) changes nothing. kt_update: see
+  `cache_append`."""
   del unused_tuning
   S = k_BKSH.shape[2]
   slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
@@ -37,9 +39,16 @@ def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min
   P = kt_min_BKHP.shape[-1]
   at_BKP = (jnp.arange(P)[None, None, :] == (slot_BK // page_size)[..., None]) & in_range_BK[..., None]
   fresh = ((slot_BK % page_size) == 0)[..., None, None]
-  kf = k_new_BKH.astype(jnp.float32)[..., None]  # [B, K, H, 1]
-  new_min = jnp.where(fresh, kf, jnp.minimum(kt_min_BKHP.astype(jnp.float32), kf))
-  new_max = jnp.where(fresh, kf, jnp.maximum(kt_max_BKHP.astype(jnp.float32), kf))
+  if kt_update == "rows":  # the page's rows up to the slot, as the cache now holds them
+    s = jnp.arange(S)[None, None, :]
+    in_page = ((s >= slot_BK[..., None] // page_size * page_size) & (s <= slot_BK[..., None]))[..., None]
+    kc = k.astype(jnp.float32)
+    new_min = jnp.min(jnp.where(in_page, kc, jnp.inf), axis=2)[..., None]  # [B, K, H, 1]
+    new_max = jnp.max(jnp.where(in_page, kc, -jnp.inf), axis=2)[..., None]
+  else:
+    kf = k_new_BKH.astype(jnp.float32)[..., None]  # [B, K, H, 1]
+    new_min = jnp.where(fresh, kf, jnp.minimum(kt_min_BKHP.astype(jnp.float32), kf))
+    new_max = jnp.where(fresh, kf, jnp.maximum(kt_max_BKHP.astype(jnp.float32), kf))
   at = at_BKP[:, :, None, :]
   return (k, v, jnp.where(at, new_min.astype(kt_min_BKHP.dtype), kt_min_BKHP),
           jnp.where(at, new_max.astype(kt_max_BKHP.dtype), kt_max_BKHP))
@@ -61,6 +70,7 @@ def _cache_append_kernel(
     kt_max_out_ref,  # [H, P], or None
     *,
     page_size: int,
+    kt_update: str,
 ):
   S, H = k_ref.shape
   slot = slot_ref[...]
@@ -77,14 +87,24 @@ def _cache_append_kernel(
     page = row // page_size  # < P, as P >= cdiv(S, page_size)
     fresh = (slot % page_size) == 0
     cols = jnp.zeros((H,), jnp.int32) + page
-    # min/max in float32; an f8/bf16 page value round-trips float32 exactly
-    old_min = kt_min_ref[chans, cols].astype(jnp.float32)
-    old_max = kt_max_ref[chans, cols].astype(jnp.float32)
+    if kt_update == "rows":  # the page's rows before the slot (contiguous), not the strided KT column
+      j = jnp.arange(max(2, next_pow2(page_size)))
+      before = page * page_size + j < row
+      prev = pltriton.load(k_ref.at[jnp.minimum(page * page_size + j, S - 1)[:, None], chans[None, :]],
+                           mask=before[:, None])
+      prev = prev.astype(jnp.float32)
+      old_min = jnp.min(jnp.where(before[:, None], prev, jnp.inf), axis=0)
+      old_max = jnp.max(jnp.where(before[:, None], prev, -jnp.inf), axis=0)
+    else:
+      # min/max in float32; an f8/bf16 page value round-trips float32 exactly
+      old_min = kt_min_ref[chans, cols].astype(jnp.float32)
+      old_max = kt_max_ref[chans, cols].astype(jnp.float32)
   pltriton.store(k_out_ref.at[rows, chans], k_new.astype(k_out_ref.dtype), mask=write)
   pltriton.store(v_out_ref.at[rows, chans], v_new.astype(v_out_ref.dtype), mask=write)
   if kt_min_ref is None:
     return
-  k = k_new.astype(jnp.float32)
+  # "rows": the key as the cache holds it (with the rows above, the page's min/max over its stored keys)
+  k = k_new.astype(k_out_ref.dtype if kt_update == "rows" else jnp.float32).astype(jnp.float32)
   new_min = jnp.where(fresh, k, jnp.minimum(old_min, k))
   new_max = jnp.where(fresh, k, jnp.maximum(old_max, k))
   pltriton.store(kt_min_out_ref.at[chans, cols], new_min.astype(kt_min_out_ref.dtype), mask=write)
@@ -121,21 +141,30 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
                        f"at page_size={page_size} (kt_num_pages)")
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps"])
+@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "kt_update"])
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                 page_size: int = 1, interpret: bool = False, num_warps: int = 1):
+                 page_size: int = 1, interpret: bool = False, num_warps: int = 1, kt_update: str = "fold"):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
   slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
-  pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max).
+  pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts
+  fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max).
 
   A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
   how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages
   take each (b, k)'s own slot; the methods with KT pages use one slot per sequence.
 
+  kt_update: "fold" (the page's min/max folded with k_new in float32: reads the strided KT column) or "rows"
+  (an experiment, not used by the decode path until timed: the page's min/max recomputed from its K rows up
+  to the slot, as the cache holds them: reads at most page_size - 1 contiguous K rows instead of the KT
+  column). The two agree when the KT page already holds its rows' min/max (as `cache.build_kt_pages` and
+  every append keep it) and k_new has the cache's dtype.
+
   The outputs alias the cache inputs (input_output_aliases): inside a jitted step whose cache is donated (or
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
   _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size)
+  if kt_update not in ("fold", "rows"):
+    raise ValueError(f"kt_update={kt_update!r} must be 'fold' or 'rows'")
   B, K, S, H = k_BKSH.shape
   kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
   new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
@@ -146,7 +175,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   out_shape = [jax.ShapeDtypeStruct(k_BKSH.shape, k_BKSH.dtype), jax.ShapeDtypeStruct(v_BKSH.shape, v_BKSH.dtype)]
   args = [k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK.astype(jnp.int32)]
   aliases = {0: 0, 1: 1}
-  kernel = functools.partial(_cache_append_kernel, page_size=page_size)
+  kernel = functools.partial(_cache_append_kernel, page_size=page_size, kt_update=kt_update)
   if kt_min_BKHP is None:
     def body(k_ref, v_ref, k_new_ref, v_new_ref, slot_ref, k_out_ref, v_out_ref):
       kernel(k_ref, v_ref, k_new_ref, v_new_ref, slot_ref, None, None, k_out_ref, v_out_ref, None, None)

@@ -48,16 +48,17 @@ def assert_same(out, ref):
     np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(r.astype(jnp.float32)))
 
 
-def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0, num_warps=1):
+def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0, num_warps=1, kt_update="fold"):
   slot = slots(B, K, S, page_size, per_head)
   args = make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot, seed)
-  ref = cache_append_reference(*args, page_size=page_size)
-  out = cache_append(*[jnp.copy(x) for x in args], page_size=page_size, interpret=interpret, num_warps=num_warps)
+  kw = dict(page_size=page_size, kt_update=kt_update)
+  ref = cache_append_reference(*args, **kw)
+  out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps, **kw)
   assert_same(out, ref)
   if not per_head:  # one [B] slot for every KV head: the same result
     args_B = args[:4] + (slot[:, 0],) + args[5:]
-    assert_same(cache_append(*[jnp.copy(x) for x in args_B], page_size=page_size, interpret=interpret), ref)
-    assert_same(cache_append_reference(*args_B, page_size=page_size), ref)
+    assert_same(cache_append(*[jnp.copy(x) for x in args_B], interpret=interpret, **kw), ref)
+    assert_same(cache_append_reference(*args_B, **kw), ref)
   k, v = out[:2]
   b, h = np.indices(slot.shape)
   ok = np.asarray((slot >= 0) & (slot < S))
@@ -85,6 +86,33 @@ def test_matches_reference_interpret(H, page_size, dtype, kt_dtype):
 @pytest.mark.parametrize("H", [64, 128])
 def test_no_kt_pages_per_head_slots_interpret(H, dtype):
   check(B=6, K=3, S=19, H=H, page_size=1, dtype=dtype, kt_dtype=None, interpret=True, per_head=True)
+
+
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
+@pytest.mark.parametrize("H, page_size, per_head", [(64, 3, False), (128, 4, True), (64, 1, False)])
+def test_kt_from_rows_matches_reference_interpret(H, page_size, per_head, kt_dtype):
+  """kt_update="rows": the page's min/max from its K rows up to the slot (the rows after it are NaN junk and
+  must not be read), the same K/V writes and out-of-range behaviour."""
+  check(B=5, K=2, S=29, H=H, page_size=page_size, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=True,
+        per_head=per_head, kt_update="rows")
+
+
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
+def test_kt_from_rows_equals_the_fold_on_a_consistent_cache(kt_dtype):
+  """On pages that hold their rows' min/max (as stage 1 builds them) and a new key in the cache's dtype, both
+  updates give the same pages: fresh pages, partly filled ones, the last slot."""
+  from rocketkv_jax.cache import build_kt_pages
+  B, K, S, H, page_size = 4, 2, 31, 64, 3
+  ks = jax.random.split(jax.random.PRNGKey(5), 4)
+  k, v = (jax.random.normal(x, (B, K, S, H), jnp.bfloat16) for x in ks[:2])
+  k_new, v_new = (jax.random.normal(x, (B, K, H), jnp.bfloat16) for x in ks[2:])
+  slot = jnp.array([0, 7, 11, S - 1], jnp.int32)
+  kt = build_kt_pages(k, slot, page_size, kt_dtype)
+  fold = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size)
+  rows = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size, kt_update="rows")
+  assert_same(rows, fold)
+  assert_same(cache_append(k, v, k_new, v_new, slot, *kt, page_size=page_size, interpret=True, kt_update="rows"),
+              fold)
 
 
 def test_per_head_slots_with_kt_pages_interpret():
@@ -172,3 +200,6 @@ def test_matches_reference_gpu(kt_dtype):
   check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False)
   check(B=5, K=2, S=70, H=64, page_size=1, dtype=jnp.float32, kt_dtype=kt_dtype, interpret=False, per_head=True)
   check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False, num_warps=4)
+  if kt_dtype is not None:
+    check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False,
+          kt_update="rows")
