@@ -1,7 +1,7 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
 KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks) (or (B, K, 1) with a loop over the
-row's page blocks). Three layouts, picked by row count (B * K):
+row's page blocks). Three layouts; `layout="auto"` picks rank or gather by row count (B * K):
 
 - "rank" (few rows): each program takes the group's query [G, H] and does the whole per-(b, k) selection
   itself, so no XLA op runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
@@ -225,9 +225,9 @@ def _gather_score_blocks(q, row_ok, inv_tau, ch, use_max, use_min, kt_min_ref, k
     p_ok = (n > 0) & (page < num_pages)
     # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
     # load_mask "pages": only the valid pages of them; "rows": every page inside the array (junk pages
-    # zeroed below), a mask constant along the pages, so that Triton can vectorise the loads when the row
-    # stride P is a multiple of 8. (With P = 539, "rows" measured 25-30% slower at 108 and 391 rows on the
-    # H200: results/stage2_h200_2026-12-01_568f0e8.)
+    # zeroed below), a mask constant along the pages, so that Triton vectorises the loads when a KT row is a
+    # multiple of 16 bytes (`kt_num_pages` pads every cache's rows so). H200, 391 x 8 rows: 539 pages (odd
+    # stride) "rows" 25-30% slower than "pages"; 544 pages "rows" about 2x faster (results/stage2_h200_2026-12-02).
     rows, cols = ch[:, None], page[None, :]
     ld_ok = p_ok if load_mask == "pages" else page < num_pages
     rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & ld_ok[None, :])
