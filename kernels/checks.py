@@ -18,6 +18,14 @@ def kt_num_pages(num_slots: int, page_size: int) -> int:
   return -(-pages // KT_PAGE_ALIGN) * KT_PAGE_ALIGN
 
 
+def check_page_count(P: int, num_slots: int, page_size: int) -> None:
+  """ValueError unless a selection's P pages cover `num_slots` slots: ceil(num_slots / page_size), or up to
+  `kt_num_pages` (a cache's KT rows, padded with pages that hold no slot)."""
+  if not -(-num_slots // page_size) <= P <= kt_num_pages(num_slots, page_size):
+    raise ValueError(f"P={P} pages must be ceil(num_slots={num_slots} / page_size={page_size}), or up to "
+                     f"kt_num_pages={kt_num_pages(num_slots, page_size)} (KT pages padded with empty ones)")
+
+
 def check_dtype(name: str, dtype, allowed) -> None:
   if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in allowed):
     raise ValueError(f"{name}.dtype={jnp.dtype(dtype)} must be one of {[str(jnp.dtype(d)) for d in allowed]}")

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.interpreters import mlir
 
-from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, kt_num_pages
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, check_page_count
 from rocketkv_jax.kernels.hsa_scores import hsa_page_scores_reference, rank_score_blocks
 from rocketkv_jax.kernels.page_topk import MAX_PAGES, hsa_page_topk_body, page_topk_reference
 from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, cdiv, next_pow2
@@ -139,7 +139,8 @@ def hsa_select_fused(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, p
   Args:
     q_BKGH: queries (bf16 or f32), the new token already appended to the cache.
     kt_min_BKHP, kt_max_BKHP: per-page key min / max, channel-major, P = ceil(num_slots / page_size) (or up
-      to `kt_num_pages`) <= page_topk.MAX_PAGES pages, f32, bf16 or float8_e5m2. Pages with no valid slot may hold junk.
+      to `kt_num_pages`) <= page_topk.MAX_PAGES pages, f32, bf16 or float8_e5m2. Pages with no valid slot may
+      hold junk.
     length_B: int32 valid slots per sequence (clipped to [0, num_slots]).
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page; k: tokens to select; num_slots: cache slots.
@@ -163,9 +164,7 @@ def hsa_select_fused(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, p
     raise ValueError(f"topr={topr} must be in [1, H={H}]")
   if page_size < 1 or k < 1 or num_slots < 1:
     raise ValueError(f"page_size={page_size}, k={k} and num_slots={num_slots} must be >= 1")
-  if not cdiv(num_slots, page_size) <= P <= kt_num_pages(num_slots, page_size):
-    raise ValueError(f"P={P} pages must be ceil(num_slots={num_slots} / page_size={page_size}), or up to "
-                     f"kt_num_pages={kt_num_pages(num_slots, page_size)} (KT pages padded with empty ones)")
+  check_page_count(P, num_slots, page_size)
   if P > MAX_PAGES:
     raise ValueError(f"P={P} pages is above the selection's MAX_PAGES={MAX_PAGES}; use the two-kernel path")
   if length_B.shape != (B,):

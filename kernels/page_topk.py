@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels.checks import kt_num_pages
+from rocketkv_jax.kernels.checks import check_page_count
 from rocketkv_jax.kernels.hsa_scores import normalize_partials
 from rocketkv_jax.kernels.topk_select import best_units_take, order_key
 from rocketkv_jax.kernels.triton_util import MASK_VALUE, masked_scatter, next_pow2, page_slots
@@ -168,9 +168,7 @@ def hsa_page_topk_body(
 def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
   if page_size < 1 or k < 1 or num_slots < 1:
     raise ValueError(f"page_size={page_size}, k={k} and num_slots={num_slots} must be >= 1")
-  if not -(-num_slots // page_size) <= P <= kt_num_pages(num_slots, page_size):
-    raise ValueError(f"P={P} pages must be ceil(num_slots={num_slots} / page_size={page_size}), or up to "
-                     f"kt_num_pages={kt_num_pages(num_slots, page_size)} (KT pages padded with empty ones)")
+  check_page_count(P, num_slots, page_size)
   if P > MAX_PAGES:
     raise ValueError(f"P={P} pages is above this kernel's MAX_PAGES={MAX_PAGES}; use the XLA top-k")
   if length_B.shape != (B,):
