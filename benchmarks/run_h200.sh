@@ -3,7 +3,7 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2 mesh70b stage2_kernels stage2_next)
+#        serve32max turn2 mesh70b stage2_kernels stage2_next stage2_choose)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -61,17 +61,14 @@ for part in "$@"; do
         --block-p 64,128 --warps 4 --stages 1 --out "$out/tune_hsa.jsonl" >>"$out/log.txt" 2>&1
       PYTHONPATH=$PWD timeout 150 python3 benchmarks/kernels.py --out "$out/kernels_select.jsonl" --only select \
         --batches 1,8,32 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
-    stage2_next)  # issue 15, the untimed experiments of 2026-12-02: GPU tests, then the in-kernel channel choice by
-                  # bisection (rank layout at small batch, compact at large) and the append's KT update from K rows
+    stage2_choose)  # issue 15, 2026-12-02b: GPU tests of the changed kernels, then the gather layout's channel
+                    # choice (the row_channels kernel against XLA's top_k) and the append's KT update at 3 batches
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 260 python3 -m pytest -m gpu tests/kernels/test_cache_append.py \
-        tests/kernels/test_page_topk.py tests/kernels/test_hsa_scores.py -q -rfE -p no:cacheprovider \
-        >"$out/gpu_tests.txt" 2>&1; tail -3 "$out/gpu_tests.txt" >>"$out/log.txt"
-      PYTHONPATH=$PWD timeout 90 python3 -m benchmarks.tune_hsa --batches 1,8,32 --layouts rank,compact --split 1 \
-        --block-p 64 --channel-choices compare,bisect --load-masks rows --out "$out/tune_choice_small.jsonl" \
-        >>"$out/log.txt" 2>&1
-      PYTHONPATH=$PWD timeout 120 python3 -m benchmarks.tune_hsa --batches 391,108 --layouts compact,gather --split 0,1 \
-        --block-p 64 --warps 2 --stages 2 --channel-choices compare,bisect --load-masks rows \
-        --append-warps 1,4 --append-kt-updates fold,rows --out "$out/tune_choice_large.jsonl" >>"$out/log.txt" 2>&1 ;;
+        tests/kernels/test_hsa_scores.py -q -rfE -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
+      tail -3 "$out/gpu_tests.txt" >>"$out/log.txt"
+      PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather --split 0,1 \
+        --block-p 64 --warps 2 --stages 2 --chooses kernel,xla --load-masks rows --append-warps 1 \
+        --append-kt-updates fold,auto --out "$out/tune_choose.jsonl" >>"$out/log.txt" 2>&1 ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac
 done

@@ -2,7 +2,7 @@
 the profiler against the bytes the call must move at copy bandwidth. GPU only.
 
 - scoring (`hsa_page_partials`): every combination of --layouts, --split, --block-p, --warps, --stages,
-  --load-masks, --channel-choices and --pad-pages (extra junk pages appended to the KT arrays; the caches'
+  --load-masks, --chooses and --pad-pages (extra junk pages appended to the KT arrays; the caches'
   rows are already padded to a multiple of 16 pages, `kt_num_pages`); floor: the chosen rows' bytes;
 - selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps; floor: the partials'
   bytes;
@@ -38,17 +38,17 @@ def main():
   ap.add_argument("--length", type=int, default=32768)
   ap.add_argument("--budget", type=int, default=256)
   ap.add_argument("--out", default="tune_hsa.jsonl")
-  ap.add_argument("--layouts", default="gather,compact,rank")
+  ap.add_argument("--layouts", default="gather,rank")
   ap.add_argument("--split", default="0,1", help="split_pages values: 0 one program per row, 1 per page block")
   ap.add_argument("--block-p", default="64,128")
   ap.add_argument("--warps", default="4")
   ap.add_argument("--stages", default="1")
   ap.add_argument("--load-masks", default="pages")
   ap.add_argument("--pad-pages", default="0")
-  ap.add_argument("--channel-choices", default="compare", help="rank and compact layouts: compare,bisect")
+  ap.add_argument("--chooses", default="kernel", help="the gather layout's channel choice: kernel,xla")
   ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
   ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
-  ap.add_argument("--append-kt-updates", default="fold", help="cache_append kt_update values: fold,rows")
+  ap.add_argument("--append-kt-updates", default="auto", help="cache_append kt_update values: fold,rows,auto")
   a = ap.parse_args()
   bw = copy_bandwidth(True)[0]
   cfg = rocketkv_config(a.length, a.budget, "pallas")
@@ -69,7 +69,7 @@ def main():
     except Exception as e:  # noqa: BLE001 - a config Triton rejects is reported, not fatal
       print(json.dumps(dict(rec, error=repr(e)[:300])), flush=True)
       return
-    emit(dict(rec, top=top[:2]), dev, nbytes)
+    emit(dict(rec, top=top[:4]), dev, nbytes)
 
   for B in _ints(a.batches):
     ks = jax.random.split(jax.random.PRNGKey(B), 4)
@@ -78,18 +78,16 @@ def main():
     base = dict(B=B, L=a.length, t=a.budget, R=R, P=P)
     nbytes = B * K_HEADS * R * P * cache.kt_min.dtype.itemsize
     grid = itertools.product(a.layouts.split(","), _ints(a.split), _ints(a.block_p), _ints(a.warps),
-                             _ints(a.stages), a.load_masks.split(","), _ints(a.pad_pages), a.channel_choices.split(","))
-    for layout, split, block_p, warps, stages, load_mask, pad, choice in grid:
-      if layout == "rank" and (block_p > 64 or stages > 1 or load_mask != "pages"):
-        continue
-      if layout == "gather" and choice != "compare":  # (the gather layout chooses in XLA)
+                             _ints(a.stages), a.load_masks.split(","), _ints(a.pad_pages), a.chooses.split(","))
+    for layout, split, block_p, warps, stages, load_mask, pad, choose in grid:
+      if layout == "rank" and (block_p > 64 or stages > 1 or load_mask != "pages" or choose != "kernel"):
         continue
       kt = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in (cache.kt_min, cache.kt_max)]
       f = jax.jit(lambda q, kmin, kmax, n: hsa_page_partials(
           q, kmin, kmax, n, topr=R, page_size=ps, split_pages=bool(split), layout=layout, block_p=block_p,
-          num_warps=warps, num_stages=stages, load_mask=load_mask, channel_choice=choice))
+          num_warps=warps, num_stages=stages, load_mask=load_mask, choose=choose))
       timed(dict(base, kind="scores", layout=layout, split=bool(split), block_p=block_p, warps=warps,
-                 stages=stages, load_mask=load_mask, pad_pages=pad, channel_choice=choice), f,
+                 stages=stages, load_mask=load_mask, pad_pages=pad, choose=choose), f,
             [(q, *kt, cache.length)], nbytes)
       del kt
     if a.topk_warps:

@@ -1,19 +1,18 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
 KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks) (or (B, K, 1) with a loop over the
-row's page blocks). Three layouts; `layout="auto"` picks rank or gather by row count (B * K):
+row's page blocks). Two layouts; `layout="auto"` picks by row count (B * K):
 
 - "rank" (few rows): each program takes the group's query [G, H] and does the whole per-(b, k) selection
-  itself, so no XLA op runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
+  itself, so nothing runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
   ranks from [H, H] compares: ties toward the lower channel), the signs of the group's summed query on them,
   the per-head temperatures tau_g. It then reads only the selected channel rows (masked loads of the
   [H, block_p] tile).
-- "gather" (many rows): `row_channels` does that choice once per row in XLA (lax.top_k, same ties), and
-  each program gets the group's query on the chosen channels [G, Rp], their row indices and signs, and
-  1 / tau: no per-program ranking, and a compact [Rp, block_p] gather of the chosen rows.
-- "compact": the rank layout's choice in the kernel, once per program, then the chosen channels compacted
-  (a one-hot [H, Rp]) and the gather layout's page loop. With one program per row (large batch) the
-  ranking is once per row, and no XLA op runs before the kernel.
+- "gather" (many rows): the channels are chosen once per row before the scoring kernel, by a small Pallas
+  kernel (`row_channels`: the same ranks, then the chosen channels compacted by a one-hot [H, Rp]) or in XLA
+  (`row_channels_reference`: lax.top_k, same ties), and each scoring program gets the group's query on the
+  chosen channels [G, Rp], their row indices and signs, and 1 / tau: no per-program ranking, and a compact
+  [Rp, block_p] gather of the chosen rows.
 
 Either way each chosen row is read from the min or the max page summary only (by that sign): R * block_p
 values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
@@ -32,7 +31,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
-from rocketkv_jax.kernels.topk_select import best_units_take, order_key
 from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
                                               next_pow2, page_slots)
 
@@ -80,30 +78,18 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
   return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
-# How a program chooses the group's channels (static `channel_choice` of the rank and compact layouts):
-# "compare" ranks every channel by [H, H] compares; "bisect" finds the r-th largest |q| sum by bisection over
-# its bits (`topk_select.best_units_take`: 32 masked sums over H lanes). The same channels either way.
-CHANNEL_CHOICES = ("compare", "bisect")
-
-
-def _choose_channels(q_GH, topr: int, channel_choice: str = "compare"):
+def _choose_channels(q_GH, topr: int):
   """(use_max, use_min) [H] bool and a slot [H] int32 per channel: the group's top-r channels of sum_g |q_g|,
-  ties toward the lower channel, split by the sign of the group's summed query (zero counts as negative); the
-  chosen channels' slots are 0..r-1 (distinct), the others' >= r. "compare": the slot is the channel's rank,
-  the channels that beat it ([H, H] compares of one register vector; no serial loop). "bisect": the chosen
-  set from `best_units_take`, slots in channel order (an exclusive cumsum). Pad rows of q must be 0."""
+  ties toward the lower channel, split by the sign of the group's summed query (zero counts as negative). The
+  slot is the channel's rank: the channels that beat it ([H, H] compares of one register vector; no serial
+  loop), so the chosen channels' slots are 0..r-1. Pad rows of q must be 0."""
   H = q_GH.shape[-1]
   a = jnp.abs(q_GH).sum(axis=0)  # [H]
-  if channel_choice == "bisect":
-    chosen = best_units_take(order_key(a), jnp.ones((H,), jnp.int32), topr) > 0
-    before = jnp.cumsum(chosen.astype(jnp.int32)) - chosen.astype(jnp.int32)
-    slot = jnp.where(chosen, before, H)
-  else:
-    c = jnp.arange(H)
-    a_i, a_j = a[:, None], a[None, :]
-    beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
-    slot = jnp.sum(beats.astype(jnp.int32), axis=1)  # [H], a permutation of 0..H-1
-    chosen = slot < topr
+  c = jnp.arange(H)
+  a_i, a_j = a[:, None], a[None, :]
+  beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
+  slot = jnp.sum(beats.astype(jnp.int32), axis=1)  # [H], a permutation of 0..H-1
+  chosen = slot < topr
   use_max = chosen & (q_GH.sum(axis=0) > 0)
   return use_max, chosen & ~use_max, slot
 
@@ -131,7 +117,7 @@ def _store_block_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l
 
 def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, *, first_block,
                       num_blocks: int, store_from, topr: int, block_p: int, page_size: int, num_pages: int,
-                      dot_dtype, channel_choice: str = "compare"):
+                      dot_dtype):
   """The "rank" layout's work for one program: choose the group's channels (q_ref [G, H]), then score page
   blocks [first_block, first_block + num_blocks) of the row, block first_block + i's (s, m, l) stored at
   column store_from + i of s_ref / m_ref / l_ref (`_store_block_partials`). `_hsa_scores_kernel` stores its
@@ -140,7 +126,7 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
   H = q_ref.shape[1]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
   q = q_in.astype(jnp.float32)
-  use_max, use_min, _ = _choose_channels(q, topr, channel_choice)
+  use_max, use_min, _ = _choose_channels(q, topr)
   chosen = use_max | use_min
   # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
   q_r = jnp.where(chosen[None, :], q, 0.0)
@@ -189,11 +175,11 @@ def _hsa_scores_kernel(
                     store_from=0, **kw)
 
 
-def row_channels(q_BKGH, topr: int, dot_dtype):
-  """The gather layout's per-row preparation, in XLA, once per (b, k) row: the group's top-r channels of
-  sum_g |q_g| (lax.top_k: ties toward the lower channel, as the reference), padded to Rp = max(16,
-  next_pow2(topr)) entries. Returns q_BKGR (the group's query on those channels, in `dot_dtype`, 0 on
-  pads), ch_BKR int32 (channel index, 0 on pads), use_max_BKR int32 (1: score against kt_max, the
+def row_channels_reference(q_BKGH, topr: int, dot_dtype):
+  """The gather layout's per-row preparation, once per (b, k) row, in XLA: the group's top-r channels of
+  sum_g |q_g| (lax.top_k: ties toward the lower channel, as the scores' reference), in rank order, padded to
+  Rp = max(16, next_pow2(topr)) entries. Returns q_BKGR (the group's query on those channels, in `dot_dtype`,
+  0 on pads), ch_BKR int32 (channel index, 0 on pads), use_max_BKR int32 (1: score against kt_max, the
   group's summed query is > 0 there; 0: kt_min; -1: a pad, read from neither) and inv_tau_BKG float32
   (1 / tau per head)."""
   qf = q_BKGH.astype(jnp.float32)
@@ -209,10 +195,60 @@ def row_channels(q_BKGH, topr: int, dot_dtype):
   return qr.astype(dot_dtype), ch.astype(jnp.int32), use_max, inv_tau
 
 
+def _row_channels_kernel(
+    q_ref,  # [G, H]
+    # outputs
+    q_out_ref,  # [G, Rp] the group on the chosen channels, in rank order (0 on pads)
+    ch_ref,  # [Rp] int32
+    use_max_ref,  # [Rp] int32 1 / 0 / -1
+    inv_tau_ref,  # [G] float32
+    *,
+    topr: int,
+):
+  H = q_ref.shape[1]
+  Rp = ch_ref.shape[0]
+  q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
+  q = q_in.astype(jnp.float32)
+  use_max_H, use_min_H, slot = _choose_channels(q, topr)
+  onehot = (slot[:, None] == jnp.arange(Rp)[None, :]) & (slot < topr)[:, None]  # [H, Rp]: slot r's channel
+  ch_ref[...] = jnp.sum(jnp.where(onehot, jnp.arange(H)[:, None], 0), axis=0).astype(jnp.int32)
+  is_max = jnp.sum(jnp.where(onehot & use_max_H[:, None], 1, 0), axis=0) > 0
+  is_min = jnp.sum(jnp.where(onehot & use_min_H[:, None], 1, 0), axis=0) > 0
+  use_max_ref[...] = jnp.where(is_max, 1, jnp.where(is_min, 0, -1)).astype(jnp.int32)
+  # q on the chosen channels: one nonzero product per output, exact in a float32-accumulated dot of the
+  # query's own dtype (bf16 x {0, 1}, or float32 at full precision)
+  q_GR = jnp.dot(q_in, onehot.astype(q_in.dtype), precision=dot_precision(q_in.dtype),
+                 preferred_element_type=jnp.float32)
+  Gp = row_ok.shape[0]
+  pltriton.store(q_out_ref.at[pl.ds(0, Gp), :], q_GR.astype(q_out_ref.dtype), mask=row_ok[:, None])
+  pltriton.store(inv_tau_ref.at[pl.ds(0, Gp)], 1.0 / _temperature(q_GR, q), mask=row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=["topr", "dot_dtype", "interpret", "num_warps"])
+def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int = 4):
+  """`row_channels_reference` as one small Pallas kernel, a program per (b, k) row: the in-kernel ranks of
+  the rank layout, the chosen channels compacted by a one-hot [H, Rp]. The same outputs (inv_tau up to
+  float32 summation order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it."""
+  B, K, G, H = q_BKGH.shape
+  Rp = max(MIN_DOT_DIM, next_pow2(topr))
+  row = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, k: (b, k) + (0,) * len(tail))
+  return tuple(pl.pallas_call(
+      functools.partial(_row_channels_kernel, topr=topr),
+      grid=(B, K),
+      in_specs=[row(G, H)],
+      out_specs=[row(G, Rp), row(Rp), row(Rp), row(G)],
+      out_shape=[jax.ShapeDtypeStruct((B, K, G, Rp), dot_dtype), jax.ShapeDtypeStruct((B, K, Rp), jnp.int32),
+                 jax.ShapeDtypeStruct((B, K, Rp), jnp.int32), jax.ShapeDtypeStruct((B, K, G), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="rocketkv_hsa_row_channels",
+  )(q_BKGH))
+
+
 def _gather_score_blocks(q, row_ok, inv_tau, ch, use_max, use_min, kt_min_ref, kt_max_ref, length, s_ref, m_ref,
                          l_ref, *, first_block, block_p: int, blocks_per_program: int, page_size: int,
                          num_pages: int, dot_dtype, load_mask: str):
-  """The page loop of the compact layouts ("gather", "compact"): q [Gp, Rp] the group on the chosen channels
+  """The gather layout's page loop: q [Gp, Rp] the group on the chosen channels
   (0 on pads and pad rows), ch [Rp] their row indices, use_max / use_min [Rp] bool (neither on a pad), inv_tau
   [Gp]. Scores page blocks [first_block, + blocks_per_program), block first_block + i's (s, m, l) stored at
   column i (`_store_block_partials`)."""
@@ -267,47 +303,6 @@ def _hsa_scores_gather_kernel(
                        blocks_per_program=blocks_per_program, page_size=page_size, num_pages=num_pages, **kw)
 
 
-def _hsa_scores_compact_kernel(
-    # inputs
-    q_ref,  # [G, H]
-    kt_min_ref,  # [H, P]
-    kt_max_ref,  # [H, P]
-    length_ref,  # []
-    # outputs: as _hsa_scores_kernel
-    s_ref, m_ref, l_ref,
-    *,
-    topr: int,
-    blocks_per_program: int,
-    page_size: int,
-    num_pages: int,
-    dot_dtype,
-    channel_choice: str,
-    **kw,
-):
-  """The "compact" layout: the rank layout's channel choice in the kernel (once per program), then the chosen
-  channels compacted to Rp slots (a one-hot [H, Rp]: slot r holds the channel `_choose_channels` gave slot r) and the
-  gather layout's page loop: no XLA op before the kernel, and the gather's compact reads."""
-  H = q_ref.shape[1]
-  q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
-  q = q_in.astype(jnp.float32)
-  use_max_H, use_min_H, slot = _choose_channels(q, topr, channel_choice)
-  Rp = max(MIN_DOT_DIM, next_pow2(topr))
-  onehot = (slot[:, None] == jnp.arange(Rp)[None, :]) & (slot < topr)[:, None]  # [H, Rp]
-  ch = jnp.sum(jnp.where(onehot, jnp.arange(H)[:, None], 0), axis=0)  # [Rp], 0 on pads
-  use_max = jnp.sum(jnp.where(onehot & use_max_H[:, None], 1, 0), axis=0) > 0
-  use_min = jnp.sum(jnp.where(onehot & use_min_H[:, None], 1, 0), axis=0) > 0
-  # q on the chosen channels: one nonzero product per output, exact in a float32-accumulated dot of the query's
-  # own dtype (bf16 x {0, 1} or float32 at full precision)
-  q_GR = jnp.dot(q_in, onehot.astype(q_in.dtype), precision=dot_precision(q_in.dtype),
-                 preferred_element_type=jnp.float32)
-  inv_tau = 1.0 / _temperature(q_GR, q)  # [Gp]
-  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
-  _gather_score_blocks(q_GR.astype(dot_dtype), row_ok, inv_tau, ch, use_max, use_min, kt_min_ref, kt_max_ref,
-                       length, s_ref, m_ref, l_ref, first_block=pl.program_id(2) * blocks_per_program,
-                       blocks_per_program=blocks_per_program, page_size=page_size, num_pages=num_pages,
-                       dot_dtype=dot_dtype, **kw)
-
-
 # Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row in XLA)
 # over in-kernel ranking, and from which the gather layout runs one program per row rather than one per
 # page block. H200, 32k context, t=256 (K=8, 539 pages, R=60), us per layer (benchmarks/kernels.py and
@@ -316,7 +311,7 @@ def _hsa_scores_compact_kernel(
 #   / 84 (rows); B=391: rank 375, gather 251 (page blocks) / 223 (rows).
 GATHER_MIN_ROWS = 256
 GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
-# (num_warps, num_stages) of the gather and compact layouts, one program per row / per page block. 32k, t=256,
+# (num_warps, num_stages) of the gather layout, one program per row / per page block. 32k, t=256,
 # 544 pages, vectorised loads, us per layer (tune_hsa, benchmarks/results/stage2_h200_2026-12-02/): rows at
 # 391 x 8: 2 warps 2 stages 103, 2/1 114, 4/2 113, 4/1 125; page blocks at 108 x 8: 2/1 33.6, 4/1 35.5; at
 # 32 x 8: 2/1 9.6, 4/1 10.3. The rank layout keeps 4 warps, 1 stage.
@@ -327,11 +322,11 @@ _GATHER_TILE_ELEMS = 4096
 
 
 @functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "num_warps", "num_stages", "layout", "load_mask", "channel_choice"])
+                                             "num_warps", "num_stages", "layout", "load_mask", "choose"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
-                      load_mask: str = "auto", channel_choice: str = "compare"):
+                      load_mask: str = "auto", choose: str = "kernel"):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -344,17 +339,15 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
     page_size: slots per page.
     split_pages: one program per page block (True), or one program per row looping over its blocks; None:
-      page blocks, except the gather and compact layouts from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
-    layout: "rank" (each program ranks the group's channels itself: no XLA op before the kernel, best when
-      rows are few), "gather" (`row_channels` chooses them once per row in XLA; programs read only the
-      chosen rows, compacted: best at large batch), "compact" (the channels ranked in the kernel, once per
-      program, then compacted as the gather layout's: no XLA op before the kernel), or "auto" (gather from
-      GATHER_MIN_ROWS rows of B * K).
-    load_mask: the gather and compact layouts' loads: "pages" (only the valid pages), "rows" (every page of
-      the array, junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or
-      "auto" ("rows" exactly then).
-    channel_choice: how the rank and compact layouts choose the channels in the kernel (CHANNEL_CHOICES; the
-      same channels either way).
+      page blocks, except the gather layout from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
+    layout: "rank" (each program ranks the group's channels itself: nothing runs before the kernel, best when
+      rows are few), "gather" (the channels chosen once per row before the kernel; programs read only the
+      chosen rows, compacted: best at large batch) or "auto" (gather from GATHER_MIN_ROWS rows of B * K).
+    load_mask: the gather layout's loads: "pages" (only the valid pages), "rows" (every page of the array,
+      junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or "auto" ("rows"
+      exactly then).
+    choose: how the gather layout chooses each row's channels: "kernel" (`row_channels`, a small Pallas
+      kernel) or "xla" (`row_channels_reference`). The same channels either way.
     num_warps, num_stages: None: the measured best of the layout (ROW_PROGRAM_WARPS_STAGES,
       PAGE_BLOCK_WARPS_STAGES; 4 warps and 1 stage for "rank").
   Returns:
@@ -377,12 +370,12 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
   if layout == "auto":
     layout = "gather" if B * K >= GATHER_MIN_ROWS else "rank"
-  if layout not in ("rank", "gather", "compact"):
-    raise ValueError(f"layout={layout!r} must be 'rank', 'gather', 'compact' or 'auto'")
+  if layout not in ("rank", "gather"):
+    raise ValueError(f"layout={layout!r} must be 'rank', 'gather' or 'auto'")
   if load_mask == "auto":
     load_mask = "rows" if (P * jnp.dtype(kt_min_BKHP.dtype).itemsize) % 16 == 0 else "pages"
-  if channel_choice not in CHANNEL_CHOICES:
-    raise ValueError(f"channel_choice={channel_choice!r} must be one of {CHANNEL_CHOICES}")
+  if choose not in ("kernel", "xla"):
+    raise ValueError(f"choose={choose!r} must be 'kernel' or 'xla'")
   if load_mask not in ("pages", "rows"):
     raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
@@ -428,7 +421,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       interpret=interpret)
   length_B = length_B.astype(jnp.int32)  # clipped in the kernels
   if layout == "gather":
-    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = row_channels(q_BKGH, topr, dot_dtype)
+    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = (
+        row_channels(q_BKGH, topr, dot_dtype, interpret=interpret) if choose == "kernel" else
+        row_channels_reference(q_BKGH, topr, dot_dtype))
     kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp,
                                page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
     return call(
@@ -442,17 +437,12 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
         ],
         name="rocketkv_hsa_scores_gather",
     )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B)
-  if layout == "compact":
-    kernel = functools.partial(_hsa_scores_compact_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask,
-                               channel_choice=channel_choice)
-  else:
-    kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, channel_choice=channel_choice)
+  kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
+                             page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
   return call(
       kernel,
       in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)), kt_spec, kt_spec, length_spec],
-      name=f"rocketkv_hsa_scores{'_compact' if layout == 'compact' else ''}",
+      name="rocketkv_hsa_scores",
   )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 

@@ -40,7 +40,7 @@ def test_page_topk_best_pages_equals_reference(num_slots, page_size):
 @pytest.mark.parametrize("slot_rank", [1, 2])
 @pytest.mark.parametrize("with_pages", [False, True])
 def test_cache_append_scatter_equals_reference(slot_rank, with_pages):
-  """The scatter variant writes what the reference's select writes, for slots in range, past the end and
+  """The scatter variant writes what the reference's select writes (the KT fold), for slots in range, past the end and
   negative, one slot per sequence or one per KV head; fresh and partly filled pages."""
   B, K, S, H, page_size = 4, 2, 23, 16, 3
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
@@ -51,7 +51,7 @@ def test_cache_append_scatter_equals_reference(slot_rank, with_pages):
   if slot_rank == 2:
     slot = jnp.stack([slot, jnp.array([22, 5, -3, S + 4], jnp.int32)], axis=1)
   got = ops.cache_append_scatter(k, v, k_new, v_new, slot, *pages, page_size=page_size)
-  want = cache_append_reference(k, v, k_new, v_new, slot, *pages, page_size=page_size)
+  want = cache_append_reference(k, v, k_new, v_new, slot, *pages, page_size=page_size, kt_update="fold")
   assert len(got) == len(want) == 2 + len(pages)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

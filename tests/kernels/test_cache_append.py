@@ -108,11 +108,23 @@ def test_kt_from_rows_equals_the_fold_on_a_consistent_cache(kt_dtype):
   k_new, v_new = (jax.random.normal(x, (B, K, H), jnp.bfloat16) for x in ks[2:])
   slot = jnp.array([0, 7, 11, S - 1], jnp.int32)
   kt = build_kt_pages(k, slot, page_size, kt_dtype)
-  fold = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size)
+  fold = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size, kt_update="fold")
   rows = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size, kt_update="rows")
   assert_same(rows, fold)
-  assert_same(cache_append(k, v, k_new, v_new, slot, *kt, page_size=page_size, interpret=True, kt_update="rows"),
-              fold)
+  for kt_update in ("rows", "auto"):  # auto: rows, as k_new has the cache's dtype
+    assert_same(cache_append(k, v, k_new, v_new, slot, *kt, page_size=page_size, interpret=True,
+                             kt_update=kt_update), fold)
+
+
+def test_kt_update_auto_folds_a_key_finer_than_the_cache():
+  """A float32 k_new into a bf16 cache: "auto" folds the float32 key (rows would see it rounded), and it is
+  checked before any work."""
+  from rocketkv_jax.kernels.cache_append import resolve_kt_update
+  k = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
+  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.float32)) == "fold"
+  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.bfloat16)) == "rows"
+  with pytest.raises(ValueError, match="kt_update='nope'"):
+    cache_append(k, k, k[:, :, 0], k[:, :, 0], jnp.zeros((1,), jnp.int32), kt_update="nope")
 
 
 def test_per_head_slots_with_kt_pages_interpret():

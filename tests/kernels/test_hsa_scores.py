@@ -8,7 +8,8 @@ import pytest
 
 from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, ragged_lengths, rel_err
 from rocketkv_jax.kernels.checks import kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import hsa_page_scores, hsa_page_scores_reference
+from rocketkv_jax.kernels.hsa_scores import (hsa_page_scores, hsa_page_scores_reference, row_channels,
+                                             row_channels_reference)
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
 
@@ -69,23 +70,46 @@ def test_one_program_per_row_walking_its_pages(c):
 
 
 @pytest.mark.parametrize("split_pages", [True, False])
-@pytest.mark.parametrize("layout,load_mask", [("gather", "pages"), ("compact", "rows")])
+@pytest.mark.parametrize("choose,load_mask", [("xla", "pages"), ("kernel", "rows")])
 @pytest.mark.parametrize("c,page_size,R,kt_dtype",
                          [pytest.param(c.values[0], *_KT_SETS[(i + 1) % len(_KT_SETS)], id=c.id)
                           for i, c in enumerate(CASES)])
-def test_gather_layouts_match_reference_interpret(c, page_size, R, kt_dtype, layout, load_mask, split_pages):
-  """layout="gather": the channels chosen once per row in XLA, the kernel reading only those rows;
-  "compact": chosen and compacted in the kernel. load_mask "rows" loads junk pages too (NaN / inf here) and
-  must zero them."""
+def test_gather_layout_matches_reference_interpret(c, page_size, R, kt_dtype, choose, load_mask, split_pages):
+  """layout="gather": the channels chosen once per row (by the row_channels kernel or in XLA), the kernel
+  reading only those rows. load_mask "rows" loads junk pages too (NaN / inf here) and must zero them."""
   check(c, seed=6, page_size=page_size, R=min(R, c["H"]), kt_dtype=kt_dtype, interpret=True, block_p=16,
-        split_pages=split_pages, layout=layout, load_mask=load_mask, aligned=True)
+        split_pages=split_pages, layout="gather", load_mask=load_mask, aligned=True, choose=choose)
 
 
-@pytest.mark.parametrize("layout,load_mask", [("gather", "rows"), ("compact", "pages")])
-def test_other_load_masks_interpret(layout, load_mask):
+@pytest.mark.parametrize("choose,load_mask", [("xla", "rows"), ("kernel", "pages")])
+def test_other_load_masks_interpret(choose, load_mask):
   c = CASES[1].values[0]
   check(c, seed=8, page_size=3, R=min(21, c["H"]), kt_dtype=jnp.bfloat16, interpret=True, block_p=16,
-        split_pages=False, layout=layout, load_mask=load_mask)
+        split_pages=False, layout="gather", load_mask=load_mask, choose=choose)
+
+
+def check_row_channels(q, topr, dot_dtype, interpret):
+  got = row_channels(q, topr, dot_dtype, interpret=interpret)
+  want = row_channels_reference(q, topr, dot_dtype)
+  for name, g, w in zip(("q", "ch", "use_max"), got[:3], want[:3]):  # exact: a chosen value, an index, a sign
+    assert g.shape == w.shape and g.dtype == w.dtype, name
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)),
+                                  err_msg=name)
+  np.testing.assert_allclose(np.asarray(got[3]), np.asarray(want[3]), rtol=1e-6)  # 1 / tau: summation order
+
+
+@pytest.mark.parametrize("G,H,topr,dtype,dot_dtype", [(4, 128, 60, jnp.bfloat16, jnp.bfloat16),
+                                                      (1, 64, 13, jnp.float32, jnp.float32),
+                                                      (8, 128, 128, jnp.bfloat16, jnp.float32),
+                                                      (2, 64, 16, jnp.float32, jnp.float32)])
+def test_row_channels_kernel_matches_reference_interpret(G, H, topr, dtype, dot_dtype):
+  """The row_channels kernel gives lax.top_k's channels in its order, their signs (pads -1) and the group's
+  query on them exactly; ties of |q| sums (every channel with a twin) go to the lower channel; a zero query
+  row (tau 1) and a zero group (every channel tied at 0, summed sign 0: kt_min) too."""
+  q = jax.random.normal(jax.random.PRNGKey(G + topr), (3, 2, G, H), jnp.float32)
+  q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2]))  # ties
+  q = q.at[2, 0].set(0.0).at[2, 1, 0].set(0.0)
+  check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=True)
 
 
 def test_auto_layout_picks_by_rows():
@@ -97,28 +121,28 @@ def test_auto_layout_picks_by_rows():
   a, b = run(layout="rank"), run(layout="gather")
   live = np.isfinite(a)
   assert (np.isfinite(b) == live).all() and rel_err(b, a, where=live) < 1e-5
-  assert rel_err(run(layout="compact"), a, where=live) < 1e-5
+  assert rel_err(run(layout="gather", choose="xla"), a, where=live) < 1e-5
   with pytest.raises(ValueError, match="layout='rows'"):
     run(layout="rows")
   with pytest.raises(ValueError, match="load_mask='cols'"):
     run(layout="gather", load_mask="cols")
-  with pytest.raises(ValueError, match="channel_choice='sort'"):
-    run(layout="rank", channel_choice="sort")
+  with pytest.raises(ValueError, match="choose='sort'"):
+    run(layout="gather", choose="sort")
   lowered = jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True)).lower(
       q, kt_min, kt_max, length).as_text()
   assert "top_k" not in lowered  # 3 rows < GATHER_MIN_ROWS: ranking stays in the kernel
 
 
-@pytest.mark.parametrize("layout,split_pages", [("rank", True), ("rank", False), ("compact", False)])
-@pytest.mark.parametrize("channel_choice", ["compare", "bisect"])
-def test_channel_choice_ties_toward_the_lower_channel_interpret(layout, split_pages, channel_choice):
-  """Both in-kernel channel choices give the reference's channels when |q| sums tie exactly (every channel has
-  a twin): an odd top-r splits a tied pair, which the lower channel must win."""
+@pytest.mark.parametrize("layout,split_pages", [("rank", True), ("rank", False), ("gather", False)])
+def test_channel_choice_ties_toward_the_lower_channel_interpret(layout, split_pages):
+  """The in-kernel channel choices (the rank layout's, the row_channels kernel's) give the reference's
+  channels when |q| sums tie exactly (every channel has a twin): an odd top-r splits a tied pair, which the
+  lower channel must win."""
   c = dict(B=2, K=2, G=4, H=64, S=60, dtype=jnp.bfloat16)
   q, kt_min, kt_max, length, n = make_inputs(c, 13, 3, 21, jnp.bfloat16, aligned=True)
   q = q.at[..., 1::2].set(q[..., 0::2])
   out = np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=21, page_size=3, interpret=True, block_p=16,
-                                   layout=layout, split_pages=split_pages, channel_choice=channel_choice))
+                                   layout=layout, split_pages=split_pages))
   ref = np.asarray(hsa_page_scores_reference(q, kt_min, kt_max, length, topr=21, page_size=3))
   live = np.isfinite(ref)
   assert (np.isfinite(out) == live).all() and rel_err(out, ref, where=live) < 1e-5
@@ -159,12 +183,7 @@ def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages)
   text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
                                                    layout="gather"), q, kt, kt, length)
   assert "rocketkv_hsa_scores_gather" in text
-  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
-                                                   layout="compact", load_mask="rows"), q, kt, kt, length)
-  assert "rocketkv_hsa_scores_compact" in text
-  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
-                                                   channel_choice="bisect"), q, kt, kt, length)
-  assert "rocketkv_hsa_scores" in text
+  assert "rocketkv_hsa_row_channels" in text
 
 
 @pytest.mark.gpu
@@ -181,9 +200,16 @@ def test_matches_reference_gpu(c, kt_dtype):
           layout="gather", aligned=True)
   if c["B"] * c["K"] >= 8:  # compiles are slow: the other layouts and load masks on the small cases only
     return
-  for layout, load_mask in (("gather", "pages"), ("gather", "rows"), ("compact", "pages"), ("compact", "rows")):
-    check(c, seed=5, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout=layout,
-          load_mask=load_mask, split_pages=False)
-  for layout in ("rank", "compact"):
-    check(c, seed=9, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout=layout,
-          channel_choice="bisect")
+  for load_mask, choose in (("pages", "kernel"), ("rows", "xla")):
+    check(c, seed=5, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout="gather",
+          load_mask=load_mask, split_pages=False, choose=choose)
+
+
+@pytest.mark.gpu
+def test_row_channels_kernel_matches_reference_gpu():
+  needs_gpu()
+  q = jax.random.normal(jax.random.PRNGKey(0), (5, 8, 4, 128), jnp.float32)
+  q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2])).at[2, 0].set(0.0)
+  for dtype, topr, dot_dtype in ((jnp.bfloat16, 60, jnp.bfloat16), (jnp.float32, 61, jnp.float32),
+                                 (jnp.bfloat16, 128, jnp.float32)):
+    check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=False)
