@@ -3,7 +3,7 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2 mesh70b stage2_kernels stage2_next stage2_choose)
+#        serve32max turn2 mesh70b stage2_kernels stage2_choose)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
