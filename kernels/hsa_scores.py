@@ -317,6 +317,11 @@ GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
 # 32 x 8: 2/1 9.6, 4/1 10.3. The rank layout keeps 4 warps, 1 stage.
 ROW_PROGRAM_WARPS_STAGES = (2, 2)
 PAGE_BLOCK_WARPS_STAGES = (2, 1)
+# Rows from which the gather layout's `choose="auto"` takes XLA's top_k over the row_channels kernel, whose
+# [H, H] compares per row cost more than the sort once rows are many. H200, 32k, t=256, us per layer of the
+# channel choice (tune_hsa, results/stage2_h200_2026-12-02b): 256 rows kernel 8.9, XLA 12.1; 864 rows kernel
+# 26.4, XLA 17.2; 3128 rows kernel 84.0, XLA 29.7 (even at about 440 rows by a line through these).
+CHOOSE_XLA_MIN_ROWS = 512
 # Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
 _GATHER_TILE_ELEMS = 4096
 
@@ -326,7 +331,7 @@ _GATHER_TILE_ELEMS = 4096
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
-                      load_mask: str = "auto", choose: str = "kernel"):
+                      load_mask: str = "auto", choose: str = "auto"):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -347,7 +352,8 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or "auto" ("rows"
       exactly then).
     choose: how the gather layout chooses each row's channels: "kernel" (`row_channels`, a small Pallas
-      kernel) or "xla" (`row_channels_reference`). The same channels either way.
+      kernel), "xla" (`row_channels_reference`) or "auto" (the kernel below CHOOSE_XLA_MIN_ROWS rows). The
+      same channels either way.
     num_warps, num_stages: None: the measured best of the layout (ROW_PROGRAM_WARPS_STAGES,
       PAGE_BLOCK_WARPS_STAGES; 4 warps and 1 stage for "rank").
   Returns:
@@ -374,8 +380,10 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     raise ValueError(f"layout={layout!r} must be 'rank', 'gather' or 'auto'")
   if load_mask == "auto":
     load_mask = "rows" if (P * jnp.dtype(kt_min_BKHP.dtype).itemsize) % 16 == 0 else "pages"
+  if choose == "auto":
+    choose = "kernel" if B * K < CHOOSE_XLA_MIN_ROWS else "xla"
   if choose not in ("kernel", "xla"):
-    raise ValueError(f"choose={choose!r} must be 'kernel' or 'xla'")
+    raise ValueError(f"choose={choose!r} must be 'kernel', 'xla' or 'auto'")
   if load_mask not in ("pages", "rows"):
     raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
   Rp = max(MIN_DOT_DIM, next_pow2(topr))

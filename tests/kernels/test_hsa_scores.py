@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, ragged_lengths, rel_err
 from rocketkv_jax.kernels.checks import kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import (hsa_page_scores, hsa_page_scores_reference, row_channels,
+from rocketkv_jax.kernels.hsa_scores import (CHOOSE_XLA_MIN_ROWS, hsa_page_scores, hsa_page_scores_reference, row_channels,
                                              row_channels_reference)
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
@@ -126,6 +126,12 @@ def test_auto_layout_picks_by_rows():
     run(layout="rows")
   with pytest.raises(ValueError, match="load_mask='cols'"):
     run(layout="gather", load_mask="cols")
+  lowered = lambda rows, **kw: jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True,
+                                                                    layout="gather", **kw)).lower(
+      jnp.zeros((rows, 1, 4, 64)), jnp.zeros((rows, 1, 64, 14)), jnp.zeros((rows, 1, 64, 14)),
+      jnp.zeros((rows,), jnp.int32)).as_text()
+  assert "top_k" not in lowered(CHOOSE_XLA_MIN_ROWS - 1)  # "auto": the row_channels kernel below the switch
+  assert "top_k" in lowered(CHOOSE_XLA_MIN_ROWS) and "top_k" in lowered(3, choose="xla")
   with pytest.raises(ValueError, match="choose='sort'"):
     run(layout="gather", choose="sort")
   lowered = jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True)).lower(
