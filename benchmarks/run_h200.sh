@@ -3,7 +3,8 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2 mesh70b stage2_kernels stage2_choose)
+#        serve32max turn2 mesh70b stage2_kernels stage2_choose
+#        stage2_warps)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -69,6 +70,14 @@ for part in "$@"; do
       PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather --split 0,1 \
         --block-p 64 --warps 2 --stages 2 --chooses kernel,xla --load-masks rows --append-warps 1 \
         --append-kt-updates fold,auto --out "$out/tune_choose.jsonl" >>"$out/log.txt" 2>&1 ;;
+    stage2_warps)  # issue 15, next: the row_channels kernel's warps (its [H, H] ranks held in registers: more
+                   # warps, fewer per thread), and the gather layout (kernel choice) against rank at 8-32 x 8 rows
+      PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 8,32 --layouts rank,gather --split 1 \
+        --block-p 32,64 --warps 2,4,8 --stages 1 --chooses kernel --load-masks rows --row-channels-warps 1,2,4,8,16 \
+        --out "$out/tune_small.jsonl" >>"$out/log.txt" 2>&1
+      PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 391,108 --layouts gather --split 0 \
+        --block-p 64 --warps 2 --stages 2 --chooses xla --load-masks rows --row-channels-warps 2,4,8,16 \
+        --out "$out/tune_large.jsonl" >>"$out/log.txt" 2>&1 ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac
 done

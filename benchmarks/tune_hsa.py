@@ -4,6 +4,8 @@ the profiler against the bytes the call must move at copy bandwidth. GPU only.
 - scoring (`hsa_page_partials`): every combination of --layouts, --split, --block-p, --warps, --stages,
   --load-masks, --chooses and --pad-pages (extra junk pages appended to the KT arrays; the caches'
   rows are already padded to a multiple of 16 pages, `kt_num_pages`); floor: the chosen rows' bytes;
+- the gather layout's channel choice alone (`row_channels`, the Pallas kernel) at each of --row-channels-warps;
+  floor: the query read and the choice written;
 - selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps; floor: the partials'
   bytes;
 - token append (`cache_append`, 16 appends in a loop, per append) at each of --append-warps and
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from benchmarks.kernels import (G, H, K_HEADS, LAYER_STEPS, copy_bandwidth, random_cache, rocketkv_config,
                                 time_fn)
 from rocketkv_jax.kernels.cache_append import cache_append
-from rocketkv_jax.kernels.hsa_scores import hsa_page_partials
+from rocketkv_jax.kernels.hsa_scores import hsa_page_partials, row_channels
 from rocketkv_jax.kernels.page_topk import hsa_page_topk
 
 
@@ -46,6 +48,7 @@ def main():
   ap.add_argument("--load-masks", default="pages")
   ap.add_argument("--pad-pages", default="0")
   ap.add_argument("--chooses", default="kernel", help="the gather layout's channel choice: kernel,xla")
+  ap.add_argument("--row-channels-warps", default="", help="comma list: time row_channels at these warps")
   ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
   ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
   ap.add_argument("--append-kt-updates", default="auto", help="cache_append kt_update values: fold,rows,auto")
@@ -90,6 +93,13 @@ def main():
                  stages=stages, load_mask=load_mask, pad_pages=pad, choose=choose), f,
             [(q, *kt, cache.length)], nbytes)
       del kt
+    if a.row_channels_warps:
+      dot_dtype = jnp.bfloat16  # bf16 queries and pages, as the decode path
+      choice = jax.eval_shape(lambda q: row_channels(q, R, dot_dtype), q)
+      choice_bytes = q.size * q.dtype.itemsize + sum(x.size * x.dtype.itemsize for x in choice)
+      for warps in _ints(a.row_channels_warps):
+        f = jax.jit(lambda q, warps=warps: row_channels(q, R, dot_dtype, num_warps=warps))
+        timed(dict(base, kind="row_channels", warps=warps), f, [(q,)], choice_bytes)
     if a.topk_warps:
       parts = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps))(
           q, cache)
