@@ -335,7 +335,7 @@ def main(argv=None):
                 rec["top_ops"] = top
               break
             except Exception as e:  # noqa: BLE001 - every failure is reported with its point
-              caches = None
+              caches = None  # frees the failed attempt's caches before a retry allocates its own (pyflakes: unused)
               if not _is_oom(e):
                 rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
                 break

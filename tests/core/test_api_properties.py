@@ -3,10 +3,8 @@ either gives the NumPy reference's answer (tests/core/reference.py: prefill_comp
 or raises a ValueError naming the offending value; an input the test knows to be bad must not pass silently."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
