@@ -174,13 +174,18 @@ def test_decode_past_capacity_inside_jit_never_writes_out_of_range():
 @pytest.mark.parametrize("bad", [-1, -4, T, T + 5])
 def test_append_outside_the_cache_changes_nothing_on_either_path(bad):
   """A slot outside [0, S) is dropped by the XLA scatters and by the Pallas kernel alike (no wrap-around of a
-  negative slot), K/V and KT pages; the in-range row of the same call is written."""
+  negative slot), K/V and KT pages; the in-range row of the same call is written. The KT pages hold their rows'
+  min/max up to each sequence's slot, as a cache's do (the kernel rebuilds the open page from its K rows, the
+  XLA path folds the new key into it: equal on such pages); the out-of-range row's pages are random junk."""
   from rocketkv_jax import ops
+  from rocketkv_jax.cache import build_kt_pages
   ks = jax.random.split(jax.random.PRNGKey(3), 6)
   k, v = (jax.random.normal(x, (B, K, T, H)) for x in ks[:2])
-  kt_min, kt_max = (jax.random.normal(x, (B, K, H, kt_num_pages(T, 3))) for x in ks[2:4])
-  k_new, v_new = (jax.random.normal(x, (B, K, H)) for x in ks[4:])
   slot = jnp.array([bad, 7], jnp.int32)
+  junk = (jax.random.normal(x, (B, K, H, kt_num_pages(T, 3))) for x in ks[2:4])
+  kt_min, kt_max = (jnp.where((slot >= 0)[:, None, None, None], built, j)
+                    for built, j in zip(build_kt_pages(k, jnp.clip(slot, 0, T), 3, k.dtype), junk))
+  k_new, v_new = (jax.random.normal(x, (B, K, H)) for x in ks[4:])
   outs = {impl: ops.cache_append(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=3, impl=impl)
           for impl in ("xla", "interpret")}
   for name, before, x, p in zip(("k", "v", "kt_min", "kt_max"), (k, v, kt_min, kt_max), outs["xla"],

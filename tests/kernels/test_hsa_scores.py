@@ -8,8 +8,8 @@ import pytest
 
 from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, ragged_lengths, rel_err
 from rocketkv_jax.kernels.checks import kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import (CHOOSE_XLA_MIN_ROWS, hsa_page_scores, hsa_page_scores_reference, row_channels,
-                                             row_channels_reference)
+from rocketkv_jax.kernels.hsa_scores import (CHOOSE_XLA_MIN_ROWS, hsa_page_scores, hsa_page_scores_reference,
+                                             row_channels, row_channels_reference)
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
 
