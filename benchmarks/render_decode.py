@@ -68,19 +68,23 @@ def render(path: str) -> str:
            f"- date {header.get('date')}, jax {header.get('jax')}, copy bandwidth "
            f"{header.get('copy_bandwidth_GBps')} GB/s (read + write, measured in the same run), weights "
            f"{header.get('weight_bytes', 0) / 1e9:.2f} GB read per step",
-           *[f"- command: `{h.get('command')}` ({h.get('date')}, copy {h.get('copy_bandwidth_GBps')} GB/s"
+           *[f"- {'run ' + str(i + 1) + ': ' if len(headers) > 1 else ''}command: `{h.get('command')}` "
+             f"({h.get('date')}, copy {h.get('copy_bandwidth_GBps')} GB/s"
              + (f", code {h['code']}" if h.get("code") else "") + ")" + (f": {h['note']}" if h.get("note") else "")
-             for h in headers], "",
-           "| method | context | batch | ms/step | floor ms | x floor | tokens/s | cache GB | prefill s | prefill vs dense |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+             for i, h in enumerate(headers)], "",
+           "| method | context | batch | ms/step | floor ms | x floor | tokens/s | cache GB | prefill s | prefill vs dense |"
+           + (" run |" if len(headers) > 1 else ""),
+           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if len(headers) > 1 else "")]
+  run_of = {id(r): i + 1 for r, i in zip(recs, runs)}
   for r in sorted(points, key=_table_order):
+    run_col = f" {run_of[id(r)]} |" if len(headers) > 1 else ""
     if r.get("status") != "ok":
       lines.append(f"| {_label(r)} | {r['context']} | {r.get('batch')} ({r.get('batch_spec', '')}) | "
-                   f"{r.get('status')} | | | | | | |")
+                   f"{r.get('status')} | | | | | | |" + run_col)
       continue
     lines.append(f"| {_label(r)} | {r['context']} | {r['batch']}{' (max)' if r.get('batch_spec') == 'max' else ''} "
                  f"| {r['ms_per_step']:.2f} | {r['floor_ms']:.2f} | {r['ratio_to_floor']:.2f} | {r['tokens_per_s']:.0f} "
-                 f"| {r['cache_bytes'] / 1e9:.2f} | {r['prefill_s']:.2f} | {r.get('prefill_vs_dense')} |")
+                 f"| {r['cache_bytes'] / 1e9:.2f} | {r['prefill_s']:.2f} | {r.get('prefill_vs_dense')} |" + run_col)
   if peaks:
     lines += ["", "Peak device memory over prefill + decode, batch 1 (fresh process per point):", "",
               "| method | context | peak GB | weights GB | cache GB |", "|---|---|---|---|---|"]
