@@ -101,7 +101,9 @@ def check_row_channels(q, topr, dot_dtype, interpret):
 @pytest.mark.parametrize("G,H,topr,dtype,dot_dtype", [(4, 128, 60, jnp.bfloat16, jnp.bfloat16),
                                                       (1, 64, 13, jnp.float32, jnp.float32),
                                                       (8, 128, 128, jnp.bfloat16, jnp.float32),
-                                                      (2, 64, 16, jnp.float32, jnp.float32)])
+                                                      (2, 64, 16, jnp.float32, jnp.float32),
+                                                      (3, 64, 21, jnp.float32, jnp.float32),  # SmolLM2's group
+                                                      (7, 128, 60, jnp.bfloat16, jnp.bfloat16)])  # Qwen2.5's
 def test_row_channels_kernel_matches_reference_interpret(G, H, topr, dtype, dot_dtype):
   """The row_channels kernel gives lax.top_k's channels in its order, their signs (pads -1) and the group's
   query on them exactly; ties of |q| sums (every channel with a twin) go to the lower channel; a zero query
@@ -178,7 +180,8 @@ def test_rejects_bad_shapes():
 @pytest.mark.parametrize("H,G,R,kt_dtype,q_dtype", [(64, 1, 13, jnp.float32, jnp.bfloat16),
                                                     (128, 4, 61, jnp.bfloat16, jnp.bfloat16),
                                                     (128, 8, 128, jnp.float8_e5m2, jnp.bfloat16),
-                                                    (128, 4, 40, jnp.bfloat16, jnp.float32)])
+                                                    (128, 4, 40, jnp.bfloat16, jnp.float32),
+                                                    (128, 7, 60, jnp.bfloat16, jnp.bfloat16)])
 def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages):
   q = jax.ShapeDtypeStruct((2, 2, G, H), q_dtype)
   kt = jax.ShapeDtypeStruct((2, 2, H, 333), kt_dtype)
@@ -219,3 +222,5 @@ def test_row_channels_kernel_matches_reference_gpu():
   for dtype, topr, dot_dtype in ((jnp.bfloat16, 60, jnp.bfloat16), (jnp.float32, 61, jnp.float32),
                                  (jnp.bfloat16, 128, jnp.float32)):
     check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=False)
+  q7 = jax.random.normal(jax.random.PRNGKey(1), (3, 4, 7, 128), jnp.bfloat16)  # a group of 7 (Qwen2.5)
+  check_row_channels(q7, 60, jnp.bfloat16, interpret=False)
