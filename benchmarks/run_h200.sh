@@ -4,7 +4,7 @@
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
 #        serve32max turn2 mesh70b stage2_kernels stage2_choose
-#        stage2_warps profile391)
+#        stage2_warps kernels_s2 profile391)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -79,6 +79,9 @@ for part in "$@"; do
       PYTHONPATH=$PWD timeout 200 python3 -m benchmarks.tune_hsa --batches 391,108 --layouts gather --split 0 \
         --block-p 64,128 --warps 2,4 --stages 2,3 --chooses xla --load-masks rows --row-channels-warps 2,4,8,16 \
         --out "$out/tune_large.jsonl" >>"$out/log.txt" 2>&1 ;;
+    kernels_s2)  # the stage-2 kernels per layer at 32k, t=256 (the per-layer table; about 100-200 s)
+      PYTHONPATH=$PWD timeout 280 python3 benchmarks/kernels.py --out "$out/kernels_s2.jsonl" --only sparse --skip-fused \
+        --batches 8,32,108,391 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
     profile391)  # the 32k largest-batch step profiled, with its compiled HLO kept (names the XLA fusions)
       run 150 --contexts 32k --methods rocketkv --budgets 256 --batches 391 --profile /tmp/p391 --profile-batches 391
       for f in /tmp/p391/*/decode_chunk.hlo.txt; do gzip -c "$f" > "$out/hlo_$(basename "$(dirname "$f")").txt.gz"; done ;;
