@@ -84,25 +84,54 @@ def hsa_page_topk_reference(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int,
   return page_topk_reference(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
 
 
-def _write_top_slots(key, cnt, length, idx_ref, *, k: int, page_size: int, interpret: bool):
+# How a row's P pages are held in registers (static `page_chunks`): "pow2", one vector of next_pow2(P) lanes;
+# "split", consecutive power-of-two chunks over P rounded up to 32 lanes (539 pages: 512 + 32 lanes, not
+# 1024), every vector op of the selection on about half the lanes. The same selection either way.
+PAGE_CHUNKS = ("pow2", "split")
+
+
+def row_chunks(num_pages: int, page_chunks: str) -> tuple[tuple[int, int], ...]:
+  """(first page, lanes) of each chunk of a row of num_pages pages, in order."""
+  if page_chunks not in PAGE_CHUNKS:
+    raise ValueError(f"page_chunks={page_chunks!r} must be one of {PAGE_CHUNKS}")
+  if page_chunks == "pow2":
+    return ((0, next_pow2(num_pages)),)
+  n, out = -(-num_pages // 32) * 32, []
+  for bit in reversed(range(n.bit_length())):
+    if n & (1 << bit):
+      out.append((sum(size for _, size in out), 1 << bit))
+  return tuple(out)
+
+
+def _write_top_slots(keys, cnts, chunks, length, idx_ref, *, k: int, page_size: int, interpret: bool):
   """Writes the m = min(k, length, M) best slots of the row idx_ref [M] (every valid slot of a page scores
-  its page's key) in ascending slot order, then 0s."""
+  its page's key; keys / cnts per chunk of `chunks`) in ascending slot order, then 0s."""
   M = idx_ref.shape[0]
   m = jnp.minimum(length, min(k, M))
-  page = jnp.arange(key.shape[0], dtype=jnp.int32)
-  take = best_units_take(key, cnt, m)
-  offset = jnp.cumsum(take) - take
-  # Zeros past m: disjoint from the scatter below, so no ordering is needed.
+  takes = best_units_take(keys, cnts, m)
+  # Zeros past m: disjoint from the scatters below, so no ordering is needed.
   pos = jnp.arange(next_pow2(M), dtype=jnp.int32)
   masked_scatter(idx_ref, pos, jnp.zeros(pos.shape, jnp.int32), (pos >= m) & (pos < M), interpret=interpret)
-  for j in range(page_size):
-    ok = j < take
-    slot = page * page_size + j
-    masked_scatter(idx_ref, offset + j, slot, ok, interpret=interpret)
+  taken_before = 0  # slots taken in the chunks before this one
+  for (first, lanes), take in zip(chunks, takes):
+    page = first + jnp.arange(lanes, dtype=jnp.int32)
+    offset = jnp.cumsum(take) - take + taken_before
+    for j in range(page_size):
+      masked_scatter(idx_ref, offset + j, page * page_size + j, j < take, interpret=interpret)
+    taken_before = taken_before + jnp.sum(take)
 
 
-def _page_counts(length, Pp: int, num_pages: int, page_size: int):
-  page = jnp.arange(Pp, dtype=jnp.int32)
+def _load_chunk(ref, lead: tuple, first: int, lanes: int, num_pages: int, other):
+  """ref[*lead, first:first + lanes] with the lanes past num_pages masked (they load nothing). The first chunk
+  is a pl.ds block; later ones are loaded by index, since a static slice past the row's end is refused at
+  trace time."""
+  page = first + jnp.arange(lanes, dtype=jnp.int32)
+  cols = pl.ds(0, lanes) if first == 0 else page
+  return pltriton.load(ref.at[lead + (cols,)], mask=page < num_pages, other=other)
+
+
+def _page_counts(length, first: int, lanes: int, num_pages: int, page_size: int):
+  page = first + jnp.arange(lanes, dtype=jnp.int32)
   return page, jnp.where(page < num_pages, page_slots(length, page, page_size), 0)
 
 
@@ -117,13 +146,17 @@ def _page_topk_kernel(
     k: int,
     num_pages: int,
     num_slots: int,
+    page_chunks: str,
     interpret: bool,
 ):
-  Pp = next_pow2(num_pages)
+  chunks = row_chunks(num_pages, page_chunks)
   length = jnp.clip(length_ref[...], 0, num_slots)
-  page, cnt = _page_counts(length, Pp, num_pages, page_size)
-  s = pltriton.load(scores_ref.at[pl.ds(0, Pp)], mask=page < num_pages, other=0.0)
-  _write_top_slots(order_key(s), cnt, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
+  keys, cnts = [], []
+  for first, lanes in chunks:
+    page, cnt = _page_counts(length, first, lanes, num_pages, page_size)
+    keys.append(order_key(_load_chunk(scores_ref, (), first, lanes, num_pages, 0.0)))
+    cnts.append(cnt)
+  _write_top_slots(keys, cnts, chunks, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
 
 
 def hsa_page_topk_body(
@@ -142,27 +175,37 @@ def hsa_page_topk_body(
     interpret: bool,
     sink: int = 0,
     recent: int = 0,
+    page_chunks: str = "pow2",
 ):
   G, NB = m_ref.shape
-  Pp, NBp = next_pow2(num_pages), next_pow2(NB)
+  NBp = next_pow2(NB)
+  chunks = row_chunks(num_pages, page_chunks)
   length = jnp.clip(length_ref[...], 0, num_slots)
-  page, cnt = _page_counts(length, Pp, num_pages, page_size)
   blk_ok = jnp.arange(NBp) < NB
-  # The group mean of each head's softmax over all pages: normalise per head, then average.
-  prob = jnp.zeros((Pp,), jnp.float32)
+  # Each head's softmax normaliser over all page blocks: its max and 1 / (rescaled sum).
+  norms = []
   for g in range(G):
     gi = jnp.int32(g)
     m_g = pltriton.load(m_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=MASK_VALUE)
     l_g = pltriton.load(l_ref.at[gi, pl.ds(0, NBp)], mask=blk_ok, other=0.0)
-    s_g = pltriton.load(s_ref.at[gi, pl.ds(0, Pp)], mask=page < num_pages, other=MASK_VALUE)
     top = m_g.max()
     denom = (l_g * jnp.exp(m_g - top)).sum()
-    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-    prob = prob + jnp.exp(s_g - top) * inv
-  prob = prob / G
-  if sink or recent:
-    prob = jnp.where(forced_pages(page, length, page_size=page_size, sink=sink, recent=recent), FORCED_SCORE, prob)
-  _write_top_slots(order_key(prob), cnt, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
+    norms.append((top, jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)))
+  keys, cnts = [], []
+  for first, lanes in chunks:
+    page, cnt = _page_counts(length, first, lanes, num_pages, page_size)
+    # The group mean of each head's softmax: normalised per head, then averaged.
+    prob = jnp.zeros((lanes,), jnp.float32)
+    for g, (top, inv) in enumerate(norms):
+      s_g = _load_chunk(s_ref, (jnp.int32(g),), first, lanes, num_pages, MASK_VALUE)
+      prob = prob + jnp.exp(s_g - top) * inv
+    prob = prob / G
+    if sink or recent:
+      prob = jnp.where(forced_pages(page, length, page_size=page_size, sink=sink, recent=recent), FORCED_SCORE,
+                       prob)
+    keys.append(order_key(prob))
+    cnts.append(cnt)
+  _write_top_slots(keys, cnts, chunks, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
 
 
 def _check(B, P, length_B, *, page_size: int, k: int, num_slots: int):
@@ -191,9 +234,10 @@ def _call(kernel, inputs, length_B, B, K, M, interpret, num_warps, name):
   )(*inputs, length_B.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
+@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps",
+                                             "page_chunks"])
 def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, interpret: bool = False,
-              num_warps: int = 4):
+              num_warps: int = 4, page_chunks: str = "pow2"):
   """The top-k slots per (b, k) when every valid slot of page p scores scores_BKP[..., p].
 
   Args:
@@ -202,6 +246,7 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
     page_size: slots per page; num_slots: cache slots (P = ceil(num_slots / page_size), or up to
       `kt_num_pages`: pages past the slots score nothing).
     k: tokens to select.
+    page_chunks: how the row's pages are held (PAGE_CHUNKS; the same selection either way).
   Returns:
     idx_BKM int32, M = min(k, num_slots): the min(k, length) chosen slots in ascending order, then 0s.
   """
@@ -211,7 +256,9 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
   if jnp.dtype(scores_BKP.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"scores_BKP.dtype={scores_BKP.dtype} must be float32 or bfloat16")
-  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
+  row_chunks(P, page_chunks)  # checks page_chunks
+  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
+                             page_chunks=page_chunks)
   return _call(kernel, (scores_BKP.astype(jnp.float32),), length_B, B, K, min(k, num_slots), interpret,
                num_warps, "rocketkv_page_topk")
 
@@ -223,14 +270,16 @@ ONE_WARP_MIN_ROWS = 512
 
 
 @functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "sink", "recent", "interpret",
-                                             "num_warps"])
+                                             "num_warps", "page_chunks"])
 def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int, sink: int = 0,
-                  recent: int = 0, interpret: bool = False, num_warps: int | None = None):
+                  recent: int = 0, interpret: bool = False, num_warps: int | None = None,
+                  page_chunks: str = "pow2"):
   """`page_topk` of the HSA page scores, straight from the HSA kernel's partials (`hsa_page_partials`):
   this kernel normalises each head's softmax over all page blocks and averages the group itself, so no
   XLA op runs between scoring and selection. Same output as `page_topk`. sink, recent (>= 0): the pages
   holding the first `sink` slots and the last `recent` valid slots score FORCED_SCORE (`forced_pages`), so
   they are always taken, inside k. num_warps None: 1 from ONE_WARP_MIN_ROWS rows of B * K, else 2.
+  page_chunks: as `page_topk` (an experiment: "split" is untimed and off until measured).
   """
   if not (isinstance(sink, int) and isinstance(recent, int) and sink >= 0 and recent >= 0):
     raise ValueError(f"sink={sink!r} and recent={recent!r} must be ints >= 0")
@@ -247,7 +296,8 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
   if num_warps is None:
     num_warps = 1 if B * K >= ONE_WARP_MIN_ROWS else 2
+  row_chunks(P, page_chunks)  # checks page_chunks
   kernel = functools.partial(hsa_page_topk_body, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
-                             sink=sink, recent=recent)
+                             sink=sink, recent=recent, page_chunks=page_chunks)
   return _call(kernel, tuple(x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN)), length_B, B, K,
                min(k, num_slots), interpret, num_warps, "rocketkv_hsa_page_topk")
