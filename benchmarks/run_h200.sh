@@ -71,15 +71,17 @@ for part in "$@"; do
         --block-p 64 --warps 2 --stages 2 --chooses kernel,xla --load-masks rows --append-warps 1 \
         --append-kt-updates fold,auto --out "$out/tune_choose.jsonl" >>"$out/log.txt" 2>&1 ;;
     stage2_warps)  # issue 15, next: the row_channels kernel's warps (its [H, H] ranks held in registers: more
-                   # warps, fewer per thread), the gather layout (kernel choice) against rank at 8-32 x 8 rows, and
+                   # warps, fewer per thread) and compaction (one-hot or scatter), the gather layout (kernel choice) against rank at 8-32 x 8 rows, and
                    # the gather scoring's page block, warps and stages at 108 and 391 x 8 rows, and the page
                    # top-k with its row in power-of-two chunks (page_chunks="split") against one vector
       PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 8,32 --layouts rank,gather --split 1 \
         --block-p 32,64 --warps 2,4,8 --stages 1 --chooses kernel --load-masks rows --row-channels-warps 1,2,4,8,16 \
-        --topk-warps 1,2 --topk-chunks pow2,split --out "$out/tune_small.jsonl" >>"$out/log.txt" 2>&1
+        --row-channels-compacts onehot,scatter --topk-warps 1,2 --topk-chunks pow2,split \
+        --out "$out/tune_small.jsonl" >>"$out/log.txt" 2>&1
       PYTHONPATH=$PWD timeout 200 python3 -m benchmarks.tune_hsa --batches 391,108 --layouts gather --split 0 \
         --block-p 64,128 --warps 2,4 --stages 2,3 --chooses xla --load-masks rows --row-channels-warps 2,4,8,16 \
-        --topk-warps 1,2 --topk-chunks pow2,split --out "$out/tune_large.jsonl" >>"$out/log.txt" 2>&1 ;;
+        --row-channels-compacts onehot,scatter --topk-warps 1,2 --topk-chunks pow2,split \
+        --out "$out/tune_large.jsonl" >>"$out/log.txt" 2>&1 ;;
     kernels_s2)  # the stage-2 kernels per layer at 32k, t=256 (the per-layer table; about 100-200 s)
       PYTHONPATH=$PWD timeout 280 python3 benchmarks/kernels.py --out "$out/kernels_s2.jsonl" --only sparse --skip-fused \
         --batches 8,32,108,391 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;

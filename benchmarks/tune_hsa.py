@@ -4,7 +4,8 @@ the profiler against the bytes the call must move at copy bandwidth. GPU only.
 - scoring (`hsa_page_partials`): every combination of --layouts, --split, --block-p, --warps, --stages,
   --load-masks, --chooses and --pad-pages (extra junk pages appended to the KT arrays; the caches'
   rows are already padded to a multiple of 16 pages, `kt_num_pages`); floor: the chosen rows' bytes;
-- the gather layout's channel choice alone (`row_channels`, the Pallas kernel) at each of --row-channels-warps;
+- the gather layout's channel choice alone (`row_channels`, the Pallas kernel) at each of --row-channels-warps
+  and --row-channels-compacts;
   floor: the query read and the choice written;
 - selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps and --topk-chunks;
   floor: the partials' bytes;
@@ -49,6 +50,7 @@ def main():
   ap.add_argument("--pad-pages", default="0")
   ap.add_argument("--chooses", default="kernel", help="the gather layout's channel choice: kernel,xla")
   ap.add_argument("--row-channels-warps", default="", help="comma list: time row_channels at these warps")
+  ap.add_argument("--row-channels-compacts", default="onehot", help="row_channels compact values: onehot,scatter")
   ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
   ap.add_argument("--topk-chunks", default="pow2", help="hsa_page_topk page_chunks values: pow2,split")
   ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
@@ -98,9 +100,10 @@ def main():
       dot_dtype = jnp.bfloat16  # bf16 queries and pages, as the decode path
       choice = jax.eval_shape(lambda q: row_channels(q, R, dot_dtype), q)
       choice_bytes = q.size * q.dtype.itemsize + sum(x.size * x.dtype.itemsize for x in choice)
-      for warps in _ints(a.row_channels_warps):
-        f = jax.jit(lambda q, warps=warps: row_channels(q, R, dot_dtype, num_warps=warps))
-        timed(dict(base, kind="row_channels", warps=warps), f, [(q,)], choice_bytes)
+      for warps, compact in itertools.product(_ints(a.row_channels_warps), a.row_channels_compacts.split(",")):
+        f = jax.jit(lambda q, warps=warps, compact=compact: row_channels(q, R, dot_dtype, num_warps=warps,
+                                                                         compact=compact))
+        timed(dict(base, kind="row_channels", warps=warps, compact=compact), f, [(q,)], choice_bytes)
     if a.topk_warps:
       parts = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps))(
           q, cache)

@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
 from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
-                                              next_pow2, page_slots)
+                                              masked_scatter, next_pow2, page_slots)
 
 _TARGET_PROGRAMS = 2 * 132
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
@@ -204,12 +204,35 @@ def _row_channels_kernel(
     inv_tau_ref,  # [G] float32
     *,
     topr: int,
+    compact: str,
+    interpret: bool,
 ):
   H = q_ref.shape[1]
   Rp = ch_ref.shape[0]
   q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
+  Gp = row_ok.shape[0]
   q = q_in.astype(jnp.float32)
   use_max_H, use_min_H, slot = _choose_channels(q, topr)
+  if compact == "scatter":
+    # Each chosen channel is written to its slot (< topr; the slots are distinct), the pads (>= topr) apart:
+    # disjoint stores, no [H, Rp] one-hot.
+    chosen = use_max_H | use_min_H
+    r = jnp.arange(Rp, dtype=jnp.int32)
+    pad = r >= topr
+    pltriton.store(ch_ref.at[pl.ds(0, Rp)], jnp.zeros((Rp,), jnp.int32), mask=pad)
+    pltriton.store(use_max_ref.at[pl.ds(0, Rp)], jnp.full((Rp,), -1, jnp.int32), mask=pad)
+    masked_scatter(ch_ref, slot, jnp.arange(H, dtype=jnp.int32), chosen, interpret=interpret)
+    masked_scatter(use_max_ref, slot, jnp.where(use_max_H, 1, 0).astype(jnp.int32), chosen, interpret=interpret)
+    pltriton.store(q_out_ref.at[pl.ds(0, Gp), pl.ds(0, Rp)], jnp.zeros((Gp, Rp), q_out_ref.dtype),
+                   mask=row_ok[:, None] & pad[None, :])
+    keep = row_ok[:, None] & chosen[None, :]  # [Gp, H]
+    # masked lanes sent out of range, as `masked_scatter` does in interpret mode (dropped there)
+    cols = jnp.where(keep, slot[None, :], Rp) if interpret else slot[None, :]
+    rows = jnp.where(keep, jnp.arange(Gp)[:, None], Gp) if interpret else jnp.arange(Gp)[:, None]
+    pltriton.store(q_out_ref.at[rows, cols], q_in.astype(q_out_ref.dtype), mask=keep)
+    inv_tau = 1.0 / _temperature(jnp.where(chosen[None, :], q, 0.0), q)
+    pltriton.store(inv_tau_ref.at[pl.ds(0, Gp)], inv_tau, mask=row_ok)
+    return
   onehot = (slot[:, None] == jnp.arange(Rp)[None, :]) & (slot < topr)[:, None]  # [H, Rp]: slot r's channel
   ch_ref[...] = jnp.sum(jnp.where(onehot, jnp.arange(H)[:, None], 0), axis=0).astype(jnp.int32)
   is_max = jnp.sum(jnp.where(onehot & use_max_H[:, None], 1, 0), axis=0) > 0
@@ -219,21 +242,29 @@ def _row_channels_kernel(
   # query's own dtype (bf16 x {0, 1}, or float32 at full precision)
   q_GR = jnp.dot(q_in, onehot.astype(q_in.dtype), precision=dot_precision(q_in.dtype),
                  preferred_element_type=jnp.float32)
-  Gp = row_ok.shape[0]
   pltriton.store(q_out_ref.at[pl.ds(0, Gp), :], q_GR.astype(q_out_ref.dtype), mask=row_ok[:, None])
   pltriton.store(inv_tau_ref.at[pl.ds(0, Gp)], 1.0 / _temperature(q_GR, q), mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=["topr", "dot_dtype", "interpret", "num_warps"])
-def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int = 4):
+# How `row_channels` compacts the chosen channels to their slots (static `compact`): "onehot", a one-hot
+# [H, Rp] (three reductions and a dot); "scatter", each chosen channel stored at its slot (masked scatters; an
+# experiment, untimed). The same outputs.
+ROW_COMPACTS = ("onehot", "scatter")
+
+
+@functools.partial(jax.jit, static_argnames=["topr", "dot_dtype", "interpret", "num_warps", "compact"])
+def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int = 4,
+                 compact: str = "onehot"):
   """`row_channels_reference` as one small Pallas kernel, a program per (b, k) row: the in-kernel ranks of
-  the rank layout, the chosen channels compacted by a one-hot [H, Rp]. The same outputs (inv_tau up to
-  float32 summation order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it."""
+  the rank layout, the chosen channels compacted to their slots (ROW_COMPACTS). The same outputs (inv_tau up
+  to float32 summation order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it."""
+  if compact not in ROW_COMPACTS:
+    raise ValueError(f"compact={compact!r} must be one of {ROW_COMPACTS}")
   B, K, G, H = q_BKGH.shape
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
   row = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, k: (b, k) + (0,) * len(tail))
   return tuple(pl.pallas_call(
-      functools.partial(_row_channels_kernel, topr=topr),
+      functools.partial(_row_channels_kernel, topr=topr, compact=compact, interpret=interpret),
       grid=(B, K),
       in_specs=[row(G, H)],
       out_specs=[row(G, Rp), row(Rp), row(Rp), row(G)],

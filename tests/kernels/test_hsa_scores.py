@@ -88,8 +88,8 @@ def test_other_load_masks_interpret(choose, load_mask):
         split_pages=False, layout="gather", load_mask=load_mask, choose=choose)
 
 
-def check_row_channels(q, topr, dot_dtype, interpret):
-  got = row_channels(q, topr, dot_dtype, interpret=interpret)
+def check_row_channels(q, topr, dot_dtype, interpret, compact="onehot"):
+  got = row_channels(q, topr, dot_dtype, interpret=interpret, compact=compact)
   want = row_channels_reference(q, topr, dot_dtype)
   for name, g, w in zip(("q", "ch", "use_max"), got[:3], want[:3]):  # exact: a chosen value, an index, a sign
     assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -111,7 +111,8 @@ def test_row_channels_kernel_matches_reference_interpret(G, H, topr, dtype, dot_
   q = jax.random.normal(jax.random.PRNGKey(G + topr), (3, 2, G, H), jnp.float32)
   q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2]))  # ties
   q = q.at[2, 0].set(0.0).at[2, 1, 0].set(0.0)
-  check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=True)
+  for compact in ("onehot", "scatter"):
+    check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=True, compact=compact)
 
 
 def test_auto_layout_picks_by_rows():
@@ -221,6 +222,17 @@ def test_row_channels_kernel_matches_reference_gpu():
   q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2])).at[2, 0].set(0.0)
   for dtype, topr, dot_dtype in ((jnp.bfloat16, 60, jnp.bfloat16), (jnp.float32, 61, jnp.float32),
                                  (jnp.bfloat16, 128, jnp.float32)):
-    check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=False)
+    for compact in ("onehot", "scatter"):
+      check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=False, compact=compact)
   q7 = jax.random.normal(jax.random.PRNGKey(1), (3, 4, 7, 128), jnp.bfloat16)  # a group of 7 (Qwen2.5)
   check_row_channels(q7, 60, jnp.bfloat16, interpret=False)
+  check_row_channels(q7, 60, jnp.bfloat16, interpret=False, compact="scatter")
+
+
+@pytest.mark.parametrize("compact", ["onehot", "scatter"])
+def test_row_channels_lowers_for_h200_through_triton(compact):
+  text = lower_for_h200(lambda q: row_channels(q, 60, jnp.bfloat16, compact=compact),
+                        jax.ShapeDtypeStruct((2, 8, 4, 128), jnp.bfloat16))
+  assert "rocketkv_hsa_row_channels" in text
+  with pytest.raises(ValueError, match="compact='dense'"):
+    row_channels(jnp.zeros((1, 1, 4, 64)), 8, jnp.float32, compact="dense")
