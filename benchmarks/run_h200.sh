@@ -70,15 +70,16 @@ for part in "$@"; do
       PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather --split 0,1 \
         --block-p 64 --warps 2 --stages 2 --chooses kernel,xla --load-masks rows --append-warps 1 \
         --append-kt-updates fold,auto --out "$out/tune_choose.jsonl" >>"$out/log.txt" 2>&1 ;;
-    stage2_warps)  # issue 15, next: the row_channels kernel's warps (its [H, H] ranks held in registers: more
-                   # warps, fewer per thread) and compaction (one-hot or scatter), the gather layout (kernel choice) against rank at 8-32 x 8 rows, and
-                   # the gather scoring's page block, warps and stages at 108 and 391 x 8 rows, and the page
-                   # top-k with its row in power-of-two chunks (page_chunks="split") against one vector
-      PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 8,32 --layouts rank,gather --split 1 \
+    stage2_warps)  # issue 15, next (up to 9 minutes): the row_channels kernel's warps (its [H, H] ranks are
+                   # held in registers: more warps, fewer per thread) and compaction (one-hot or scatter); the
+                   # gather layout (kernel choice) against rank at 8-32 x 8 rows; the gather scoring's page
+                   # block, warps and stages at 108 and 391 x 8 rows; the page top-k with its row in
+                   # power-of-two chunks (page_chunks="split") against one vector
+      PYTHONPATH=$PWD timeout 240 python3 -m benchmarks.tune_hsa --batches 8,32 --layouts rank,gather --split 1 \
         --block-p 32,64 --warps 2,4,8 --stages 1 --chooses kernel --load-masks rows --row-channels-warps 1,2,4,8,16 \
         --row-channels-compacts onehot,scatter --topk-warps 1,2 --topk-chunks pow2,split \
         --out "$out/tune_small.jsonl" >>"$out/log.txt" 2>&1
-      PYTHONPATH=$PWD timeout 200 python3 -m benchmarks.tune_hsa --batches 391,108 --layouts gather --split 0 \
+      PYTHONPATH=$PWD timeout 300 python3 -m benchmarks.tune_hsa --batches 391,108 --layouts gather --split 0 \
         --block-p 64,128 --warps 2,4 --stages 2,3 --chooses xla --load-masks rows --row-channels-warps 2,4,8,16 \
         --row-channels-compacts onehot,scatter --topk-warps 1,2 --topk-chunks pow2,split \
         --out "$out/tune_large.jsonl" >>"$out/log.txt" 2>&1 ;;
