@@ -225,11 +225,8 @@ def _row_channels_kernel(
     masked_scatter(use_max_ref, slot, jnp.where(use_max_H, 1, 0).astype(jnp.int32), chosen, interpret=interpret)
     pltriton.store(q_out_ref.at[pl.ds(0, Gp), pl.ds(0, Rp)], jnp.zeros((Gp, Rp), q_out_ref.dtype),
                    mask=row_ok[:, None] & pad[None, :])
-    keep = row_ok[:, None] & chosen[None, :]  # [Gp, H]
-    # masked lanes sent out of range, as `masked_scatter` does in interpret mode (dropped there)
-    cols = jnp.where(keep, slot[None, :], Rp) if interpret else slot[None, :]
-    rows = jnp.where(keep, jnp.arange(Gp)[:, None], Gp) if interpret else jnp.arange(Gp)[:, None]
-    pltriton.store(q_out_ref.at[rows, cols], q_in.astype(q_out_ref.dtype), mask=keep)
+    masked_scatter(q_out_ref, (jnp.arange(Gp)[:, None], slot[None, :]), q_in.astype(q_out_ref.dtype),
+                   row_ok[:, None] & chosen[None, :], interpret=interpret)
     inv_tau = 1.0 / _temperature(jnp.where(chosen[None, :], q, 0.0), q)
     pltriton.store(inv_tau_ref.at[pl.ds(0, Gp)], inv_tau, mask=row_ok)
     return

@@ -45,7 +45,8 @@ def load_query_group(q_ref):
 
 def masked_scatter(ref, idx, value, mask, *, interpret: bool) -> None:
   """ref[idx[i]] = value[i] for every lane i where mask[i]; lanes where mask is False write nothing, so
-  their index may be out of range or equal to a written lane's. ref is 1-D.
+  their index may be out of range or equal to a written lane's. idx: an index array (ref 1-D), or a tuple of
+  one broadcasting index array per dimension of ref.
 
   Compiled, this is Triton's masked store, which drops the masked lanes. Interpret mode discharges a masked
   store as one XLA scatter of every lane (the old value where masked), so a masked lane that shares its
@@ -53,6 +54,7 @@ def masked_scatter(ref, idx, value, mask, *, interpret: bool) -> None:
   are sent out of range, where the scatter drops them. Masked loads, gathers by two broadcasting index
   arrays, and masked stores of contiguous blocks behave the same in both modes and need no helper.
   """
+  idxs = idx if isinstance(idx, tuple) else (idx,)
   if interpret:
-    idx = jnp.where(mask, idx, ref.shape[0])
-  pltriton.store(ref.at[idx], value, mask=mask)
+    idxs = tuple(jnp.where(mask, i, ref.shape[d]) for d, i in enumerate(idxs))
+  pltriton.store(ref.at[idxs if len(idxs) > 1 else idxs[0]], value, mask=mask)
