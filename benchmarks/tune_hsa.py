@@ -69,12 +69,16 @@ def main():
     out.flush()
     print(json.dumps(rec), flush=True)
 
-  def timed(rec, f, sets, nbytes):
+  def timed(rec, f, sets, nbytes, iters=30, kernel=None):
+    """Times f; `kernel`: count only that kernel's time per LAYER_STEPS loop step (the rest is the loop's)."""
     try:
-      dev, _, top = time_fn(f, sets, 30, True)
+      dev, _, top = time_fn(f, sets, iters, True)
     except Exception as e:  # noqa: BLE001 - a config Triton rejects is reported, not fatal
       print(json.dumps(dict(rec, error=repr(e)[:300])), flush=True)
       return
+    if kernel is not None:
+      rec, kern = dict(rec, loop_us=dev), dict(top).get(kernel)
+      dev = None if kern is None else kern / LAYER_STEPS
     emit(dict(rec, top=top[:4]), dev, nbytes)
 
   for B in _ints(a.batches):
@@ -117,8 +121,8 @@ def main():
     if a.append_warps:
       k_new = jax.random.normal(ks[2], (B, K_HEADS, H), jnp.bfloat16)
       v_new = jax.random.normal(ks[3], (B, K_HEADS, H), jnp.bfloat16)
-      # per append: K and V rows written, two KT page columns of H values read and written, each value a
-      # 32-byte sector (the column is strided by P)
+      # per append: K and V rows written, two KT page columns of H values read ("fold") and written, each
+      # value a 32-byte sector (the column is strided by P); the same floor for every variant
       append_bytes = B * K_HEADS * (2 * H * 2 + 2 * 2 * H * 32)
       for warps, kt_update in itertools.product(_ints(a.append_warps), a.append_kt_updates.split(",")):
         def steps(k_new, v_new, c, warps=warps, kt_update=kt_update):
@@ -127,17 +131,9 @@ def main():
             return cache_append(*carry[:2], k_new, v_new, slot, *carry[2:], page_size=ps, num_warps=warps,
                                 kt_update=kt_update)
           return jax.lax.fori_loop(0, LAYER_STEPS, body, (c.k, c.v, c.kt_min, c.kt_max))
-        f = jax.jit(steps)
-        try:
-          dev, _, top = time_fn(f, [(k_new, v_new, cache)], 10, True)
-        except Exception as e:  # noqa: BLE001
-          print(json.dumps(dict(base, kind="append", warps=warps, kt_update=kt_update, error=repr(e)[:300])),
-                flush=True)
-          continue
         # the loop's one copy of its non-donated cache is not the append's: only the kernel counts
-        kern = dict(top).get("rocketkv_cache_append")
-        emit(dict(base, kind="append", warps=warps, kt_update=kt_update, top=top[:3], loop_us=dev),
-             None if kern is None else kern / LAYER_STEPS, append_bytes)
+        timed(dict(base, kind="append", warps=warps, kt_update=kt_update), jax.jit(steps), [(k_new, v_new, cache)],
+              append_bytes, iters=10, kernel="rocketkv_cache_append")
     del cache
 
 

@@ -95,8 +95,9 @@ def _cache_append_kernel(
   k_new = k_new_ref[...]
   v_new = v_new_ref[...]
   if kt_min_ref is not None:
+    # The page's min/max before this token, in float32 (an f8/bf16 page value round-trips it exactly): +inf /
+    # -inf on a page that starts at this slot, so the fold below gives k_new there.
     page = row // page_size  # < P, as P >= cdiv(S, page_size)
-    fresh = (slot % page_size) == 0
     cols = jnp.zeros((H,), jnp.int32) + page
     if kt_update == "rows":  # the page's rows before the slot (contiguous), not the strided KT column
       j = jnp.arange(max(2, next_pow2(page_size)))
@@ -107,19 +108,17 @@ def _cache_append_kernel(
       old_min = jnp.min(jnp.where(before[:, None], prev, jnp.inf), axis=0)
       old_max = jnp.max(jnp.where(before[:, None], prev, -jnp.inf), axis=0)
     else:
-      # min/max in float32; an f8/bf16 page value round-trips float32 exactly
-      old_min = kt_min_ref[chans, cols].astype(jnp.float32)
-      old_max = kt_max_ref[chans, cols].astype(jnp.float32)
+      fresh = (slot % page_size) == 0
+      old_min = jnp.where(fresh, jnp.inf, kt_min_ref[chans, cols].astype(jnp.float32))
+      old_max = jnp.where(fresh, -jnp.inf, kt_max_ref[chans, cols].astype(jnp.float32))
   pltriton.store(k_out_ref.at[rows, chans], k_new.astype(k_out_ref.dtype), mask=write)
   pltriton.store(v_out_ref.at[rows, chans], v_new.astype(v_out_ref.dtype), mask=write)
   if kt_min_ref is None:
     return
   # "rows": the key as the cache holds it (with the rows above, the page's min/max over its stored keys)
   k = k_new.astype(k_out_ref.dtype if kt_update == "rows" else jnp.float32).astype(jnp.float32)
-  new_min = jnp.where(fresh, k, jnp.minimum(old_min, k))
-  new_max = jnp.where(fresh, k, jnp.maximum(old_max, k))
-  pltriton.store(kt_min_out_ref.at[chans, cols], new_min.astype(kt_min_out_ref.dtype), mask=write)
-  pltriton.store(kt_max_out_ref.at[chans, cols], new_max.astype(kt_max_out_ref.dtype), mask=write)
+  pltriton.store(kt_min_out_ref.at[chans, cols], jnp.minimum(old_min, k).astype(kt_min_out_ref.dtype), mask=write)
+  pltriton.store(kt_max_out_ref.at[chans, cols], jnp.maximum(old_max, k).astype(kt_max_out_ref.dtype), mask=write)
 
 
 def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size):

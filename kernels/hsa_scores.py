@@ -273,13 +273,32 @@ def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_w
   )(q_BKGH))
 
 
-def _gather_score_blocks(q, row_ok, inv_tau, ch, use_max, use_min, kt_min_ref, kt_max_ref, length, s_ref, m_ref,
-                         l_ref, *, first_block, block_p: int, blocks_per_program: int, page_size: int,
-                         num_pages: int, dot_dtype, load_mask: str):
-  """The gather layout's page loop: q [Gp, Rp] the group on the chosen channels
-  (0 on pads and pad rows), ch [Rp] their row indices, use_max / use_min [Rp] bool (neither on a pad), inv_tau
-  [Gp]. Scores page blocks [first_block, + blocks_per_program), block first_block + i's (s, m, l) stored at
-  column i (`_store_block_partials`)."""
+def _hsa_scores_gather_kernel(
+    # inputs
+    q_ref,  # [G, Rp] the group's query on the chosen channels (0 on pads), in the dot dtype
+    ch_ref,  # [Rp] int32 chosen channel rows
+    use_max_ref,  # [Rp] int32 1: the row's kt_max, 0: its kt_min, -1: a pad row (not read)
+    inv_tau_ref,  # [G] float32
+    kt_min_ref,  # [H, P]
+    kt_max_ref,  # [H, P]
+    length_ref,  # []
+    # outputs: as _hsa_scores_kernel
+    s_ref, m_ref, l_ref,
+    *,
+    block_p: int,
+    blocks_per_program: int,
+    page_size: int,
+    num_pages: int,
+    dot_dtype,
+    load_mask: str,
+):
+  q, row_ok = load_query_group(q_ref)  # [Gp, Rp], pad rows 0
+  inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
+  ch = ch_ref[...]
+  use_max = use_max_ref[...] > 0
+  use_min = use_max_ref[...] == 0
+  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
+  first_block = pl.program_id(2) * blocks_per_program
   prec = dot_precision(dot_dtype)
 
   def page_block(i, carry):
@@ -306,33 +325,8 @@ def _gather_score_blocks(q, row_ok, inv_tau, ch, use_max, use_min, kt_min_ref, k
   lax.fori_loop(0, blocks_per_program, page_block, 0)
 
 
-def _hsa_scores_gather_kernel(
-    # inputs
-    q_ref,  # [G, Rp] the group's query on the chosen channels (0 on pads), in the dot dtype
-    ch_ref,  # [Rp] int32 chosen channel rows
-    use_max_ref,  # [Rp] int32 1: the row's kt_max, 0: its kt_min, -1: a pad row (not read)
-    inv_tau_ref,  # [G] float32
-    kt_min_ref,  # [H, P]
-    kt_max_ref,  # [H, P]
-    length_ref,  # []
-    # outputs: as _hsa_scores_kernel
-    s_ref, m_ref, l_ref,
-    *,
-    blocks_per_program: int,
-    page_size: int,
-    num_pages: int,
-    **kw,
-):
-  q, row_ok = load_query_group(q_ref)  # [Gp, Rp], pad rows 0
-  inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
-  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
-  _gather_score_blocks(q, row_ok, inv_tau, ch_ref[...], use_max_ref[...] > 0, use_max_ref[...] == 0, kt_min_ref,
-                       kt_max_ref, length, s_ref, m_ref, l_ref, first_block=pl.program_id(2) * blocks_per_program,
-                       blocks_per_program=blocks_per_program, page_size=page_size, num_pages=num_pages, **kw)
-
-
-# Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row in XLA)
-# over in-kernel ranking, and from which the gather layout runs one program per row rather than one per
+# Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row before the
+# scoring kernel) over in-kernel ranking, and from which the gather layout runs one program per row rather than one per
 # page block. H200, 32k context, t=256 (K=8, 539 pages, R=60), us per layer (benchmarks/kernels.py and
 # benchmarks/tune_hsa.py, results in benchmarks/results/hsa_gather_h200_2026-12-01/):
 #   B=8: rank 18.1, gather 18.5; B=32: rank 39.6, gather 28.7; B=108: rank 121, gather 78 (page blocks)
@@ -422,7 +416,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // Rp
     block_p = min(max(32, tile), max(32, next_pow2(want)))
   if split_pages is None:
-    split_pages = not (layout != "rank" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
+    split_pages = not (layout == "gather" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
   if layout == "rank":
     warps, stages = 4, 1
   else:

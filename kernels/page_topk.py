@@ -121,12 +121,11 @@ def _write_top_slots(keys, cnts, chunks, length, idx_ref, *, k: int, page_size: 
     taken_before = taken_before + jnp.sum(take)
 
 
-def _load_chunk(ref, lead: tuple, first: int, lanes: int, num_pages: int, other):
-  """ref[*lead, first:first + lanes] with the lanes past num_pages masked (they load nothing). The first chunk
-  is a pl.ds block; later ones are loaded by index, since a static slice past the row's end is refused at
-  trace time."""
-  page = first + jnp.arange(lanes, dtype=jnp.int32)
-  cols = pl.ds(0, lanes) if first == 0 else page
+def _load_chunk(ref, lead: tuple, first: int, page, num_pages: int, other):
+  """ref[*lead, page] for a chunk's pages (`_page_counts`: first, first + 1, ...), those past num_pages
+  masked (they load nothing). The first chunk is a pl.ds block; later ones are loaded by index, since a
+  static slice past the row's end is refused at trace time."""
+  cols = pl.ds(0, page.shape[0]) if first == 0 else page
   return pltriton.load(ref.at[lead + (cols,)], mask=page < num_pages, other=other)
 
 
@@ -154,7 +153,7 @@ def _page_topk_kernel(
   keys, cnts = [], []
   for first, lanes in chunks:
     page, cnt = _page_counts(length, first, lanes, num_pages, page_size)
-    keys.append(order_key(_load_chunk(scores_ref, (), first, lanes, num_pages, 0.0)))
+    keys.append(order_key(_load_chunk(scores_ref, (), first, page, num_pages, 0.0)))
     cnts.append(cnt)
   _write_top_slots(keys, cnts, chunks, length, idx_ref, k=k, page_size=page_size, interpret=interpret)
 
@@ -197,7 +196,7 @@ def hsa_page_topk_body(
     # The group mean of each head's softmax: normalised per head, then averaged.
     prob = jnp.zeros((lanes,), jnp.float32)
     for g, (top, inv) in enumerate(norms):
-      s_g = _load_chunk(s_ref, (jnp.int32(g),), first, lanes, num_pages, MASK_VALUE)
+      s_g = _load_chunk(s_ref, (jnp.int32(g),), first, page, num_pages, MASK_VALUE)
       prob = prob + jnp.exp(s_g - top) * inv
     prob = prob / G
     if sink or recent:
