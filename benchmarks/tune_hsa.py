@@ -2,13 +2,12 @@
 the profiler against the bytes the call must move at copy bandwidth. GPU only.
 
 - scoring (`hsa_page_partials`): every combination of --layouts, --split, --block-p, --warps, --stages,
-  --load-masks, --chooses and --pad-pages (extra junk pages appended to the KT arrays; the caches'
+  --load-masks and --pad-pages (extra junk pages appended to the KT arrays; the caches'
   rows are already padded to a multiple of 16 pages, `kt_num_pages`); floor: the chosen rows' bytes;
-- the gather layout's channel choice alone (`row_channels`, the Pallas kernel) at each of --row-channels-warps
-  and --row-channels-compacts;
+- the gather layout's channel choice alone (`row_channels`, the Pallas kernel) at each of --row-channels-warps;
   floor: the query read and the choice written;
-- selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps and --topk-chunks;
-  floor: the partials' bytes;
+- selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps and --topk-bits (key
+  bits resolved per step of its threshold search); floor: the partials' bytes;
 - token append (`cache_append`, 16 appends in a loop, per append) at each of --append-warps and
   --append-kt-updates; floor: the rows and KT page columns written (each column value a 32-byte sector read
   and written).
@@ -48,11 +47,9 @@ def main():
   ap.add_argument("--stages", default="1")
   ap.add_argument("--load-masks", default="pages")
   ap.add_argument("--pad-pages", default="0")
-  ap.add_argument("--chooses", default="kernel", help="the gather layout's channel choice: kernel,xla")
   ap.add_argument("--row-channels-warps", default="", help="comma list: time row_channels at these warps")
-  ap.add_argument("--row-channels-compacts", default="onehot", help="row_channels compact values: onehot,scatter")
   ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
-  ap.add_argument("--topk-chunks", default="pow2", help="hsa_page_topk page_chunks values: pow2,split")
+  ap.add_argument("--topk-bits", default="0", help="hsa_page_topk search_bits values (0: its default)")
   ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
   ap.add_argument("--append-kt-updates", default="auto", help="cache_append kt_update values: fold,rows,auto")
   a = ap.parse_args()
@@ -88,34 +85,34 @@ def main():
     base = dict(B=B, L=a.length, t=a.budget, R=R, P=P)
     nbytes = B * K_HEADS * R * P * cache.kt_min.dtype.itemsize
     grid = itertools.product(a.layouts.split(","), _ints(a.split), _ints(a.block_p), _ints(a.warps),
-                             _ints(a.stages), a.load_masks.split(","), _ints(a.pad_pages), a.chooses.split(","))
-    for layout, split, block_p, warps, stages, load_mask, pad, choose in grid:
-      if layout == "rank" and (block_p > 64 or stages > 1 or load_mask != "pages" or choose != "kernel"):
+                             _ints(a.stages), a.load_masks.split(","), _ints(a.pad_pages))
+    for layout, split, block_p, warps, stages, load_mask, pad in grid:
+      if layout == "rank" and (block_p > 64 or stages > 1 or load_mask != "pages"):
         continue
       kt = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in (cache.kt_min, cache.kt_max)]
       f = jax.jit(lambda q, kmin, kmax, n: hsa_page_partials(
           q, kmin, kmax, n, topr=R, page_size=ps, split_pages=bool(split), layout=layout, block_p=block_p,
-          num_warps=warps, num_stages=stages, load_mask=load_mask, choose=choose))
+          num_warps=warps, num_stages=stages, load_mask=load_mask))
       timed(dict(base, kind="scores", layout=layout, split=bool(split), block_p=block_p, warps=warps,
-                 stages=stages, load_mask=load_mask, pad_pages=pad, choose=choose), f,
+                 stages=stages, load_mask=load_mask, pad_pages=pad), f,
             [(q, *kt, cache.length)], nbytes)
       del kt
     if a.row_channels_warps:
       dot_dtype = jnp.bfloat16  # bf16 queries and pages, as the decode path
       choice = jax.eval_shape(lambda q: row_channels(q, R, dot_dtype), q)
       choice_bytes = q.size * q.dtype.itemsize + sum(x.size * x.dtype.itemsize for x in choice)
-      for warps, compact in itertools.product(_ints(a.row_channels_warps), a.row_channels_compacts.split(",")):
-        f = jax.jit(lambda q, warps=warps, compact=compact: row_channels(q, R, dot_dtype, num_warps=warps,
-                                                                         compact=compact))
-        timed(dict(base, kind="row_channels", warps=warps, compact=compact), f, [(q,)], choice_bytes)
+      for warps in _ints(a.row_channels_warps):
+        f = jax.jit(lambda q, warps=warps: row_channels(q, R, dot_dtype, num_warps=warps))
+        timed(dict(base, kind="row_channels", warps=warps), f, [(q,)], choice_bytes)
     if a.topk_warps:
       parts = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps))(
           q, cache)
       part_bytes = sum(x.size * x.dtype.itemsize for x in parts)
-      for warps, chunks in itertools.product(_ints(a.topk_warps), a.topk_chunks.split(",")):
-        f = jax.jit(lambda s, m, l, n, warps=warps, chunks=chunks: hsa_page_topk(
-            s, m, l, n, page_size=ps, k=cfg.topk, num_slots=cfg.capacity, num_warps=warps, page_chunks=chunks))
-        timed(dict(base, kind="page_topk", warps=warps, page_chunks=chunks), f, [(*parts, cache.length)],
+      for warps, bits in itertools.product(_ints(a.topk_warps), _ints(a.topk_bits)):
+        f = jax.jit(lambda s, m, l, n, warps=warps, bits=bits: hsa_page_topk(
+            s, m, l, n, page_size=ps, k=cfg.topk, num_slots=cfg.capacity, num_warps=warps,
+            search_bits=bits or None))
+        timed(dict(base, kind="page_topk", warps=warps, search_bits=bits), f, [(*parts, cache.length)],
               part_bytes)
       del parts
     if a.append_warps:

@@ -8,9 +8,9 @@ row's page blocks). Two layouts; `layout="auto"` picks by row count (B * K):
   ranks from [H, H] compares: ties toward the lower channel), the signs of the group's summed query on them,
   the per-head temperatures tau_g. It then reads only the selected channel rows (masked loads of the
   [H, block_p] tile).
-- "gather" (many rows): the channels are chosen once per row before the scoring kernel, by a small Pallas
-  kernel (`row_channels`: the same ranks, then the chosen channels compacted by a one-hot [H, Rp]) or in XLA
-  (`row_channels_reference`: lax.top_k, same ties), and each scoring program gets the group's query on the
+- "gather" (from 16 rows): the channels are chosen once per row before the scoring kernel, by a small Pallas
+  kernel (`row_channels`: the same ranks, each chosen channel stored at its slot; its reference in XLA is
+  `row_channels_reference`: lax.top_k, same ties), and each scoring program gets the group's query on the
   chosen channels [G, Rp], their row indices and signs, and 1 / tau: no per-program ranking, and a compact
   [Rp, block_p] gather of the chosen rows.
 
@@ -204,7 +204,6 @@ def _row_channels_kernel(
     inv_tau_ref,  # [G] float32
     *,
     topr: int,
-    compact: str,
     interpret: bool,
 ):
   H = q_ref.shape[1]
@@ -213,55 +212,38 @@ def _row_channels_kernel(
   Gp = row_ok.shape[0]
   q = q_in.astype(jnp.float32)
   use_max_H, use_min_H, slot = _choose_channels(q, topr)
-  if compact == "scatter":
-    # Each chosen channel is written to its slot (< topr; the slots are distinct), the pads (>= topr) apart:
-    # disjoint stores, no [H, Rp] one-hot.
-    chosen = use_max_H | use_min_H
-    r = jnp.arange(Rp, dtype=jnp.int32)
-    pad = r >= topr
-    pltriton.store(ch_ref.at[pl.ds(0, Rp)], jnp.zeros((Rp,), jnp.int32), mask=pad)
-    pltriton.store(use_max_ref.at[pl.ds(0, Rp)], jnp.full((Rp,), -1, jnp.int32), mask=pad)
-    masked_scatter(ch_ref, slot, jnp.arange(H, dtype=jnp.int32), chosen, interpret=interpret)
-    masked_scatter(use_max_ref, slot, jnp.where(use_max_H, 1, 0).astype(jnp.int32), chosen, interpret=interpret)
-    pltriton.store(q_out_ref.at[pl.ds(0, Gp), pl.ds(0, Rp)], jnp.zeros((Gp, Rp), q_out_ref.dtype),
-                   mask=row_ok[:, None] & pad[None, :])
-    masked_scatter(q_out_ref, (jnp.arange(Gp)[:, None], slot[None, :]), q_in.astype(q_out_ref.dtype),
-                   row_ok[:, None] & chosen[None, :], interpret=interpret)
-    inv_tau = 1.0 / _temperature(jnp.where(chosen[None, :], q, 0.0), q)
-    pltriton.store(inv_tau_ref.at[pl.ds(0, Gp)], inv_tau, mask=row_ok)
-    return
-  onehot = (slot[:, None] == jnp.arange(Rp)[None, :]) & (slot < topr)[:, None]  # [H, Rp]: slot r's channel
-  ch_ref[...] = jnp.sum(jnp.where(onehot, jnp.arange(H)[:, None], 0), axis=0).astype(jnp.int32)
-  is_max = jnp.sum(jnp.where(onehot & use_max_H[:, None], 1, 0), axis=0) > 0
-  is_min = jnp.sum(jnp.where(onehot & use_min_H[:, None], 1, 0), axis=0) > 0
-  use_max_ref[...] = jnp.where(is_max, 1, jnp.where(is_min, 0, -1)).astype(jnp.int32)
-  # q on the chosen channels: one nonzero product per output, exact in a float32-accumulated dot of the
-  # query's own dtype (bf16 x {0, 1}, or float32 at full precision)
-  q_GR = jnp.dot(q_in, onehot.astype(q_in.dtype), precision=dot_precision(q_in.dtype),
-                 preferred_element_type=jnp.float32)
-  pltriton.store(q_out_ref.at[pl.ds(0, Gp), :], q_GR.astype(q_out_ref.dtype), mask=row_ok[:, None])
-  pltriton.store(inv_tau_ref.at[pl.ds(0, Gp)], 1.0 / _temperature(q_GR, q), mask=row_ok)
+  # Each chosen channel is written to its slot (< topr; the slots are distinct), the pads (>= topr) apart:
+  # disjoint stores. (A one-hot [H, Rp] compaction, three reductions and a dot, was 2.5-3.5x slower on the
+  # H200: 64 rows 7.39 against 2.53 us, 3128 rows 71.7 against 23.0; results/stage2_h200_2026-12-02c.)
+  chosen = use_max_H | use_min_H
+  r = jnp.arange(Rp, dtype=jnp.int32)
+  pad = r >= topr
+  pltriton.store(ch_ref.at[pl.ds(0, Rp)], jnp.zeros((Rp,), jnp.int32), mask=pad)
+  pltriton.store(use_max_ref.at[pl.ds(0, Rp)], jnp.full((Rp,), -1, jnp.int32), mask=pad)
+  masked_scatter(ch_ref, slot, jnp.arange(H, dtype=jnp.int32), chosen, interpret=interpret)
+  masked_scatter(use_max_ref, slot, jnp.where(use_max_H, 1, 0).astype(jnp.int32), chosen, interpret=interpret)
+  pltriton.store(q_out_ref.at[pl.ds(0, Gp), pl.ds(0, Rp)], jnp.zeros((Gp, Rp), q_out_ref.dtype),
+                 mask=row_ok[:, None] & pad[None, :])
+  masked_scatter(q_out_ref, (jnp.arange(Gp)[:, None], slot[None, :]), q_in.astype(q_out_ref.dtype),
+                 row_ok[:, None] & chosen[None, :], interpret=interpret)
+  inv_tau = 1.0 / _temperature(jnp.where(chosen[None, :], q, 0.0), q)
+  pltriton.store(inv_tau_ref.at[pl.ds(0, Gp)], inv_tau, mask=row_ok)
 
 
-# How `row_channels` compacts the chosen channels to their slots (static `compact`): "onehot", a one-hot
-# [H, Rp] (three reductions and a dot); "scatter", each chosen channel stored at its slot (masked scatters; an
-# experiment, untimed). The same outputs.
-ROW_COMPACTS = ("onehot", "scatter")
-
-
-@functools.partial(jax.jit, static_argnames=["topr", "dot_dtype", "interpret", "num_warps", "compact"])
-def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int = 4,
-                 compact: str = "onehot"):
+@functools.partial(jax.jit, static_argnames=["topr", "dot_dtype", "interpret", "num_warps"])
+def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int | None = None):
   """`row_channels_reference` as one small Pallas kernel, a program per (b, k) row: the in-kernel ranks of
-  the rank layout, the chosen channels compacted to their slots (ROW_COMPACTS). The same outputs (inv_tau up
-  to float32 summation order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it."""
-  if compact not in ROW_COMPACTS:
-    raise ValueError(f"compact={compact!r} must be one of {ROW_COMPACTS}")
+  the rank layout, each chosen channel stored at its slot. The same outputs (inv_tau up to float32 summation
+  order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it (faster at every row
+  count timed: see ROW_CHANNELS_TWO_WARPS_MIN_ROWS). num_warps None: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS
+  rows of B * K, else 2."""
   B, K, G, H = q_BKGH.shape
+  if num_warps is None:
+    num_warps = 4 if B * K < ROW_CHANNELS_TWO_WARPS_MIN_ROWS else 2
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
   row = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, k: (b, k) + (0,) * len(tail))
   return tuple(pl.pallas_call(
-      functools.partial(_row_channels_kernel, topr=topr, compact=compact, interpret=interpret),
+      functools.partial(_row_channels_kernel, topr=topr, interpret=interpret),
       grid=(B, K),
       in_specs=[row(G, H)],
       out_specs=[row(G, Rp), row(Rp), row(Rp), row(G)],
@@ -327,11 +309,12 @@ def _hsa_scores_gather_kernel(
 
 # Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row before the
 # scoring kernel) over in-kernel ranking, and from which the gather layout runs one program per row rather than one per
-# page block. H200, 32k context, t=256 (K=8, 539 pages, R=60), us per layer (benchmarks/kernels.py and
-# benchmarks/tune_hsa.py, results in benchmarks/results/hsa_gather_h200_2026-12-01/):
-#   B=8: rank 18.1, gather 18.5; B=32: rank 39.6, gather 28.7; B=108: rank 121, gather 78 (page blocks)
-#   / 84 (rows); B=391: rank 375, gather 251 (page blocks) / 223 (rows).
-GATHER_MIN_ROWS = 256
+# page block. H200, 32k context, t=256 (K=8, 539 pages, R=60), us per layer (tune_hsa,
+# benchmarks/results/stage2_h200_2026-12-02c/; the gather layout with its row_channels kernel, both kernels):
+#   B=1: rank 5.35, gather 4.77 (2.48 + 2.29: a second launch); B=8: rank 16.1, gather 6.7; B=32: rank 46.4,
+#   gather 13.4. Earlier (stage2_h200_2026-12-01): B=108: rank 121, gather 78 (page blocks) / 84 (rows);
+#   B=391: rank 375, gather 251 (page blocks) / 223 (rows).
+GATHER_MIN_ROWS = 16
 GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
 # (num_warps, num_stages) of the gather layout, one program per row / per page block. 32k, t=256,
 # 544 pages, vectorised loads, us per layer (tune_hsa, benchmarks/results/stage2_h200_2026-12-02/): rows at
@@ -339,21 +322,23 @@ GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
 # 32 x 8: 2/1 9.6, 4/1 10.3. The rank layout keeps 4 warps, 1 stage.
 ROW_PROGRAM_WARPS_STAGES = (2, 2)
 PAGE_BLOCK_WARPS_STAGES = (2, 1)
-# Rows from which the gather layout's `choose="auto"` takes XLA's top_k over the row_channels kernel, whose
-# [H, H] compares per row cost more than the sort once rows are many. H200, 32k, t=256, us per layer of the
-# channel choice (tune_hsa, results/stage2_h200_2026-12-02b): 256 rows kernel 8.9, XLA 12.1; 864 rows kernel
-# 26.4, XLA 17.2; 3128 rows kernel 84.0, XLA 29.7 (even at about 440 rows by a line through these).
-CHOOSE_XLA_MIN_ROWS = 512
+# The gather layout's channel choice is the row_channels kernel at every row count: against XLA's top_k and its
+# glue (`row_channels_reference`), us per layer (tune_hsa, results/stage2_h200_2026-12-02c): 864 rows kernel
+# 8.6-9.3, XLA 4.5 + about 4 of gathers and pads (whole scoring 43.5 vs 51.4); 3128 rows kernel 23.0 (2 warps),
+# XLA 12.0 + about 5 (whole scoring, kernel at 4 warps: 129.5 vs 132.2).
+# row_channels' warps: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, 2 from there (scatter, us:
+# 64 rows 4 warps 2.53, 2 warps 4.00; 256 rows 3.58 / 4.34; 864 rows 8.79 / 8.56; 3128 rows 27.0 / 23.0).
+ROW_CHANNELS_TWO_WARPS_MIN_ROWS = 512
 # Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
 _GATHER_TILE_ELEMS = 4096
 
 
 @functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "num_warps", "num_stages", "layout", "load_mask", "choose"])
+                                             "num_warps", "num_stages", "layout", "load_mask"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
-                      load_mask: str = "auto", choose: str = "auto"):
+                      load_mask: str = "auto"):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -369,13 +354,10 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       page blocks, except the gather layout from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
     layout: "rank" (each program ranks the group's channels itself: nothing runs before the kernel, best when
       rows are few), "gather" (the channels chosen once per row before the kernel; programs read only the
-      chosen rows, compacted: best at large batch) or "auto" (gather from GATHER_MIN_ROWS rows of B * K).
+      chosen rows, compacted) or "auto" (gather from GATHER_MIN_ROWS rows of B * K).
     load_mask: the gather layout's loads: "pages" (only the valid pages), "rows" (every page of the array,
       junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or "auto" ("rows"
       exactly then).
-    choose: how the gather layout chooses each row's channels: "kernel" (`row_channels`, a small Pallas
-      kernel), "xla" (`row_channels_reference`) or "auto" (the kernel below CHOOSE_XLA_MIN_ROWS rows). The
-      same channels either way.
     num_warps, num_stages: None: the measured best of the layout (ROW_PROGRAM_WARPS_STAGES,
       PAGE_BLOCK_WARPS_STAGES; 4 warps and 1 stage for "rank").
   Returns:
@@ -402,10 +384,6 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     raise ValueError(f"layout={layout!r} must be 'rank', 'gather' or 'auto'")
   if load_mask == "auto":
     load_mask = "rows" if (P * jnp.dtype(kt_min_BKHP.dtype).itemsize) % 16 == 0 else "pages"
-  if choose == "auto":
-    choose = "kernel" if B * K < CHOOSE_XLA_MIN_ROWS else "xla"
-  if choose not in ("kernel", "xla"):
-    raise ValueError(f"choose={choose!r} must be 'kernel', 'xla' or 'auto'")
   if load_mask not in ("pages", "rows"):
     raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
@@ -451,9 +429,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       interpret=interpret)
   length_B = length_B.astype(jnp.int32)  # clipped in the kernels
   if layout == "gather":
-    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = (
-        row_channels(q_BKGH, topr, dot_dtype, interpret=interpret) if choose == "kernel" else
-        row_channels_reference(q_BKGH, topr, dot_dtype))
+    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret)
     kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp,
                                page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
     return call(

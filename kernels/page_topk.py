@@ -84,18 +84,12 @@ def hsa_page_topk_reference(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int,
   return page_topk_reference(scores, length_B, page_size=page_size, k=k, num_slots=num_slots)
 
 
-# How a row's P pages are held in registers (static `page_chunks`): "pow2", one vector of next_pow2(P) lanes;
-# "split", consecutive power-of-two chunks over P rounded up to 32 lanes (539 pages: 512 + 32 lanes, not
-# 1024), every vector op of the selection on about half the lanes. The same selection either way.
-PAGE_CHUNKS = ("pow2", "split")
-
-
-def row_chunks(num_pages: int, page_chunks: str) -> tuple[tuple[int, int], ...]:
-  """(first page, lanes) of each chunk of a row of num_pages pages, in order."""
-  if page_chunks not in PAGE_CHUNKS:
-    raise ValueError(f"page_chunks={page_chunks!r} must be one of {PAGE_CHUNKS}")
-  if page_chunks == "pow2":
-    return ((0, next_pow2(num_pages)),)
+def row_chunks(num_pages: int) -> tuple[tuple[int, int], ...]:
+  """(first page, lanes) of each chunk of a row of num_pages pages, in order: the row is held as consecutive
+  power-of-two chunks over num_pages rounded up to 32 lanes (539 pages: 512 + 32 lanes), not one vector of
+  next_pow2 lanes (1024), so every vector op of the selection runs on about half the lanes. H200, 32k, t=256,
+  us per layer of hsa_page_topk at its default warps (tune_hsa, results/stage2_h200_2026-12-02c): 64 rows
+  5.99 against 6.11 for one vector, 256 rows 6.39 / 6.66, 864 rows 9.23 / 10.69, 3128 rows 21.8 / 26.1."""
   n, out = -(-num_pages // 32) * 32, []
   for bit in reversed(range(n.bit_length())):
     if n & (1 << bit):
@@ -145,10 +139,9 @@ def _page_topk_kernel(
     k: int,
     num_pages: int,
     num_slots: int,
-    page_chunks: str,
     interpret: bool,
 ):
-  chunks = row_chunks(num_pages, page_chunks)
+  chunks = row_chunks(num_pages)
   length = jnp.clip(length_ref[...], 0, num_slots)
   keys, cnts = [], []
   for first, lanes in chunks:
@@ -174,11 +167,10 @@ def hsa_page_topk_body(
     interpret: bool,
     sink: int = 0,
     recent: int = 0,
-    page_chunks: str = "pow2",
 ):
   G, NB = m_ref.shape
   NBp = next_pow2(NB)
-  chunks = row_chunks(num_pages, page_chunks)
+  chunks = row_chunks(num_pages)
   length = jnp.clip(length_ref[...], 0, num_slots)
   blk_ok = jnp.arange(NBp) < NB
   # Each head's softmax normaliser over all page blocks: its max and 1 / (rescaled sum).
@@ -233,10 +225,9 @@ def _call(kernel, inputs, length_B, B, K, M, interpret, num_warps, name):
   )(*inputs, length_B.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps",
-                                             "page_chunks"])
+@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
 def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, interpret: bool = False,
-              num_warps: int = 4, page_chunks: str = "pow2"):
+              num_warps: int = 4):
   """The top-k slots per (b, k) when every valid slot of page p scores scores_BKP[..., p].
 
   Args:
@@ -245,7 +236,6 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
     page_size: slots per page; num_slots: cache slots (P = ceil(num_slots / page_size), or up to
       `kt_num_pages`: pages past the slots score nothing).
     k: tokens to select.
-    page_chunks: how the row's pages are held (PAGE_CHUNKS; the same selection either way).
   Returns:
     idx_BKM int32, M = min(k, num_slots): the min(k, length) chosen slots in ascending order, then 0s.
   """
@@ -255,9 +245,7 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
   if jnp.dtype(scores_BKP.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"scores_BKP.dtype={scores_BKP.dtype} must be float32 or bfloat16")
-  row_chunks(P, page_chunks)  # checks page_chunks
-  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
-                             page_chunks=page_chunks)
+  kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
   return _call(kernel, (scores_BKP.astype(jnp.float32),), length_B, B, K, min(k, num_slots), interpret,
                num_warps, "rocketkv_page_topk")
 
@@ -269,16 +257,14 @@ ONE_WARP_MIN_ROWS = 512
 
 
 @functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "sink", "recent", "interpret",
-                                             "num_warps", "page_chunks"])
+                                             "num_warps"])
 def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, num_slots: int, sink: int = 0,
-                  recent: int = 0, interpret: bool = False, num_warps: int | None = None,
-                  page_chunks: str = "pow2"):
+                  recent: int = 0, interpret: bool = False, num_warps: int | None = None):
   """`page_topk` of the HSA page scores, straight from the HSA kernel's partials (`hsa_page_partials`):
   this kernel normalises each head's softmax over all page blocks and averages the group itself, so no
   XLA op runs between scoring and selection. Same output as `page_topk`. sink, recent (>= 0): the pages
   holding the first `sink` slots and the last `recent` valid slots score FORCED_SCORE (`forced_pages`), so
   they are always taken, inside k. num_warps None: 1 from ONE_WARP_MIN_ROWS rows of B * K, else 2.
-  page_chunks: as `page_topk` (an experiment: "split" is untimed and off until measured).
   """
   if not (isinstance(sink, int) and isinstance(recent, int) and sink >= 0 and recent >= 0):
     raise ValueError(f"sink={sink!r} and recent={recent!r} must be ints >= 0")
@@ -295,8 +281,7 @@ def hsa_page_topk(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, k: int, n
   _check(B, P, length_B, page_size=page_size, k=k, num_slots=num_slots)
   if num_warps is None:
     num_warps = 1 if B * K >= ONE_WARP_MIN_ROWS else 2
-  row_chunks(P, page_chunks)  # checks page_chunks
   kernel = functools.partial(hsa_page_topk_body, page_size=page_size, k=k, num_pages=P, num_slots=num_slots,
-                             sink=sink, recent=recent, page_chunks=page_chunks)
+                             sink=sink, recent=recent)
   return _call(kernel, tuple(x.astype(jnp.float32) for x in (s_BKGP, m_BKGN, l_BKGN)), length_B, B, K,
                min(k, num_slots), interpret, num_warps, "rocketkv_hsa_page_topk")

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, ragged_lengths, rel_err
 from rocketkv_jax.kernels.checks import kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import (CHOOSE_XLA_MIN_ROWS, hsa_page_scores, hsa_page_scores_reference,
+from rocketkv_jax.kernels.hsa_scores import (GATHER_MIN_ROWS, hsa_page_scores, hsa_page_scores_reference,
                                              row_channels, row_channels_reference)
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
@@ -70,26 +70,26 @@ def test_one_program_per_row_walking_its_pages(c):
 
 
 @pytest.mark.parametrize("split_pages", [True, False])
-@pytest.mark.parametrize("choose,load_mask", [("xla", "pages"), ("kernel", "rows")])
+@pytest.mark.parametrize("load_mask", ["pages", "rows"])
 @pytest.mark.parametrize("c,page_size,R,kt_dtype",
                          [pytest.param(c.values[0], *_KT_SETS[(i + 1) % len(_KT_SETS)], id=c.id)
                           for i, c in enumerate(CASES)])
-def test_gather_layout_matches_reference_interpret(c, page_size, R, kt_dtype, choose, load_mask, split_pages):
-  """layout="gather": the channels chosen once per row (by the row_channels kernel or in XLA), the kernel
+def test_gather_layout_matches_reference_interpret(c, page_size, R, kt_dtype, load_mask, split_pages):
+  """layout="gather": the channels chosen once per row (the row_channels kernel), the scoring kernel
   reading only those rows. load_mask "rows" loads junk pages too (NaN / inf here) and must zero them."""
   check(c, seed=6, page_size=page_size, R=min(R, c["H"]), kt_dtype=kt_dtype, interpret=True, block_p=16,
-        split_pages=split_pages, layout="gather", load_mask=load_mask, aligned=True, choose=choose)
+        split_pages=split_pages, layout="gather", load_mask=load_mask, aligned=True)
 
 
-@pytest.mark.parametrize("choose,load_mask", [("xla", "rows"), ("kernel", "pages")])
-def test_other_load_masks_interpret(choose, load_mask):
+@pytest.mark.parametrize("load_mask", ["pages", "rows"])
+def test_other_load_masks_interpret(load_mask):
   c = CASES[1].values[0]
   check(c, seed=8, page_size=3, R=min(21, c["H"]), kt_dtype=jnp.bfloat16, interpret=True, block_p=16,
-        split_pages=False, layout="gather", load_mask=load_mask, choose=choose)
+        split_pages=False, layout="gather", load_mask=load_mask)
 
 
-def check_row_channels(q, topr, dot_dtype, interpret, compact="onehot"):
-  got = row_channels(q, topr, dot_dtype, interpret=interpret, compact=compact)
+def check_row_channels(q, topr, dot_dtype, interpret, **tuning):
+  got = row_channels(q, topr, dot_dtype, interpret=interpret, **tuning)
   want = row_channels_reference(q, topr, dot_dtype)
   for name, g, w in zip(("q", "ch", "use_max"), got[:3], want[:3]):  # exact: a chosen value, an index, a sign
     assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -111,35 +111,29 @@ def test_row_channels_kernel_matches_reference_interpret(G, H, topr, dtype, dot_
   q = jax.random.normal(jax.random.PRNGKey(G + topr), (3, 2, G, H), jnp.float32)
   q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2]))  # ties
   q = q.at[2, 0].set(0.0).at[2, 1, 0].set(0.0)
-  for compact in ("onehot", "scatter"):
-    check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=True, compact=compact)
+  check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=True)
 
 
 def test_auto_layout_picks_by_rows():
   """Both layouts give the same scores; "auto" switches at GATHER_MIN_ROWS rows of B * K."""
   c = dict(B=3, K=1, G=4, H=64, S=40, dtype=jnp.float32)
+  assert c["B"] * c["K"] < GATHER_MIN_ROWS
   q, kt_min, kt_max, length, _ = make_inputs(c, 7, 3, 9, jnp.float32)
   run = lambda **kw: np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=9, page_size=3,
                                                 interpret=True, block_p=16, **kw))
   a, b = run(layout="rank"), run(layout="gather")
   live = np.isfinite(a)
   assert (np.isfinite(b) == live).all() and rel_err(b, a, where=live) < 1e-5
-  assert rel_err(run(layout="gather", choose="xla"), a, where=live) < 1e-5
   with pytest.raises(ValueError, match="layout='rows'"):
     run(layout="rows")
   with pytest.raises(ValueError, match="load_mask='cols'"):
     run(layout="gather", load_mask="cols")
-  lowered = lambda rows, **kw: jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True,
-                                                                    layout="gather", **kw)).lower(
+  traced = lambda rows: str(jax.make_jaxpr(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True))(
       jnp.zeros((rows, 1, 4, 64)), jnp.zeros((rows, 1, 64, 14)), jnp.zeros((rows, 1, 64, 14)),
-      jnp.zeros((rows,), jnp.int32)).as_text()
-  assert "top_k" not in lowered(CHOOSE_XLA_MIN_ROWS - 1)  # "auto": the row_channels kernel below the switch
-  assert "top_k" in lowered(CHOOSE_XLA_MIN_ROWS) and "top_k" in lowered(3, choose="xla")
-  with pytest.raises(ValueError, match="choose='sort'"):
-    run(layout="gather", choose="sort")
-  lowered = jax.jit(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True)).lower(
-      q, kt_min, kt_max, length).as_text()
-  assert "top_k" not in lowered  # 3 rows < GATHER_MIN_ROWS: ranking stays in the kernel
+      jnp.zeros((rows,), jnp.int32)))
+  assert "top_k" not in traced(GATHER_MIN_ROWS) and "top_k" not in traced(3)  # no XLA sort either way
+  assert "rocketkv_hsa_row_channels" in traced(GATHER_MIN_ROWS)  # the gather layout from the switch
+  assert "rocketkv_hsa_row_channels" not in traced(GATHER_MIN_ROWS - 1)  # ranking in the scoring kernel
 
 
 @pytest.mark.parametrize("layout,split_pages", [("rank", True), ("rank", False), ("gather", False)])
@@ -210,9 +204,8 @@ def test_matches_reference_gpu(c, kt_dtype):
           layout="gather", aligned=True)
   if c["B"] * c["K"] >= 8:  # compiles are slow: the other layouts and load masks on the small cases only
     return
-  for load_mask, choose in (("pages", "kernel"), ("rows", "xla")):
-    check(c, seed=5, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout="gather",
-          load_mask=load_mask, split_pages=False, choose=choose)
+  check(c, seed=5, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout="gather",
+        load_mask="pages", split_pages=False)
 
 
 @pytest.mark.gpu
@@ -222,17 +215,13 @@ def test_row_channels_kernel_matches_reference_gpu():
   q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2])).at[2, 0].set(0.0)
   for dtype, topr, dot_dtype in ((jnp.bfloat16, 60, jnp.bfloat16), (jnp.float32, 61, jnp.float32),
                                  (jnp.bfloat16, 128, jnp.float32)):
-    for compact in ("onehot", "scatter"):
-      check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=False, compact=compact)
+    for warps in (2, 4):  # num_warps None picks one of these by rows
+      check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=False, num_warps=warps)
   q7 = jax.random.normal(jax.random.PRNGKey(1), (3, 4, 7, 128), jnp.bfloat16)  # a group of 7 (Qwen2.5)
   check_row_channels(q7, 60, jnp.bfloat16, interpret=False)
-  check_row_channels(q7, 60, jnp.bfloat16, interpret=False, compact="scatter")
 
 
-@pytest.mark.parametrize("compact", ["onehot", "scatter"])
-def test_row_channels_lowers_for_h200_through_triton(compact):
-  text = lower_for_h200(lambda q: row_channels(q, 60, jnp.bfloat16, compact=compact),
+def test_row_channels_lowers_for_h200_through_triton():
+  text = lower_for_h200(lambda q: row_channels(q, 60, jnp.bfloat16),
                         jax.ShapeDtypeStruct((2, 8, 4, 128), jnp.bfloat16))
   assert "rocketkv_hsa_row_channels" in text
-  with pytest.raises(ValueError, match="compact='dense'"):
-    row_channels(jnp.zeros((1, 1, 4, 64)), 8, jnp.float32, compact="dense")

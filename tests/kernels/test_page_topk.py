@@ -25,11 +25,10 @@ def make_inputs(seed, B, K, num_slots, page_size, ties: bool):
   return jnp.asarray(scores), length
 
 
-def check(seed, B, K, num_slots, page_size, k, ties, interpret, dtype=jnp.float32, page_chunks="pow2"):
+def check(seed, B, K, num_slots, page_size, k, ties, interpret, dtype=jnp.float32):
   scores, length = make_inputs(seed, B, K, num_slots, page_size, ties)
   scores = scores.astype(dtype)
-  out = page_topk(scores, length, page_size=page_size, k=k, num_slots=num_slots, interpret=interpret,
-                  page_chunks=page_chunks)
+  out = page_topk(scores, length, page_size=page_size, k=k, num_slots=num_slots, interpret=interpret)
   ref = page_topk_reference(scores, length, page_size=page_size, k=k, num_slots=num_slots)
   out, ref = np.asarray(out), np.asarray(ref)
   assert out.dtype == np.int32 and out.shape == ref.shape == (B, K, min(k, num_slots))
@@ -57,18 +56,16 @@ def test_matches_reference_interpret(B, K, num_slots, page_size, k, ties):
 
 
 @pytest.mark.parametrize("B,K,num_slots,page_size,k", CASES)
-def test_split_page_chunks_match_reference_interpret(B, K, num_slots, page_size, k):
-  """page_chunks="split": the row in power-of-two chunks (ties across a chunk boundary go to the lower
-  slot as well: the tie-heavy scores put equal pages on both sides)."""
+def test_row_chunks_cover_the_row_interpret(B, K, num_slots, page_size, k):
+  """The row is held in power-of-two chunks, in order, covering P with under 32 lanes to spare; ties across a
+  chunk boundary go to the lower slot as well (the tie-heavy scores put equal pages on both sides)."""
   from rocketkv_jax.kernels.page_topk import row_chunks
   P = -(-num_slots // page_size)
-  chunks = row_chunks(P, "split")
+  chunks = row_chunks(P)
   assert chunks[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:]))
   assert P <= sum(n for _, n in chunks) < P + 32 and all(n & (n - 1) == 0 for _, n in chunks)
-  check(seed=num_slots, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=True, interpret=True,
-        page_chunks="split")
-  check(seed=num_slots + 5, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=False,
-        interpret=True, page_chunks="split")
+  check(seed=num_slots + 5, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=True,
+        interpret=True)
 
 
 def test_bfloat16_scores():
@@ -88,19 +85,15 @@ def test_rejects_bad_arguments():
     page_topk(s, jnp.ones((2,), jnp.int32), page_size=3, k=4, num_slots=30)
   with pytest.raises(ValueError, match="scores_BKP.dtype"):
     page_topk(s.astype(jnp.int32), length, page_size=3, k=4, num_slots=30)
-  with pytest.raises(ValueError, match="page_chunks='halves'"):
-    page_topk(s, length, page_size=3, k=4, num_slots=30, page_chunks="halves")
 
 
 @pytest.mark.parametrize("num_slots,page_size,k", [(1617, 3, 128), (6471, 3, 512), (37, 16, 8), (301, 3, 45),
                                                    (3 * MAX_PAGES, 3, 1024)])
 def test_lowers_for_h200_through_triton(num_slots, page_size, k):
   P = -(-num_slots // page_size)
-  for page_chunks in ("pow2", "split"):
-    text = lower_for_h200(lambda s, l: page_topk(s, l, page_size=page_size, k=k, num_slots=num_slots,
-                                                 page_chunks=page_chunks),
-                          jax.ShapeDtypeStruct((2, 8, P), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
-    assert "rocketkv_page_topk" in text
+  text = lower_for_h200(lambda s, l: page_topk(s, l, page_size=page_size, k=k, num_slots=num_slots),
+                        jax.ShapeDtypeStruct((2, 8, P), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
+  assert "rocketkv_page_topk" in text
 
 
 @pytest.mark.gpu
@@ -112,8 +105,6 @@ def test_matches_reference_gpu(B, K, num_slots, page_size, k):
         interpret=False)
   check(seed=num_slots + 2, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=False,
         interpret=False)
-  check(seed=num_slots + 3, B=B, K=K, num_slots=num_slots, page_size=page_size, k=k, ties=True,
-        interpret=False, page_chunks="split")
 
 
 # ---------------------------------------------------------------- selection straight from HSA partials
@@ -136,13 +127,12 @@ def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
 
 
 def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None, sink=0, recent=0,
-              num_warps=None, page_chunks="pow2"):
+              num_warps=None):
   from rocketkv_jax.kernels.hsa_scores import normalize_partials
   from rocketkv_jax.kernels.page_topk import force_pages, hsa_page_topk, hsa_page_topk_reference
   (s, m, l), length = hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p)
   kw = dict(page_size=page_size, k=k, num_slots=num_slots, sink=sink, recent=recent)
-  out = np.asarray(hsa_page_topk(s, m, l, length, interpret=interpret, num_warps=num_warps,
-                                 page_chunks=page_chunks, **kw))
+  out = np.asarray(hsa_page_topk(s, m, l, length, interpret=interpret, num_warps=num_warps, **kw))
   ref = np.asarray(hsa_page_topk_reference(s, m, l, length, **kw))
   assert out.shape == ref.shape == (B, K, min(k, num_slots))
   n = np.minimum(np.asarray(length), num_slots)
@@ -166,8 +156,6 @@ def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_
     (1, 2, 8, 128, 1617, 3, 128, 61, None)])
 def test_hsa_page_topk_matches_reference_interpret(B, K, G, H, num_slots, page_size, k, topr, block_p):
   check_hsa(num_slots, B, K, G, H, num_slots, page_size, k, topr, interpret=True, block_p=block_p)
-  check_hsa(num_slots, B, K, G, H, num_slots, page_size, k, topr, interpret=True, block_p=block_p,
-            page_chunks="split")
 
 
 @pytest.mark.parametrize("B,K,G,H,num_slots,page_size,k,topr,sink,recent", [
@@ -176,19 +164,16 @@ def test_hsa_page_topk_forced_pages_interpret(B, K, G, H, num_slots, page_size, 
   """RocketKV's hsa_sink_tokens / hsa_recent_tokens inside the selection kernel: the forced slots always taken,
   the rest as the reference (ragged lengths, junk on empty pages)."""
   check_hsa(num_slots + 7, B, K, G, H, num_slots, page_size, k, topr, interpret=True, sink=sink, recent=recent)
-  check_hsa(num_slots + 7, B, K, G, H, num_slots, page_size, k, topr, interpret=True, sink=sink, recent=recent,
-            page_chunks="split")
 
 
 def test_hsa_page_topk_lowers_for_h200_through_triton():
   from rocketkv_jax.kernels.page_topk import hsa_page_topk
   P, NB, P_pad = 540, 17, 17 * 32
-  for page_chunks in ("pow2", "split"):
-    text = lower_for_h200(
-        lambda s, m, l, n: hsa_page_topk(s, m, l, n, page_size=3, k=128, num_slots=1618, page_chunks=page_chunks),
-        jax.ShapeDtypeStruct((2, 8, 4, P_pad), jnp.float32), jax.ShapeDtypeStruct((2, 8, 4, NB), jnp.float32),
-        jax.ShapeDtypeStruct((2, 8, 4, NB), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
-    assert "rocketkv_hsa_page_topk" in text and P <= P_pad
+  text = lower_for_h200(
+      lambda s, m, l, n: hsa_page_topk(s, m, l, n, page_size=3, k=128, num_slots=1618),
+      jax.ShapeDtypeStruct((2, 8, 4, P_pad), jnp.float32), jax.ShapeDtypeStruct((2, 8, 4, NB), jnp.float32),
+      jax.ShapeDtypeStruct((2, 8, 4, NB), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
+  assert "rocketkv_hsa_page_topk" in text and P <= P_pad
 
 
 @pytest.mark.gpu
@@ -200,6 +185,5 @@ def test_hsa_page_topk_matches_reference_gpu(B, K, G, H, num_slots, page_size, k
   check_hsa(num_slots + 2, B, K, G, H, num_slots, page_size, k, topr, interpret=False, sink=2, recent=8)
   for warps in (1, 4):
     check_hsa(num_slots + 3, B, K, G, H, num_slots, page_size, k, topr, interpret=False, num_warps=warps)
-  check_hsa(num_slots + 4, B, K, G, H, num_slots, page_size, k, topr, interpret=False, page_chunks="split")
-  check_hsa(num_slots + 5, B, K, G, H, num_slots, page_size, k, topr, interpret=False, page_chunks="split",
-            sink=2, recent=8, num_warps=1)
+  check_hsa(num_slots + 5, B, K, G, H, num_slots, page_size, k, topr, interpret=False, sink=2, recent=8,
+            num_warps=1)
