@@ -3,8 +3,9 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2 mesh70b stage2_kernels stage2_choose
-#        stage2_warps kernels_s2 profile391)
+#        serve32max turn2 mesh70b stage2_kernels stage2_next kernels_s2 profile391)
+# (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
+# benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa.)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -62,27 +63,16 @@ for part in "$@"; do
         --block-p 64,128 --warps 4 --stages 1 --out "$out/tune_hsa.jsonl" >>"$out/log.txt" 2>&1
       PYTHONPATH=$PWD timeout 150 python3 benchmarks/kernels.py --out "$out/kernels_select.jsonl" --only select \
         --batches 1,8,32 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
-    stage2_choose)  # issue 15, 2026-12-02b: GPU tests of the changed kernels, then the gather layout's channel
-                    # choice (the row_channels kernel against XLA's top_k) and the append's KT update at 3 batches
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 260 python3 -m pytest -m gpu tests/kernels/test_cache_append.py \
-        tests/kernels/test_hsa_scores.py -q -rfE -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
-      tail -3 "$out/gpu_tests.txt" >>"$out/log.txt"
-      PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather --split 0,1 \
-        --block-p 64 --warps 2 --stages 2 --chooses kernel,xla --load-masks rows --append-warps 1 \
-        --append-kt-updates fold,auto --out "$out/tune_choose.jsonl" >>"$out/log.txt" 2>&1 ;;
-    stage2_warps)  # issue 15, next (up to 9 minutes): the row_channels kernel's warps (its [H, H] ranks are
-                   # held in registers: more warps, fewer per thread) and compaction (one-hot or scatter); the
-                   # gather layout (kernel choice) against rank at 8-32 x 8 rows; the gather scoring's page
-                   # block, warps and stages at 108 and 391 x 8 rows; the page top-k with its row in
-                   # power-of-two chunks (page_chunks="split") against one vector
-      PYTHONPATH=$PWD timeout 240 python3 -m benchmarks.tune_hsa --batches 8,32 --layouts rank,gather --split 1 \
-        --block-p 32,64 --warps 2,4,8 --stages 1 --chooses kernel --load-masks rows --row-channels-warps 1,2,4,8,16 \
-        --row-channels-compacts onehot,scatter --topk-warps 1,2 --topk-chunks pow2,split \
-        --out "$out/tune_small.jsonl" >>"$out/log.txt" 2>&1
-      PYTHONPATH=$PWD timeout 300 python3 -m benchmarks.tune_hsa --batches 391,108 --layouts gather --split 0 \
-        --block-p 64,128 --warps 2,4 --stages 2,3 --chooses xla --load-masks rows --row-channels-warps 2,4,8,16 \
-        --row-channels-compacts onehot,scatter --topk-warps 1,2 --topk-chunks pow2,split \
-        --out "$out/tune_large.jsonl" >>"$out/log.txt" 2>&1 ;;
+    stage2_next)  # issue 15, next (about 6 minutes): the append kernel advancing length/pos compiled (GPU tests),
+                  # then the two untimed decode experiments against the default on one machine, 32k, batch 1 and 8
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -m gpu tests/kernels/test_cache_append.py \
+        -q -rfE -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1; tail -3 "$out/gpu_tests.txt" >>"$out/log.txt"
+      for v in "default:" "advance:--advance-in-append" "gather8:--gather-min-rows 8" \
+               "both:--advance-in-append --gather-min-rows 8"; do
+        # shellcheck disable=SC2086  # the flags split on purpose
+        timeout 100 python3 -m benchmarks.decode --out "$out/decode_${v%%:*}.jsonl" --contexts 32k --methods rocketkv \
+          --budgets 256 --batches 1,8 ${v#*:} >>"$out/log.txt" 2>&1 || echo "part exited $? : $v" >>"$out/log.txt"
+      done ;;
     kernels_s2)  # the stage-2 kernels per layer at 32k, t=256 (the per-layer table; about 100-200 s)
       PYTHONPATH=$PWD timeout 280 python3 benchmarks/kernels.py --out "$out/kernels_s2.jsonl" --only sparse --skip-fused \
         --batches 8,32,108,391 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;

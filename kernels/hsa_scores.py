@@ -324,8 +324,8 @@ ROW_PROGRAM_WARPS_STAGES = (2, 2)
 PAGE_BLOCK_WARPS_STAGES = (2, 1)
 # The gather layout's channel choice is the row_channels kernel at every row count: against XLA's top_k and its
 # glue (`row_channels_reference`), us per layer (tune_hsa, results/stage2_h200_2026-12-02c): 864 rows kernel
-# 8.6-9.3, XLA 4.5 + about 4 of gathers and pads (whole scoring 43.5 vs 51.4); 3128 rows kernel 23.0 (2 warps),
-# XLA 12.0 + about 5 (whole scoring, kernel at 4 warps: 129.5 vs 132.2).
+# 8.6-9.5, XLA 17.0 (top_k 4.6, the rest gathers and pads; whole scoring 43.5 vs 51.4); 3128 rows kernel 23.0
+# (2 warps; 27.7 at 4), XLA 29.4 (top_k 12.0; whole scoring with the kernel at 4 warps 129.5 vs 132.2).
 # row_channels' warps: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, 2 from there (scatter, us:
 # 64 rows 4 warps 2.53, 2 warps 4.00; 256 rows 3.58 / 4.34; 864 rows 8.79 / 8.56; 3128 rows 27.0 / 23.0).
 ROW_CHANNELS_TWO_WARPS_MIN_ROWS = 512

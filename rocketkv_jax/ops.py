@@ -49,11 +49,18 @@ def uses_kernels(impl: str) -> bool:
 
 
 def cache_append_scatter(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                         page_size: int = 1):
+                         page_size: int = 1, advance=None):
   """`cache_append_reference` as XLA scatters (in place under donation). The reference rewrites every slot
   with a select, reading and writing the whole cache per token and layer; this touches one row each
   (CPU, B=8 K=3 S=8192 H=64 f32, 64 appends in a loop: 0.13 ms per append against 0.0005 ms).
-  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would)."""
+  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). advance: as the
+  reference's (length and pos advanced after the outputs)."""
+  S = k_BKSH.shape[2]
+  return _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
+                         page_size=page_size) + cache_append_kernel.advance_lengths(advance, S)
+
+
+def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size):
   S = k_BKSH.shape[2]
   slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
   slot_BK = jnp.where((slot_BK < 0) | (slot_BK >= S), S, slot_BK).astype(jnp.int32)
@@ -203,14 +210,16 @@ def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k
 
 
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
-                 impl):
+                 impl, advance=None):
   """The new token's K/V rows at `slot` ([B], or [B, K] per KV head), its key folded into its KT page when
-  pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing. The kernel
+  pages are given: (k, v) or (k, v, kt_min, kt_max); with advance = (length_B, pos_B) those two follow,
+  advanced (min(length + 1, S), pos + 1: inside the kernel, no launch of their own). A slot outside [0, S)
+  changes nothing (length and pos advance all the same). The kernel
   rebuilds the open page from its K rows when the new key has the cache's dtype (`cache_append`'s
   kt_update="auto"); the XLA path folds the key into the page: the same pages whenever each page holds its
   rows' min/max, as every cache's do."""
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
-              page_size=page_size, impl=impl)
+              page_size=page_size, impl=impl, advance=advance)
 
 
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):

@@ -258,6 +258,37 @@ def test_pallas_impl_matches_xla(method):
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("method", ["full", "h2o", "rocketkv"])
+def test_advance_in_append_keeps_the_cache(method, impl, monkeypatch):
+  """`base.ADVANCE_IN_APPEND`: length and pos advanced by the append op (inside the kernel) instead of by XLA
+  ops give the same outputs and caches, over steps that run past the capacity (length stops at it)."""
+  from rocketkv_jax.methods import base
+  T, lengths, n_steps = 150, [150, 77], 4
+  config = dataclasses.replace(_config(method, 64, T, 2), impl=impl)  # capacity for 2 new tokens, 4 steps
+  q, k, v = _inputs(14, 2, T)
+  steps = _steps(14, 2, n_steps)
+  cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config)
+
+
+  def run():  # inside a jit, as a step past the capacity drops its token (eagerly it raises); traced anew
+    step = jax.jit(lambda c, q, k, v: rk.decode_step(c, q, k, v, config=config))
+    outs, c = [], cache
+    for qs, kn, vn in zip(*steps):
+      out, c = step(c, qs, kn, vn)
+      outs.append(np.asarray(out))
+    return np.stack(outs), c
+
+  monkeypatch.setattr(base, "ADVANCE_IN_APPEND", False)
+  want, want_cache = run()
+  monkeypatch.setattr(base, "ADVANCE_IN_APPEND", True)
+  got, got_cache = run()
+  np.testing.assert_array_equal(got, want)
+  assert (np.asarray(got_cache.length) <= config.capacity).all()
+  for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["full", "rocketkv", "quest", "hsa"])
 def test_pallas_impl_matches_xla_gpu(method):
