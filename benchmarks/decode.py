@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 import rocketkv_jax as rk
+from rocketkv_jax import hsa
 from rocketkv_jax.kernels import hsa_scores
 from rocketkv_jax.methods import base as method_base
 from rocketkv_jax.models import llama
@@ -233,6 +234,9 @@ def main(argv=None):
   ap.add_argument("--advance-in-append", action="store_true",
                   help="experiment: the append op advances each cache's length and pos "
                        "(methods.base.ADVANCE_IN_APPEND, off by default until timed)")
+  ap.add_argument("--choice-in-append", action="store_true",
+                  help="experiment: the append's kernel also makes HSA's channel choice (hsa.CHOICE_IN_APPEND, "
+                       "off by default until timed)")
   ap.add_argument("--gather-min-rows", type=int, default=None,
                   help="experiment: HSA scoring's gather layout from this many (b, k) rows "
                        "(kernels.hsa_scores.GATHER_MIN_ROWS)")
@@ -240,6 +244,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.advance_in_append:
     method_base.ADVANCE_IN_APPEND = True
+  if args.choice_in_append:
+    hsa.CHOICE_IN_APPEND = True
   if args.gather_min_rows is not None:
     hsa_scores.GATHER_MIN_ROWS = args.gather_min_rows
   cfg = TINY if args.tiny else SHAPES[args.shape]
@@ -272,7 +278,7 @@ def main(argv=None):
                     sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), mesh=args.mesh,
                 shape="tiny" if args.tiny else args.shape, advance_in_append=method_base.ADVANCE_IN_APPEND,
-                gather_min_rows=hsa_scores.GATHER_MIN_ROWS)
+                choice_in_append=hsa.CHOICE_IN_APPEND, gather_min_rows=hsa_scores.GATHER_MIN_ROWS)
 
   def emit(rec):
     line = json.dumps(rec)

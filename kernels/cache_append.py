@@ -9,7 +9,9 @@ nothing else of the cache moves. The page's old min/max come from its K rows bef
 or from the KT column itself (`kt_update`). This replaces two XLA scatters and a separate KT
 kernel, three launch-bound launches per layer on the H200, by one. Given the cache's length and pos [B]
 (`advance`), the program of KV head 0 also advances them (length + 1 up to S, pos + 1), in place: two
-scalar XLA launches per layer fewer.
+scalar XLA launches per layer fewer. Given the step's query and top_r (`choose_q`, `topr`), each program
+also makes HSA's channel choice for its row (`hsa_scores.row_channels_body`): the stage-2 scoring's choice
+kernel folded into this launch.
 """
 from __future__ import annotations
 
@@ -21,17 +23,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, kt_num_pages
-from rocketkv_jax.kernels.triton_util import next_pow2
+from rocketkv_jax.kernels.hsa_scores import (ROW_CHANNELS_TWO_WARPS_MIN_ROWS, choice_dot_dtype, row_channels_body,
+                                             row_channels_reference)
+from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, next_pow2
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
-                           *, page_size: int = 1, kt_update: str = "auto", advance=None, **unused_tuning):
+                           *, page_size: int = 1, kt_update: str = "auto", advance=None, choose_q=None,
+                           topr: int = 0, **unused_tuning):
   """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
   with its page updated when KT pages are given, plus `advance_lengths(advance, S)` when `advance` = (length,
-  pos) is given. A slot outside [0, S) changes nothing. kt_update: see `cache_append`."""
+  pos) is given, plus `append_choice(choose_q, topr, kt dtype)` when `choose_q` is given. A slot outside
+  [0, S) changes nothing. kt_update: see `cache_append`."""
   del unused_tuning
-  return _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                           page_size=page_size, kt_update=kt_update) + advance_lengths(advance, k_BKSH.shape[2])
+  return (_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
+                            page_size=page_size, kt_update=kt_update) + advance_lengths(advance, k_BKSH.shape[2])
+          + append_choice(choose_q, topr, kt_min_BKHP))
+
+
+def append_choice(choose_q, topr: int, kt_min_BKHP) -> tuple:
+  """HSA's channel choice of the step's query q [B, K, G, H] (`hsa_scores.row_channels_reference`, in the dot
+  dtype of q against the KT pages' dtype); () for choose_q None."""
+  if choose_q is None:
+    return ()
+  return row_channels_reference(choose_q, topr, choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype))
 
 
 def advance_lengths(advance, num_slots: int) -> tuple:
@@ -92,6 +107,7 @@ def _cache_append_kernel(
     kt_max_ref,  # [H, P] (aliased to kt_max_out_ref), or None
     length_ref,  # [] (aliased to length_out_ref), or None
     pos_ref,  # [] (aliased to pos_out_ref), or None
+    q_ref,  # [G, H] the step's query (the channel choice), or None
     # outputs
     k_out_ref,  # [S, H]
     v_out_ref,  # [S, H]
@@ -99,9 +115,15 @@ def _cache_append_kernel(
     kt_max_out_ref,  # [H, P], or None
     length_out_ref,  # [], or None
     pos_out_ref,  # [], or None
+    q_out_ref,  # [G, Rp] the choice (`hsa_scores.row_channels_body`), or None
+    ch_ref,  # [Rp], or None
+    use_max_ref,  # [Rp], or None
+    inv_tau_ref,  # [G], or None
     *,
     page_size: int,
     kt_update: str,
+    topr: int,
+    interpret: bool,
 ):
   S, H = k_ref.shape
   slot = slot_ref[...]
@@ -141,6 +163,8 @@ def _cache_append_kernel(
       old_max = jnp.where(fresh, -jnp.inf, kt_max_ref[chans, cols].astype(jnp.float32))
   pltriton.store(k_out_ref.at[rows, chans], k_new.astype(k_out_ref.dtype), mask=write)
   pltriton.store(v_out_ref.at[rows, chans], v_new.astype(v_out_ref.dtype), mask=write)
+  if q_ref is not None:
+    row_channels_body(q_ref, q_out_ref, ch_ref, use_max_ref, inv_tau_ref, topr=topr, interpret=interpret)
   if kt_min_ref is None:
     return
   # "rows": the key as the cache holds it (with the rows above, the page's min/max over its stored keys)
@@ -149,7 +173,8 @@ def _cache_append_kernel(
   pltriton.store(kt_max_out_ref.at[chans, cols], jnp.maximum(old_max, k).astype(kt_max_out_ref.dtype), mask=write)
 
 
-def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, advance=None):
+def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, advance=None,
+                choose_q=None, topr=0):
   if k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape:
     raise ValueError(f"k_BKSH.shape={k_BKSH.shape} and v_BKSH.shape={v_BKSH.shape} must be equal (B, K, S, H)")
   B, K, S, H = k_BKSH.shape
@@ -183,17 +208,29 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
     for name, x in zip(("length_B", "pos_B"), advance):
       if x.shape != (B,) or x.dtype != jnp.int32:
         raise ValueError(f"advance's {name} has shape {x.shape} and dtype {x.dtype}: it must be int32 ({B},)")
+  if choose_q is not None:
+    if kt_min_BKHP is None:
+      raise ValueError("choose_q needs the KT pages (the choice's dot dtype is the query's against theirs)")
+    if choose_q.ndim != 4 or choose_q.shape[:2] != (B, K) or choose_q.shape[3] != H:
+      raise ValueError(f"choose_q.shape={choose_q.shape} must be ({B}, {K}, G, {H})")
+    check_dtype("choose_q", choose_q.dtype, FLOAT_DTYPES)
+    if not (isinstance(topr, int) and 1 <= topr <= H):
+      raise ValueError(f"topr={topr!r} must be an int in [1, H={H}] with choose_q")
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "kt_update"])
+@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "kt_update", "topr"])
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                 page_size: int = 1, interpret: bool = False, num_warps: int = 1, kt_update: str = "auto",
-                 advance=None):
+                 page_size: int = 1, interpret: bool = False, num_warps: int | None = None, kt_update: str = "auto",
+                 advance=None, choose_q=None, topr: int = 0):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
   slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
   pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts
   fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max); with advance = (length_B, pos_B) (int32
-  [B], the cache's), followed by (min(length + 1, S), pos + 1), written in place as well.
+  [B], the cache's), followed by (min(length + 1, S), pos + 1), written in place as well; with choose_q (the
+  step's query [B, K, G, H]; KT pages required) and topr, followed by HSA's channel choice of each row
+  (q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG: `hsa_scores.row_channels`' outputs, which the scoring takes as
+  `choice=`). num_warps None: 1, or with choose_q `row_channels`' rule (4 below
+  ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, else 2).
 
   A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
   how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages
@@ -210,9 +247,12 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   The outputs alias the cache inputs (input_output_aliases): inside a jitted step whose cache is donated (or
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
-  _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, advance)
+  _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, advance,
+              choose_q, topr)
   kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH)
   B, K, S, H = k_BKSH.shape
+  if num_warps is None:
+    num_warps = 1 if choose_q is None else (4 if B * K < ROW_CHANNELS_TWO_WARPS_MIN_ROWS else 2)
   kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
   new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
   row_spec = pl.BlockSpec((None,), lambda b, k: (b,))
@@ -232,21 +272,35 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
     inputs += [(advance[0], row_spec), (advance[1], row_spec)]
     outputs += [len(inputs) - 2, len(inputs) - 1]
   groups.append(advance is not None)
-  kernel = functools.partial(_cache_append_kernel, page_size=page_size, kt_update=kt_update)
+  # The channel choice: one more input and four outputs of their own (not aliased).
+  choice_specs, choice_shapes = [], []
+  if choose_q is not None:
+    G = choose_q.shape[2]
+    Rp = max(MIN_DOT_DIM, next_pow2(topr))
+    row = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, k: (b, k) + (0,) * len(tail))  # noqa: E731
+    inputs.append((choose_q, row(G, H)))
+    choice_specs = [row(G, Rp), row(Rp), row(Rp), row(G)]
+    choice_shapes = [jax.ShapeDtypeStruct((B, K, G, Rp), choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype)),
+                     jax.ShapeDtypeStruct((B, K, Rp), jnp.int32), jax.ShapeDtypeStruct((B, K, Rp), jnp.int32),
+                     jax.ShapeDtypeStruct((B, K, G), jnp.float32)]
+  kernel = functools.partial(_cache_append_kernel, page_size=page_size, kt_update=kt_update, topr=topr,
+                             interpret=interpret)
 
   def body(*refs):
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
     ins = take(5) + [r for given in groups for r in (take(2) if given else [None, None])]
+    ins += take(1) if choice_specs else [None]
     outs = take(2) + [r for given in groups for r in (take(2) if given else [None, None])]
+    outs += take(4) if choice_specs else [None] * 4
     kernel(*ins, *outs)
 
   return tuple(pl.pallas_call(
       body,
       grid=(B, K),
       in_specs=[spec for _, spec in inputs],
-      out_specs=[inputs[i][1] for i in outputs],
-      out_shape=[jax.ShapeDtypeStruct(inputs[i][0].shape, inputs[i][0].dtype) for i in outputs],
+      out_specs=[inputs[i][1] for i in outputs] + choice_specs,
+      out_shape=[jax.ShapeDtypeStruct(inputs[i][0].shape, inputs[i][0].dtype) for i in outputs] + choice_shapes,
       input_output_aliases={i: o for o, i in enumerate(outputs)},
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,

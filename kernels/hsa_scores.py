@@ -175,6 +175,14 @@ def _hsa_scores_kernel(
                     store_from=0, **kw)
 
 
+def choice_dot_dtype(q_dtype, kt_dtype):
+  """The dtype of the scoring dot (and of the gather layout's chosen query): bf16 queries against bf16 or
+  float8 pages multiply exactly in a bf16 dot; anything float32: float32."""
+  exact_in_bf16 = (jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16) and
+                   jnp.dtype(kt_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2)))
+  return jnp.bfloat16 if exact_in_bf16 else jnp.float32
+
+
 def row_channels_reference(q_BKGH, topr: int, dot_dtype):
   """The gather layout's per-row preparation, once per (b, k) row, in XLA: the group's top-r channels of
   sum_g |q_g| (lax.top_k: ties toward the lower channel, as the scores' reference), in rank order, padded to
@@ -195,7 +203,7 @@ def row_channels_reference(q_BKGH, topr: int, dot_dtype):
   return qr.astype(dot_dtype), ch.astype(jnp.int32), use_max, inv_tau
 
 
-def _row_channels_kernel(
+def row_channels_body(
     q_ref,  # [G, H]
     # outputs
     q_out_ref,  # [G, Rp] the group on the chosen channels, in rank order (0 on pads)
@@ -206,6 +214,7 @@ def _row_channels_kernel(
     topr: int,
     interpret: bool,
 ):
+  """The row_channels kernel's body for one (b, k) row (also run inside `cache_append`'s kernel)."""
   H = q_ref.shape[1]
   Rp = ch_ref.shape[0]
   q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
@@ -243,7 +252,7 @@ def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_w
   Rp = max(MIN_DOT_DIM, next_pow2(topr))
   row = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, k: (b, k) + (0,) * len(tail))
   return tuple(pl.pallas_call(
-      functools.partial(_row_channels_kernel, topr=topr, interpret=interpret),
+      functools.partial(row_channels_body, topr=topr, interpret=interpret),
       grid=(B, K),
       in_specs=[row(G, H)],
       out_specs=[row(G, Rp), row(Rp), row(Rp), row(G)],
@@ -253,6 +262,16 @@ def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_w
       interpret=interpret,
       name="rocketkv_hsa_row_channels",
   )(q_BKGH))
+
+
+def check_choice(choice, B: int, K: int, G: int, topr: int, dot_dtype) -> None:
+  """Checks a channel choice (q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG) against the shapes it is used with."""
+  Rp = max(MIN_DOT_DIM, next_pow2(topr))
+  want = [((B, K, G, Rp), jnp.dtype(dot_dtype)), ((B, K, Rp), jnp.dtype(jnp.int32)),
+          ((B, K, Rp), jnp.dtype(jnp.int32)), ((B, K, G), jnp.dtype(jnp.float32))]
+  got = [(tuple(x.shape), jnp.dtype(x.dtype)) for x in choice]
+  if got != want:
+    raise ValueError(f"choice shapes/dtypes {got} must be {want} (row_channels' outputs for topr={topr})")
 
 
 def _hsa_scores_gather_kernel(
@@ -338,7 +357,7 @@ _GATHER_TILE_ELEMS = 4096
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
-                      load_mask: str = "auto"):
+                      load_mask: str = "auto", choice=None):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -358,6 +377,8 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     load_mask: the gather layout's loads: "pages" (only the valid pages), "rows" (every page of the array,
       junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or "auto" ("rows"
       exactly then).
+    choice: the gather layout's per-row channel choice, already made (`row_channels`' four outputs, e.g. by
+      `cache_append`'s kernel); given, the layout is "gather" and no choice kernel runs here.
     num_warps, num_stages: None: the measured best of the layout (ROW_PROGRAM_WARPS_STAGES,
       PAGE_BLOCK_WARPS_STAGES; 4 warps and 1 stage for "rank").
   Returns:
@@ -379,7 +400,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     raise ValueError(f"page_size={page_size} must be >= 1")
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
   if layout == "auto":
-    layout = "gather" if B * K >= GATHER_MIN_ROWS else "rank"
+    layout = "gather" if B * K >= GATHER_MIN_ROWS or choice is not None else "rank"
+  if choice is not None and layout != "gather":
+    raise ValueError(f"a choice given makes the layout 'gather', not {layout!r}")
   if layout not in ("rank", "gather"):
     raise ValueError(f"layout={layout!r} must be 'rank', 'gather' or 'auto'")
   if load_mask == "auto":
@@ -406,10 +429,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   num_blocks = cdiv(P, block_p)
   P_pad = num_blocks * block_p
   bpp = 1 if split_pages else num_blocks
-  # bf16 queries against bf16 or float8 pages: a bf16 dot multiplies exactly; anything float32: float32.
-  exact_in_bf16 = (jnp.dtype(q_BKGH.dtype) == jnp.dtype(jnp.bfloat16) and
-                   jnp.dtype(kt_min_BKHP.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2)))
-  dot_dtype = jnp.bfloat16 if exact_in_bf16 else jnp.float32
+  dot_dtype = choice_dot_dtype(q_BKGH.dtype, kt_min_BKHP.dtype)
   kt_spec = pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0))
   length_spec = pl.BlockSpec((None,), lambda b, k, j: (b,))
   call = functools.partial(
@@ -429,7 +449,10 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       interpret=interpret)
   length_B = length_B.astype(jnp.int32)  # clipped in the kernels
   if layout == "gather":
-    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret)
+    if choice is None:
+      choice = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret)
+    check_choice(choice, B, K, G, topr, dot_dtype)
+    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = choice
     kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp,
                                page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
     return call(

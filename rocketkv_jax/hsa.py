@@ -21,14 +21,26 @@ from rocketkv_jax.budget import check_int
 from rocketkv_jax.cache import KVCache
 
 
-def select(config, cache: KVCache, q_BKGH):
+# Whether, with kernels, the token append's kernel also makes the step's channel choice (`cache_append`'s
+# choose_q), which the scoring then takes as it is: the choice kernel's launch folded into the append's, and
+# the gather scoring layout at every batch. The same selection; off until a decode step is timed with it.
+CHOICE_IN_APPEND = False
+
+
+def select(config, cache: KVCache, q_BKGH, choice=None):
   """(idx, valid) [B, K, M]: the top-k slots of the step, the new token already appended, ties toward the
-  lower slot; the first min(length, M) entries are valid."""
-  topr = min(config.topr, q_BKGH.shape[-1])
-  idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr, page_size=config.page_size,
-                       k=config.topk, num_slots=cache.capacity, sink=getattr(config, "hsa_sink_tokens", 0),
-                       recent=getattr(config, "hsa_recent_tokens", 0), impl=config.impl)
+  lower slot; the first min(length, M) entries are valid. choice: the channel choice already made
+  (`ops.cache_append`'s choose_q)."""
+  idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr(config, q_BKGH),
+                       page_size=config.page_size, k=config.topk, num_slots=cache.capacity,
+                       sink=getattr(config, "hsa_sink_tokens", 0), recent=getattr(config, "hsa_recent_tokens", 0),
+                       impl=config.impl, choice=choice)
   return idx, ops.prefix_valid(idx, cache.length)
+
+
+def topr(config, q_BKGH) -> int:
+  """The channels scored: config.topr, at most the head dim."""
+  return min(config.topr, q_BKGH.shape[-1])
 
 
 def forced_slots_max(page_size: int, sink: int, recent: int) -> int:

@@ -49,15 +49,16 @@ def uses_kernels(impl: str) -> bool:
 
 
 def cache_append_scatter(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                         page_size: int = 1, advance=None):
+                         page_size: int = 1, advance=None, choose_q=None, topr: int = 0):
   """`cache_append_reference` as XLA scatters (in place under donation). The reference rewrites every slot
   with a select, reading and writing the whole cache per token and layer; this touches one row each
   (CPU, B=8 K=3 S=8192 H=64 f32, 64 appends in a loop: 0.13 ms per append against 0.0005 ms).
-  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). advance: as the
-  reference's (length and pos advanced after the outputs)."""
+  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). advance, choose_q:
+  as the reference's (length and pos advanced, then the channel choice, after the outputs)."""
   S = k_BKSH.shape[2]
-  return _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                         page_size=page_size) + cache_append_kernel.advance_lengths(advance, S)
+  return (_scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
+                          page_size=page_size) + cache_append_kernel.advance_lengths(advance, S)
+          + cache_append_kernel.append_choice(choose_q, topr, kt_min_BKHP))
 
 
 def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size):
@@ -130,7 +131,9 @@ def _select_pages_xla(scores_BKP, length_B, *, page_size, k, num_slots, sink, re
   return _page_topk_xla(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots)
 
 
-def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent):
+def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent,
+                    choice=None):
+  del choice  # the reference chooses the channels itself (the same choice)
   scores = hsa_scores.hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
                                                 page_size=page_size)
   return _select_pages_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, sink=sink,
@@ -138,16 +141,17 @@ def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_si
 
 
 def _hsa_select_pallas(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent,
-                       interpret):
+                       interpret, choice=None):
   """Two kernels back to back and nothing between them: the scoring kernel's partials go straight to a
   selection kernel that normalises, raises the forced pages and picks. Above the selection kernel's page
   limit, the scores are normalised in XLA and selected in XLA."""
   args = (q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
   if kt_min_BKHP.shape[-1] <= page_topk_kernel.MAX_PAGES:
-    s, m, l = hsa_scores.hsa_page_partials(*args, topr=topr, page_size=page_size, interpret=interpret)
+    s, m, l = hsa_scores.hsa_page_partials(*args, topr=topr, page_size=page_size, interpret=interpret,
+                                           choice=choice)
     return page_topk_kernel.hsa_page_topk(s, m, l, length_B, page_size=page_size, k=k, num_slots=num_slots,
                                           sink=sink, recent=recent, interpret=interpret)
-  scores = hsa_scores.hsa_page_scores(*args, topr=topr, page_size=page_size, interpret=interpret)
+  scores = hsa_scores.hsa_page_scores(*args, topr=topr, page_size=page_size, interpret=interpret, choice=choice)
   return _select_pages_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, sink=sink,
                            recent=recent)
 
@@ -201,25 +205,27 @@ def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl):
 
 
 def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl, sink=0,
-               recent=0):
+               recent=0, choice=None):
   """`page_topk` of HSA's group page probabilities (`hsa_scores.hsa_page_scores_reference`): idx [B, K, M] as
   page_topk. sink, recent: the pages holding the first `sink` slots and the last `recent` valid slots are
-  always taken, inside k (RocketKV's hsa_sink_tokens / hsa_recent_tokens, this project's extension)."""
+  always taken, inside k (RocketKV's hsa_sink_tokens / hsa_recent_tokens, this project's extension). choice:
+  the channel choice already made (`cache_append`'s choose_q), which the kernels use as it is."""
   return call("hsa_select", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size, k=k,
-              num_slots=num_slots, sink=sink, recent=recent, impl=impl)
+              num_slots=num_slots, sink=sink, recent=recent, impl=impl, choice=choice)
 
 
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
-                 impl, advance=None):
+                 impl, advance=None, choose_q=None, topr=0):
   """The new token's K/V rows at `slot` ([B], or [B, K] per KV head), its key folded into its KT page when
   pages are given: (k, v) or (k, v, kt_min, kt_max); with advance = (length_B, pos_B) those two follow,
   advanced (min(length + 1, S), pos + 1: inside the kernel, no launch of their own). A slot outside [0, S)
-  changes nothing (length and pos advance all the same). The kernel
+  changes nothing (length and pos advance all the same). With choose_q (the step's query) and topr, HSA's
+  channel choice of each row follows (`hsa_select`'s choice=; the kernel makes it in the same launch). The kernel
   rebuilds the open page from its K rows when the new key has the cache's dtype (`cache_append`'s
   kt_update="auto"); the XLA path folds the key into the page: the same pages whenever each page holds its
   rows' min/max, as every cache's do."""
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
-              page_size=page_size, impl=impl, advance=advance)
+              page_size=page_size, impl=impl, advance=advance, choose_q=choose_q, topr=topr)
 
 
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):

@@ -58,10 +58,21 @@ def append_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
   """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages)
   its KT page, in one `ops.cache_append`; length (up to the capacity) and pos advance. A slot outside
   [0, S) writes nothing."""
+  return _append(cache, k_new_BKH, v_new_BKH, slot, config)[0]
+
+
+def append_choosing_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, q_BKGH, topr: int):
+  """`append_at` whose append op also makes HSA's channel choice of the step's query q [B, K, G, H] (with
+  kernels, inside the append's launch): (cache, choice), the choice as `ops.hsa_select` takes it."""
+  return _append(cache, k_new_BKH, v_new_BKH, slot, config, choose_q=q_BKGH, topr=topr)
+
+
+def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
   pages = (cache.kt_min, cache.kt_max) if config.uses_kt_pages else ()
   advance = (cache.length, cache.pos) if ADVANCE_IN_APPEND else None
   new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
-                         page_size=config.page_size if pages else 1, impl=config.impl, advance=advance)
+                         page_size=config.page_size if pages else 1, impl=config.impl, advance=advance, **choose)
+  new, choice = (new[:-4], new[-4:]) if choose else (new, None)
   if advance is None:
     length, pos = jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32), cache.pos + 1
   else:
@@ -70,7 +81,7 @@ def append_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
     k, v, kt_min, kt_max = new
   else:
     (k, v), kt_min, kt_max = new, cache.kt_min, cache.kt_max
-  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=pos, length=length)
+  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=pos, length=length), choice
 
 
 def kt_itemsize(config, itemsize: int) -> int:

@@ -4,13 +4,28 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from rocketkv_jax import hsa
+from rocketkv_jax import hsa, ops
 from rocketkv_jax.budget import stage2_pages
-from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, kt_itemsize, seq_len
+from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, append_choosing_at, check_budget, kt_itemsize,
+                                       seq_len)
+
+
+class ChoiceInAppendMixin:
+  """The decode step of the methods whose stage 2 is HSA (hsa, rocketkv, rocketkv_plus) when
+  `hsa.CHOICE_IN_APPEND` and the kernels run: the append's kernel also makes the channel choice, the scoring
+  takes it; otherwise the shared step (append, select, attend)."""
+
+  def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
+    if not (hsa.CHOICE_IN_APPEND and ops.uses_kernels(self.impl)):
+      return super().decode(cache, q_BKGH, k_new_BKH, v_new_BKH)
+    cache, choice = append_choosing_at(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self, q_BKGH,
+                                       hsa.topr(self, q_BKGH))
+    idx, valid = hsa.select(self, cache, q_BKGH, choice=choice)
+    return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl), cache
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HSAConfig(SelectingMixin, KeepAllConfig):
+class HSAConfig(ChoiceInAppendMixin, SelectingMixin, KeepAllConfig):
   """Hybrid sparse attention (RocketKV's stage 2) alone, over the full cache."""
 
   method: ClassVar[str] = "hsa"

@@ -7,12 +7,13 @@ from typing import ClassVar
 from rocketkv_jax import hsa, stage1
 from rocketkv_jax.budget import check_int, plan_budget, stage2_replan
 from rocketkv_jax.methods.base import MethodConfig, SelectingMixin, kt_itemsize
+from rocketkv_jax.methods.hsa import ChoiceInAppendMixin
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window (ALGORITHM.md §2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RocketKVConfig(SelectingMixin, MethodConfig):
+class RocketKVConfig(ChoiceInAppendMixin, SelectingMixin, MethodConfig):
   """RocketKV: stage 1 keeps `prompt_budget` prompt tokens per KV head (SnapKV, window `window_size`,
   max-pool `kernel_size`, optional `sink_tokens` forced in); stage 2 (HSA) attends to the top `topk`
   tokens per step, scored from page min/max (`page_size` slots per page) over the top `topr` channels.

@@ -66,6 +66,24 @@ def check_advance(args, S, kw, interpret, num_warps=1):
   assert_same(out, ref)
 
 
+def check_choose(args, H, kw, interpret, num_warps=None, G=4, topr=21):
+  """With choose_q: the same cache outputs (and advance), then the channel choice of `row_channels_reference`
+  (inv_tau up to float32 summation order); ties of |q| sums (twin channels) and a zero group included."""
+  B, K = args[0].shape[:2]
+  q = jax.random.normal(jax.random.PRNGKey(B + H), (B, K, G, H), jnp.float32)
+  q = q.at[0, 0].set(q[0, 0].at[:, 1::2].set(q[0, 0][:, 0::2]))  # ties
+  if K > 1:
+    q = q.at[0, 1].set(0.0)
+  q = q.astype(args[2].dtype)
+  adv = lengths_and_pos(B, args[0].shape[2])
+  ref = cache_append_reference(*args, advance=adv, choose_q=q, topr=topr, **kw)
+  assert_same(ref[:-4], cache_append_reference(*args, advance=adv, **kw))
+  out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps,
+                     advance=tuple(jnp.copy(a) for a in adv), choose_q=q, topr=topr, **kw)
+  assert_same(out[:-1], ref[:-1])
+  np.testing.assert_allclose(np.asarray(out[-1]), np.asarray(ref[-1]), rtol=1e-6)
+
+
 def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0, num_warps=1, kt_update="fold"):
   slot = slots(B, K, S, page_size, per_head)
   args = make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot, seed)
@@ -74,6 +92,8 @@ def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, see
   out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps, **kw)
   assert_same(out, ref)
   check_advance(args, S, kw, interpret, num_warps)
+  if kt_dtype is not None:
+    check_choose(args, H, kw, interpret)
   if not per_head:  # one [B] slot for every KV head: the same result
     args_B = args[:4] + (slot[:, 0],) + args[5:]
     assert_same(cache_append(*[jnp.copy(x) for x in args_B], interpret=interpret, **kw), ref)
@@ -206,6 +226,14 @@ def test_rejects_bad_args():
     cache_append(kv, kv, new, new, slot, advance=(n.astype(jnp.float32), n))
   with pytest.raises(ValueError, match="advance must be a"):
     cache_append(kv, kv, new, new, slot, advance=n)
+  q = jnp.ones((1, 2, 4, 64))
+  with pytest.raises(ValueError, match="choose_q needs the KT pages"):
+    cache_append(kv, kv, new, new, slot, choose_q=q, topr=8)
+  kt = jnp.ones((1, 2, 64, kt_num_pages(10, 3)))
+  with pytest.raises(ValueError, match="choose_q.shape"):
+    cache_append(kv, kv, new, new, slot, kt, kt, page_size=3, choose_q=q[..., :32], topr=8)
+  with pytest.raises(ValueError, match="topr=65"):
+    cache_append(kv, kv, new, new, slot, kt, kt, page_size=3, choose_q=q, topr=65)
 
 
 def _sd(B, K, S, H, P, dtype, kt_dtype, slot_shape=None):
@@ -223,6 +251,15 @@ def test_lowers_for_h200_through_triton(kt_dtype):
   assert text.count("stablehlo.output_operand_alias<") == (2 if kt_dtype is None else 4)
   if kt_dtype is not None:
     assert "operand_index = 6" in text
+
+
+def test_lowers_for_h200_with_the_channel_choice():
+  n = jax.ShapeDtypeStruct((8,), jnp.int32)
+  q = jax.ShapeDtypeStruct((8, 8, 4, 128), jnp.bfloat16)
+  text = lower_for_h200(lambda *a: cache_append(*a[:-3], page_size=3, advance=a[-3:-1], choose_q=a[-1], topr=60),
+                        *_sd(8, 8, 1617, 128, 544, jnp.bfloat16, jnp.bfloat16, slot_shape=(8,)), n, n, q)
+  assert "rocketkv_cache_append" in text
+  assert text.count("stablehlo.output_operand_alias<") == 6  # the choice's four outputs are new buffers
 
 
 @pytest.mark.parametrize("kt_dtype", [jnp.bfloat16, None])

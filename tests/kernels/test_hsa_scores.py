@@ -136,6 +136,27 @@ def test_auto_layout_picks_by_rows():
   assert "rocketkv_hsa_row_channels" not in traced(GATHER_MIN_ROWS - 1)  # ranking in the scoring kernel
 
 
+def test_a_given_choice_is_used_as_it_is_interpret():
+  """choice= (e.g. made by `cache_append`'s kernel): the gather layout at any row count, the same scores as
+  choosing in the call; a wrong choice (another top-r) changes them; bad shapes and the rank layout raise."""
+  from rocketkv_jax.kernels.hsa_scores import choice_dot_dtype
+  c = dict(B=2, K=2, G=4, H=64, S=40, dtype=jnp.bfloat16)  # 4 rows: "auto" would rank in the kernel
+  q, kt_min, kt_max, length, _ = make_inputs(c, 9, 3, 9, jnp.bfloat16, aligned=True)
+  run = lambda **kw: np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=9, page_size=3, interpret=True,
+                                                **kw))
+  dot = choice_dot_dtype(q.dtype, kt_min.dtype)
+  want = run(layout="gather")
+  live = np.isfinite(want)
+  np.testing.assert_array_equal(run(choice=row_channels_reference(q, 9, dot)), want)
+  assert rel_err(run(choice=row_channels(q, 9, dot, interpret=True)), want, where=live) < 1e-6
+  other = row_channels_reference(q, 3, dot)  # 3 channels padded to the same 16 slots: a valid, different choice
+  assert not np.allclose(run(choice=other)[live], want[live])
+  with pytest.raises(ValueError, match="choice shapes"):
+    run(choice=row_channels_reference(q, 40, dot))
+  with pytest.raises(ValueError, match="makes the layout 'gather'"):
+    run(choice=row_channels_reference(q, 9, dot), layout="rank")
+
+
 @pytest.mark.parametrize("layout,split_pages", [("rank", True), ("rank", False), ("gather", False)])
 def test_channel_choice_ties_toward_the_lower_channel_interpret(layout, split_pages):
   """The in-kernel channel choices (the rank layout's, the row_channels kernel's) give the reference's
