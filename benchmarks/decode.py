@@ -237,6 +237,9 @@ def main(argv=None):
   ap.add_argument("--choice-in-append", action="store_true",
                   help="experiment: the append's kernel also makes HSA's channel choice (hsa.CHOICE_IN_APPEND, "
                        "off by default until timed)")
+  ap.add_argument("--split-k", type=int, default=None,
+                  help="experiment: the decode step's o and down projections as S float32 partials summed by the "
+                       "add + RMSNorm kernel (models.llama.DECODE_SPLIT_K; 1, off, by default)")
   ap.add_argument("--gather-min-rows", type=int, default=None,
                   help="experiment: HSA scoring's gather layout from this many (b, k) rows "
                        "(kernels.hsa_scores.GATHER_MIN_ROWS)")
@@ -248,6 +251,8 @@ def main(argv=None):
     hsa.CHOICE_IN_APPEND = True
   if args.gather_min_rows is not None:
     hsa_scores.GATHER_MIN_ROWS = args.gather_min_rows
+  if args.split_k is not None:
+    llama.DECODE_SPLIT_K = args.split_k
   cfg = TINY if args.tiny else SHAPES[args.shape]
   mesh = None
   if args.mesh:
@@ -278,7 +283,8 @@ def main(argv=None):
                     sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), mesh=args.mesh,
                 shape="tiny" if args.tiny else args.shape, advance_in_append=method_base.ADVANCE_IN_APPEND,
-                choice_in_append=hsa.CHOICE_IN_APPEND, gather_min_rows=hsa_scores.GATHER_MIN_ROWS)
+                choice_in_append=hsa.CHOICE_IN_APPEND, gather_min_rows=hsa_scores.GATHER_MIN_ROWS,
+                split_k=llama.DECODE_SPLIT_K)
 
   def emit(rec):
     line = json.dumps(rec)

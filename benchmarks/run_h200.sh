@@ -63,17 +63,18 @@ for part in "$@"; do
         --block-p 64,128 --warps 4 --stages 1 --out "$out/tune_hsa.jsonl" >>"$out/log.txt" 2>&1
       PYTHONPATH=$PWD timeout 150 python3 benchmarks/kernels.py --out "$out/kernels_select.jsonl" --only select \
         --batches 1,8,32 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
-    stage2_next)  # issue 15, next (about 8 minutes): the untimed decode experiments against the default on one
+    stage2_next)  # issue 15, next (about 9 minutes): the untimed decode experiments against the default on one
                   # machine, 32k, batch 1 and 8 (a fresh process each: the flags are read while tracing), then
                   # the append kernel advancing length/pos and making the channel choice, compiled (GPU tests)
       for v in "default:" "advance:--advance-in-append" "choice:--choice-in-append" "gather8:--gather-min-rows 8" \
-               "both:--advance-in-append --choice-in-append"; do
+               "split4:--split-k 4" "all:--advance-in-append --choice-in-append --split-k 4"; do
         # shellcheck disable=SC2086  # the flags split on purpose
         timeout 100 python3 -m benchmarks.decode --out "$out/decode_${v%%:*}.jsonl" --contexts 32k --methods rocketkv \
           --budgets 256 --batches 1,8 ${v#*:} >>"$out/log.txt" 2>&1 || echo "part exited $? : $v" >>"$out/log.txt"
       done
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -m gpu tests/kernels/test_cache_append.py \
-        -q -rfE -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1; tail -3 "$out/gpu_tests.txt" >>"$out/log.txt" ;;
+        tests/kernels/test_rms_norm.py -q -rfE -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
+      tail -3 "$out/gpu_tests.txt" >>"$out/log.txt" ;;
     kernels_s2)  # the stage-2 kernels per layer at 32k, t=256 (the per-layer table; about 100-200 s)
       PYTHONPATH=$PWD timeout 280 python3 benchmarks/kernels.py --out "$out/kernels_s2.jsonl" --only sparse --skip-fused \
         --batches 8,32,108,391 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;

@@ -229,7 +229,8 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
 
 
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):
-  """(h, normed): h = x + delta (x when delta is None), normed = RMSNorm(h) * w."""
+  """(h, normed): h = x + delta (x when delta is None; delta may be float32 partials [S, B, D] of a split
+  matmul, summed first), normed = RMSNorm(h) * w."""
   return call("add_rms_norm", x_BD, delta_BD, w_D, eps=eps, impl=impl)
 
 
