@@ -23,9 +23,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import (ROW_CHANNELS_TWO_WARPS_MIN_ROWS, choice_dot_dtype, row_channels_body,
-                                             row_channels_reference)
-from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, next_pow2
+from rocketkv_jax.kernels.hsa_scores import (choice_dot_dtype, choice_shapes, row_blocks, row_channels_body,
+                                             row_channels_reference, row_channels_warps)
+from rocketkv_jax.kernels.triton_util import next_pow2
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
@@ -229,8 +229,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   [B], the cache's), followed by (min(length + 1, S), pos + 1), written in place as well; with choose_q (the
   step's query [B, K, G, H]; KT pages required) and topr, followed by HSA's channel choice of each row
   (q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG: `hsa_scores.row_channels`' outputs, which the scoring takes as
-  `choice=`). num_warps None: 1, or with choose_q `row_channels`' rule (4 below
-  ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, else 2).
+  `choice=`). num_warps None: 1, or with choose_q `row_channels`' (`hsa_scores.row_channels_warps`).
 
   A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
   how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages
@@ -252,7 +251,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH)
   B, K, S, H = k_BKSH.shape
   if num_warps is None:
-    num_warps = 1 if choose_q is None else (4 if B * K < ROW_CHANNELS_TWO_WARPS_MIN_ROWS else 2)
+    num_warps = 1 if choose_q is None else row_channels_warps(B * K)
   kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
   new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
   row_spec = pl.BlockSpec((None,), lambda b, k: (b,))
@@ -273,16 +272,10 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
     outputs += [len(inputs) - 2, len(inputs) - 1]
   groups.append(advance is not None)
   # The channel choice: one more input and four outputs of their own (not aliased).
-  choice_specs, choice_shapes = [], []
+  choice = []
   if choose_q is not None:
-    G = choose_q.shape[2]
-    Rp = max(MIN_DOT_DIM, next_pow2(topr))
-    row = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, k: (b, k) + (0,) * len(tail))  # noqa: E731
-    inputs.append((choose_q, row(G, H)))
-    choice_specs = [row(G, Rp), row(Rp), row(Rp), row(G)]
-    choice_shapes = [jax.ShapeDtypeStruct((B, K, G, Rp), choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype)),
-                     jax.ShapeDtypeStruct((B, K, Rp), jnp.int32), jax.ShapeDtypeStruct((B, K, Rp), jnp.int32),
-                     jax.ShapeDtypeStruct((B, K, G), jnp.float32)]
+    inputs += zip([choose_q], row_blocks([choose_q]))
+    choice = choice_shapes(B, K, choose_q.shape[2], topr, choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype))
   kernel = functools.partial(_cache_append_kernel, page_size=page_size, kt_update=kt_update, topr=topr,
                              interpret=interpret)
 
@@ -290,17 +283,17 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
     ins = take(5) + [r for given in groups for r in (take(2) if given else [None, None])]
-    ins += take(1) if choice_specs else [None]
+    ins += take(1) if choice else [None]
     outs = take(2) + [r for given in groups for r in (take(2) if given else [None, None])]
-    outs += take(4) if choice_specs else [None] * 4
+    outs += take(4) if choice else [None] * 4
     kernel(*ins, *outs)
 
   return tuple(pl.pallas_call(
       body,
       grid=(B, K),
       in_specs=[spec for _, spec in inputs],
-      out_specs=[inputs[i][1] for i in outputs] + choice_specs,
-      out_shape=[jax.ShapeDtypeStruct(inputs[i][0].shape, inputs[i][0].dtype) for i in outputs] + choice_shapes,
+      out_specs=[inputs[i][1] for i in outputs] + row_blocks(choice),
+      out_shape=[jax.ShapeDtypeStruct(inputs[i][0].shape, inputs[i][0].dtype) for i in outputs] + choice,
       input_output_aliases={i: o for o, i in enumerate(outputs)},
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,

@@ -183,6 +183,29 @@ def choice_dot_dtype(q_dtype, kt_dtype):
   return jnp.bfloat16 if exact_in_bf16 else jnp.float32
 
 
+def chosen_slots(topr: int) -> int:
+  """Rp: the slots a row's channel choice is padded to (a power of two, at least Triton's dot minimum)."""
+  return max(MIN_DOT_DIM, next_pow2(topr))
+
+
+def choice_shapes(B: int, K: int, G: int, topr: int, dot_dtype) -> list:
+  """The channel choice's arrays (q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG) as ShapeDtypeStructs."""
+  Rp = chosen_slots(topr)
+  return [jax.ShapeDtypeStruct((B, K, G, Rp), dot_dtype), jax.ShapeDtypeStruct((B, K, Rp), jnp.int32),
+          jax.ShapeDtypeStruct((B, K, Rp), jnp.int32), jax.ShapeDtypeStruct((B, K, G), jnp.float32)]
+
+
+def row_blocks(shapes) -> list:
+  """BlockSpecs of a (B, K) grid taking each array's (b, k) row whole."""
+  return [pl.BlockSpec((None, None) + tuple(x.shape[2:]), lambda b, k, n=len(x.shape) - 2: (b, k) + (0,) * n)
+          for x in shapes]
+
+
+def row_channels_warps(rows: int) -> int:
+  """The channel choice's warps at `rows` (b, k) rows: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS, else 2."""
+  return 4 if rows < ROW_CHANNELS_TWO_WARPS_MIN_ROWS else 2
+
+
 def row_channels_reference(q_BKGH, topr: int, dot_dtype):
   """The gather layout's per-row preparation, once per (b, k) row, in XLA: the group's top-r channels of
   sum_g |q_g| (lax.top_k: ties toward the lower channel, as the scores' reference), in rank order, padded to
@@ -195,7 +218,7 @@ def row_channels_reference(q_BKGH, topr: int, dot_dtype):
   qr = jnp.take_along_axis(qf, ch[:, :, None, :], axis=-1)  # [B, K, G, R]
   use_max = (qr.sum(axis=2) > 0).astype(jnp.int32)
   inv_tau = 1.0 / _temperature(qr, qf)
-  pad = max(MIN_DOT_DIM, next_pow2(topr)) - topr
+  pad = chosen_slots(topr) - topr
   if pad:
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, pad)))
     ch = jnp.pad(ch, ((0, 0), (0, 0), (0, pad)))
@@ -244,20 +267,17 @@ def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_w
   """`row_channels_reference` as one small Pallas kernel, a program per (b, k) row: the in-kernel ranks of
   the rank layout, each chosen channel stored at its slot. The same outputs (inv_tau up to float32 summation
   order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it (faster at every row
-  count timed: see ROW_CHANNELS_TWO_WARPS_MIN_ROWS). num_warps None: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS
-  rows of B * K, else 2."""
+  count timed: see ROW_CHANNELS_TWO_WARPS_MIN_ROWS). num_warps None: `row_channels_warps`."""
   B, K, G, H = q_BKGH.shape
   if num_warps is None:
-    num_warps = 4 if B * K < ROW_CHANNELS_TWO_WARPS_MIN_ROWS else 2
-  Rp = max(MIN_DOT_DIM, next_pow2(topr))
-  row = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, k: (b, k) + (0,) * len(tail))
+    num_warps = row_channels_warps(B * K)
+  shapes = choice_shapes(B, K, G, topr, dot_dtype)
   return tuple(pl.pallas_call(
       functools.partial(row_channels_body, topr=topr, interpret=interpret),
       grid=(B, K),
-      in_specs=[row(G, H)],
-      out_specs=[row(G, Rp), row(Rp), row(Rp), row(G)],
-      out_shape=[jax.ShapeDtypeStruct((B, K, G, Rp), dot_dtype), jax.ShapeDtypeStruct((B, K, Rp), jnp.int32),
-                 jax.ShapeDtypeStruct((B, K, Rp), jnp.int32), jax.ShapeDtypeStruct((B, K, G), jnp.float32)],
+      in_specs=row_blocks([q_BKGH]),
+      out_specs=row_blocks(shapes),
+      out_shape=shapes,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="rocketkv_hsa_row_channels",
@@ -266,9 +286,7 @@ def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_w
 
 def check_choice(choice, B: int, K: int, G: int, topr: int, dot_dtype) -> None:
   """Checks a channel choice (q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG) against the shapes it is used with."""
-  Rp = max(MIN_DOT_DIM, next_pow2(topr))
-  want = [((B, K, G, Rp), jnp.dtype(dot_dtype)), ((B, K, Rp), jnp.dtype(jnp.int32)),
-          ((B, K, Rp), jnp.dtype(jnp.int32)), ((B, K, G), jnp.dtype(jnp.float32))]
+  want = [(x.shape, jnp.dtype(x.dtype)) for x in choice_shapes(B, K, G, topr, dot_dtype)]
   got = [(tuple(x.shape), jnp.dtype(x.dtype)) for x in choice]
   if got != want:
     raise ValueError(f"choice shapes/dtypes {got} must be {want} (row_channels' outputs for topr={topr})")
@@ -409,7 +427,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     load_mask = "rows" if (P * jnp.dtype(kt_min_BKHP.dtype).itemsize) % 16 == 0 else "pages"
   if load_mask not in ("pages", "rows"):
     raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
-  Rp = max(MIN_DOT_DIM, next_pow2(topr))
+  Rp = chosen_slots(topr)
   if block_p is None:
     # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
     # ranking in the kernel, [Rp, block_p] when gathering the chosen rows).

@@ -452,10 +452,10 @@ def _project(x_BX, w_XD, split: int):
   return SplitDelta(parts)
 
 
-def decode_split(cfg: LlamaConfig, batch: int, impl: str, per_device: bool) -> int:
+def decode_split(cfg: LlamaConfig, batch: int, impl: str) -> int:
   """The decode step's split of the o and down projections (`DECODE_SPLIT_K`), 1 where it does not apply."""
   s = DECODE_SPLIT_K
-  ok = (s > 1 and ops.uses_kernels(impl) and not per_device and active_mesh() is None
+  ok = (s > 1 and ops.uses_kernels(impl) and active_mesh() is None
         and batch >= DECODE_SPLIT_K_MIN_BATCH and (cfg.n_heads * cfg.head_dim) % s == 0 and cfg.ffn_dim % s == 0)
   return s if ok else 1
 
@@ -781,7 +781,7 @@ def decode_layer(blk: Block, cfg: LlamaConfig, x_B1D, delta_B1D, cache, config) 
   else:
     q, k, v = _decode_qkv(blk, cfg, h, cache.pos, impl)
     o, cache = decode_step(cache, q, k, v, config=config)
-  split = decode_split(cfg, x.shape[0], impl, kernels)
+  split = decode_split(cfg, x.shape[0], impl)
   x, h = _norm(x, _attn_out(blk, o[:, None], x.dtype, split), blk.mlp_norm[...], eps, impl, kernels)
   return LayerStep(x=x, delta=_mlp(blk, h, split), cache=cache, q=q, k=k)
 

@@ -228,6 +228,12 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
               page_size=page_size, impl=impl, advance=advance, choose_q=choose_q, topr=topr)
 
 
+def advance_lengths(length_B, pos_B, num_slots: int):
+  """(min(length + 1, num_slots), pos + 1), int32: a cache's length and pos after an append, in XLA (the
+  append op's `advance` does the same inside its kernel)."""
+  return cache_append_kernel.advance_lengths((length_B, pos_B), num_slots)
+
+
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):
   """(h, normed): h = x + delta (x when delta is None; delta may be float32 partials [S, B, D] of a split
   matmul, summed first), normed = RMSNorm(h) * w."""

@@ -74,7 +74,7 @@ def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
                          page_size=config.page_size if pages else 1, impl=config.impl, advance=advance, **choose)
   new, choice = (new[:-4], new[-4:]) if choose else (new, None)
   if advance is None:
-    length, pos = jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32), cache.pos + 1
+    length, pos = ops.advance_lengths(cache.length, cache.pos, cache.capacity)
   else:
     new, (length, pos) = new[:-2], new[-2:]
   if pages:
@@ -264,8 +264,9 @@ class SelectingMixin:
   def select(self, cache: KVCache, q_BKGH):
     raise NotImplementedError
 
-  def attend(self, cache: KVCache, q_BKGH):
-    idx, valid = self.select(cache, q_BKGH)
+  def attend(self, cache: KVCache, q_BKGH, **select_kw):
+    """Exact attention over `select`'s slots (select_kw: options of the method's select)."""
+    idx, valid = self.select(cache, q_BKGH, **select_kw)
     return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl)
 
   def attended_slots(self, cache: KVCache, q_BKGH):

@@ -10,22 +10,27 @@ from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, append_cho
                                        seq_len)
 
 
-class ChoiceInAppendMixin:
-  """The decode step of the methods whose stage 2 is HSA (hsa, rocketkv, rocketkv_plus) when
-  `hsa.CHOICE_IN_APPEND` and the kernels run: the append's kernel also makes the channel choice, the scoring
-  takes it; otherwise the shared step (append, select, attend)."""
+class HSAStage2Mixin:
+  """What the methods whose stage 2 is HSA (hsa, rocketkv, rocketkv_plus) share: the selection (`hsa.select`),
+  its read bytes, and the decode step, which with `hsa.CHOICE_IN_APPEND` and kernels has the append's kernel
+  make the channel choice that the selection then takes (otherwise the shared step: append, select, attend)."""
+
+  def select(self, cache, q_BKGH, choice=None):
+    return hsa.select(self, cache, q_BKGH, choice=choice)
+
+  def score_read_bytes(self, length, *, head_dim, itemsize):
+    return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))
 
   def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
     if not (hsa.CHOICE_IN_APPEND and ops.uses_kernels(self.impl)):
       return super().decode(cache, q_BKGH, k_new_BKH, v_new_BKH)
     cache, choice = append_choosing_at(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self, q_BKGH,
                                        hsa.topr(self, q_BKGH))
-    idx, valid = hsa.select(self, cache, q_BKGH, choice=choice)
-    return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl), cache
+    return self.attend(cache, q_BKGH, choice=choice), cache
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HSAConfig(ChoiceInAppendMixin, SelectingMixin, KeepAllConfig):
+class HSAConfig(HSAStage2Mixin, SelectingMixin, KeepAllConfig):
   """Hybrid sparse attention (RocketKV's stage 2) alone, over the full cache."""
 
   method: ClassVar[str] = "hsa"
@@ -41,9 +46,3 @@ class HSAConfig(ChoiceInAppendMixin, SelectingMixin, KeepAllConfig):
     s = seq_len(prompt_len, max_new_tokens, max_len)
     page_size, topr = stage2_pages(max(1.0, s / token_budget), head_dim)  # no stage-1 share: c2 = c
     return cls(**{"max_len": s, "page_size": page_size, "topr": topr, "topk": token_budget // 2, **kw})
-
-  def select(self, cache, q_BKGH):
-    return hsa.select(self, cache, q_BKGH)
-
-  def score_read_bytes(self, length, *, head_dim, itemsize):
-    return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))

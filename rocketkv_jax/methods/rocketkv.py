@@ -6,14 +6,14 @@ from typing import ClassVar
 
 from rocketkv_jax import hsa, stage1
 from rocketkv_jax.budget import check_int, plan_budget, stage2_replan
-from rocketkv_jax.methods.base import MethodConfig, SelectingMixin, kt_itemsize
-from rocketkv_jax.methods.hsa import ChoiceInAppendMixin
+from rocketkv_jax.methods.base import MethodConfig, SelectingMixin
+from rocketkv_jax.methods.hsa import HSAStage2Mixin
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window (ALGORITHM.md §2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RocketKVConfig(ChoiceInAppendMixin, SelectingMixin, MethodConfig):
+class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   """RocketKV: stage 1 keeps `prompt_budget` prompt tokens per KV head (SnapKV, window `window_size`,
   max-pool `kernel_size`, optional `sink_tokens` forced in); stage 2 (HSA) attends to the top `topk`
   tokens per step, scored from page min/max (`page_size` slots per page) over the top `topr` channels.
@@ -97,12 +97,6 @@ class RocketKVConfig(ChoiceInAppendMixin, SelectingMixin, MethodConfig):
 
   def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
     return stage1.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B)
-
-  def select(self, cache, q_BKGH):
-    return hsa.select(self, cache, q_BKGH)
-
-  def score_read_bytes(self, length, *, head_dim, itemsize):
-    return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -104,9 +104,9 @@ def test_split_projections_decode_the_same_interpret(dtype, monkeypatch):
       logits, caches = decode(model, feed[:, i], caches, config)
       steps.append(np.asarray(logits, np.float32))
     runs[split] = np.stack(steps)
-  assert llama.decode_split(cfg, 3, "interpret", False) == 4
-  assert llama.decode_split(cfg, 1, "interpret", False) == 1  # batch 1: never
-  assert llama.decode_split(cfg, 3, "xla", False) == 1  # the XLA path: never
+  assert llama.decode_split(cfg, 3, "interpret") == 4
+  assert llama.decode_split(cfg, 1, "interpret") == 1  # batch 1: never
+  assert llama.decode_split(cfg, 3, "xla") == 1  # the XLA path: never
   err = np.linalg.norm(runs[4] - runs[1]) / np.linalg.norm(runs[1])
   # > 0: the split path ran (float32 sums in another order). In bf16 the plain path rounds each projection
   # to bf16 before the add and the split path does not: about 1% apart in the tiny model.
