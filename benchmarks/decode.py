@@ -30,7 +30,6 @@ from flax import nnx
 import rocketkv_jax as rk
 from rocketkv_jax import hsa
 from rocketkv_jax.kernels import hsa_scores
-from rocketkv_jax.methods import base as method_base
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.loop import LoopConfig, decode_loop_jit
 from rocketkv_jax.models.sharding import default_impl, make_mesh, shard_batch, shard_model, using
@@ -231,28 +230,12 @@ def main(argv=None):
                   help="DP,TP: a mesh of DP x TP devices (batch over DP, tensor parallel over TP); floors are "
                        "per device. The kernels are not partitioned yet: a mesh of more than one device runs "
                        "the XLA path")
-  ap.add_argument("--advance-in-append", action="store_true",
-                  help="experiment: the append op advances each cache's length and pos "
-                       "(methods.base.ADVANCE_IN_APPEND, off by default until timed)")
-  ap.add_argument("--choice-in-append", action="store_true",
-                  help="experiment: the append's kernel also makes HSA's channel choice (hsa.CHOICE_IN_APPEND, "
-                       "off by default until timed)")
-  ap.add_argument("--split-k", type=int, default=None,
-                  help="experiment: the decode step's o and down projections as S float32 partials summed by the "
-                       "add + RMSNorm kernel (models.llama.DECODE_SPLIT_K; 1, off, by default)")
-  ap.add_argument("--gather-min-rows", type=int, default=None,
-                  help="experiment: HSA scoring's gather layout from this many (b, k) rows "
-                       "(kernels.hsa_scores.GATHER_MIN_ROWS)")
+  ap.add_argument("--no-choice-in-append", action="store_true",
+                  help="HSA's channel choice by its own kernel, not by the append's (hsa.CHOICE_IN_APPEND off)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
-  if args.advance_in_append:
-    method_base.ADVANCE_IN_APPEND = True
-  if args.choice_in_append:
-    hsa.CHOICE_IN_APPEND = True
-  if args.gather_min_rows is not None:
-    hsa_scores.GATHER_MIN_ROWS = args.gather_min_rows
-  if args.split_k is not None:
-    llama.DECODE_SPLIT_K = args.split_k
+  if args.no_choice_in_append:
+    hsa.CHOICE_IN_APPEND = False
   cfg = TINY if args.tiny else SHAPES[args.shape]
   mesh = None
   if args.mesh:
@@ -282,9 +265,8 @@ def main(argv=None):
                 device=dev.device_kind, jax=jax.__version__, command="python -m benchmarks.decode " + " ".join(
                     sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), mesh=args.mesh,
-                shape="tiny" if args.tiny else args.shape, advance_in_append=method_base.ADVANCE_IN_APPEND,
-                choice_in_append=hsa.CHOICE_IN_APPEND, gather_min_rows=hsa_scores.GATHER_MIN_ROWS,
-                split_k=llama.DECODE_SPLIT_K)
+                shape="tiny" if args.tiny else args.shape, choice_in_append=hsa.CHOICE_IN_APPEND,
+                gather_min_rows=hsa_scores.GATHER_MIN_ROWS)
 
   def emit(rec):
     line = json.dumps(rec)

@@ -3,7 +3,7 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2 mesh70b stage2_kernels stage2_next kernels_s2 profile391)
+#        serve32max turn2 mesh70b stage2_kernels kernels_s2 profile391)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa.)
 set -u
@@ -63,18 +63,6 @@ for part in "$@"; do
         --block-p 64,128 --warps 4 --stages 1 --out "$out/tune_hsa.jsonl" >>"$out/log.txt" 2>&1
       PYTHONPATH=$PWD timeout 150 python3 benchmarks/kernels.py --out "$out/kernels_select.jsonl" --only select \
         --batches 1,8,32 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
-    stage2_next)  # issue 15, next (about 9 minutes): the untimed decode experiments against the default on one
-                  # machine, 32k, batch 1 and 8 (a fresh process each: the flags are read while tracing), then
-                  # the append kernel advancing length/pos and making the channel choice, compiled (GPU tests)
-      for v in "default:" "advance:--advance-in-append" "choice:--choice-in-append" "gather8:--gather-min-rows 8" \
-               "split4:--split-k 4" "all:--advance-in-append --choice-in-append --split-k 4"; do
-        # shellcheck disable=SC2086  # the flags split on purpose
-        timeout 100 python3 -m benchmarks.decode --out "$out/decode_${v%%:*}.jsonl" --contexts 32k --methods rocketkv \
-          --budgets 256 --batches 1,8 ${v#*:} >>"$out/log.txt" 2>&1 || echo "part exited $? : $v" >>"$out/log.txt"
-      done
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -m gpu tests/kernels/test_cache_append.py \
-        tests/kernels/test_rms_norm.py -q -rfE -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
-      tail -3 "$out/gpu_tests.txt" >>"$out/log.txt" ;;
     kernels_s2)  # the stage-2 kernels per layer at 32k, t=256 (the per-layer table; about 100-200 s)
       PYTHONPATH=$PWD timeout 280 python3 benchmarks/kernels.py --out "$out/kernels_s2.jsonl" --only sparse --skip-fused \
         --batches 8,32,108,391 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;

@@ -7,9 +7,7 @@ k_new), otherwise min/max take the element-wise min/max with k_new. One program 
 and one V row, and one page column of each of kt_min and kt_max, in place (input_output_aliases), so
 nothing else of the cache moves. The page's old min/max come from its K rows before the slot (contiguous),
 or from the KT column itself (`kt_update`). This replaces two XLA scatters and a separate KT
-kernel, three launch-bound launches per layer on the H200, by one. Given the cache's length and pos [B]
-(`advance`), the program of KV head 0 also advances them (length + 1 up to S, pos + 1), in place: two
-scalar XLA launches per layer fewer. Given the step's query and top_r (`choose_q`, `topr`), each program
+kernel, three launch-bound launches per layer on the H200, by one. Given the step's query and top_r (`choose_q`, `topr`), each program
 also makes HSA's channel choice for its row (`hsa_scores.row_channels_body`): the stage-2 scoring's choice
 kernel folded into this launch.
 """
@@ -29,16 +27,15 @@ from rocketkv_jax.kernels.triton_util import next_pow2
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
-                           *, page_size: int = 1, kt_update: str = "auto", advance=None, choose_q=None,
-                           topr: int = 0, **unused_tuning):
+                           *, page_size: int = 1, kt_update: str = "auto", choose_q=None, topr: int = 0,
+                           **unused_tuning):
   """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
-  with its page updated when KT pages are given, plus `advance_lengths(advance, S)` when `advance` = (length,
-  pos) is given, plus `append_choice(choose_q, topr, kt dtype)` when `choose_q` is given. A slot outside
+  with its page updated when KT pages are given, plus `append_choice(choose_q, topr, kt dtype)` when `choose_q`
+  is given. A slot outside
   [0, S) changes nothing. kt_update: see `cache_append`."""
   del unused_tuning
   return (_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                            page_size=page_size, kt_update=kt_update) + advance_lengths(advance, k_BKSH.shape[2])
-          + append_choice(choose_q, topr, kt_min_BKHP))
+                            page_size=page_size, kt_update=kt_update) + append_choice(choose_q, topr, kt_min_BKHP))
 
 
 def append_choice(choose_q, topr: int, kt_min_BKHP) -> tuple:
@@ -47,14 +44,6 @@ def append_choice(choose_q, topr: int, kt_min_BKHP) -> tuple:
   if choose_q is None:
     return ()
   return row_channels_reference(choose_q, topr, choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype))
-
-
-def advance_lengths(advance, num_slots: int) -> tuple:
-  """(length + 1 capped at num_slots, pos + 1) as int32 for advance = (length_B, pos_B); () for None."""
-  if advance is None:
-    return ()
-  length_B, pos_B = advance
-  return (jnp.minimum(length_B + 1, num_slots).astype(jnp.int32), (pos_B + 1).astype(jnp.int32))
 
 
 def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size,
@@ -105,16 +94,12 @@ def _cache_append_kernel(
     slot_ref,  # []
     kt_min_ref,  # [H, P] (aliased to kt_min_out_ref), or None
     kt_max_ref,  # [H, P] (aliased to kt_max_out_ref), or None
-    length_ref,  # [] (aliased to length_out_ref), or None
-    pos_ref,  # [] (aliased to pos_out_ref), or None
     q_ref,  # [G, H] the step's query (the channel choice), or None
     # outputs
     k_out_ref,  # [S, H]
     v_out_ref,  # [S, H]
     kt_min_out_ref,  # [H, P], or None
     kt_max_out_ref,  # [H, P], or None
-    length_out_ref,  # [], or None
-    pos_out_ref,  # [], or None
     q_out_ref,  # [G, Rp] the choice (`hsa_scores.row_channels_body`), or None
     ch_ref,  # [Rp], or None
     use_max_ref,  # [Rp], or None
@@ -136,14 +121,6 @@ def _cache_append_kernel(
   rows = jnp.zeros((H,), jnp.int32) + row
   k_new = k_new_ref[...]
   v_new = v_new_ref[...]
-  if length_ref is not None:
-    # The row's length and pos, stored by the program of KV head 0 only (the others leave the block alone).
-    length, pos = length_ref[...], pos_ref[...]
-
-    @pl.when(pl.program_id(1) == 0)
-    def _():
-      length_out_ref[...] = jnp.minimum(length + 1, S).astype(length_out_ref.dtype)
-      pos_out_ref[...] = (pos + 1).astype(pos_out_ref.dtype)
   if kt_min_ref is not None:
     # The page's min/max before this token, in float32 (an f8/bf16 page value round-trips it exactly): +inf /
     # -inf on a page that starts at this slot, so the fold below gives k_new there.
@@ -173,8 +150,8 @@ def _cache_append_kernel(
   pltriton.store(kt_max_out_ref.at[chans, cols], jnp.maximum(old_max, k).astype(kt_max_out_ref.dtype), mask=write)
 
 
-def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, advance=None,
-                choose_q=None, topr=0):
+def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q=None,
+                topr=0):
   if k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape:
     raise ValueError(f"k_BKSH.shape={k_BKSH.shape} and v_BKSH.shape={v_BKSH.shape} must be equal (B, K, S, H)")
   B, K, S, H = k_BKSH.shape
@@ -202,12 +179,6 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
     if pages != want:
       raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} must be {want}: the pages of S={S} slots "
                        f"at page_size={page_size} (kt_num_pages)")
-  if advance is not None:
-    if not (isinstance(advance, tuple) and len(advance) == 2):
-      raise ValueError(f"advance must be a (length_B, pos_B) pair, got {type(advance).__name__}")
-    for name, x in zip(("length_B", "pos_B"), advance):
-      if x.shape != (B,) or x.dtype != jnp.int32:
-        raise ValueError(f"advance's {name} has shape {x.shape} and dtype {x.dtype}: it must be int32 ({B},)")
   if choose_q is not None:
     if kt_min_BKHP is None:
       raise ValueError("choose_q needs the KT pages (the choice's dot dtype is the query's against theirs)")
@@ -221,13 +192,11 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
 @functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "kt_update", "topr"])
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
                  page_size: int = 1, interpret: bool = False, num_warps: int | None = None, kt_update: str = "auto",
-                 advance=None, choose_q=None, topr: int = 0):
+                 choose_q=None, topr: int = 0):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
   slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
   pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts
-  fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max); with advance = (length_B, pos_B) (int32
-  [B], the cache's), followed by (min(length + 1, S), pos + 1), written in place as well; with choose_q (the
-  step's query [B, K, G, H]; KT pages required) and topr, followed by HSA's channel choice of each row
+  fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max); with choose_q (the step's query [B, K, G, H]; KT pages required) and topr, followed by HSA's channel choice of each row
   (q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG: `hsa_scores.row_channels`' outputs, which the scoring takes as
   `choice=`). num_warps None: 1, or with choose_q `row_channels`' (`hsa_scores.row_channels_warps`).
 
@@ -246,31 +215,25 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   The outputs alias the cache inputs (input_output_aliases): inside a jitted step whose cache is donated (or
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
-  _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, advance,
-              choose_q, topr)
+  _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q,
+              topr)
   kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH)
   B, K, S, H = k_BKSH.shape
   if num_warps is None:
     num_warps = 1 if choose_q is None else row_channels_warps(B * K)
   kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
   new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
-  row_spec = pl.BlockSpec((None,), lambda b, k: (b,))
-  slot_spec = row_spec if slot_BK.ndim == 1 else pl.BlockSpec((None, None), lambda b, k: (b, k))
-  # Inputs: k, v, k_new, v_new, slot, then the optional groups (kt_min, kt_max) and (length, pos); the
-  # outputs are k, v and the same groups, each aliased to its input.
+  slot_spec = pl.BlockSpec((None,), lambda b, k: (b,)) if slot_BK.ndim == 1 else pl.BlockSpec((None, None), lambda b, k: (b, k))
+  # Inputs: k, v, k_new, v_new, slot, then optionally (kt_min, kt_max); the outputs are k, v and the KT
+  # pages, each aliased to its input.
   inputs = [(k_BKSH, kv_spec), (v_BKSH, kv_spec), (k_new_BKH, new_spec), (v_new_BKH, new_spec),
             (slot_BK.astype(jnp.int32), slot_spec)]
   outputs = [0, 1]  # indices into inputs
-  groups = []  # whether each optional group is given
-  if kt_min_BKHP is not None:
+  pages = kt_min_BKHP is not None
+  if pages:
     kt_spec = pl.BlockSpec((None, None, H, kt_min_BKHP.shape[-1]), lambda b, k: (b, k, 0, 0))
     inputs += [(kt_min_BKHP, kt_spec), (kt_max_BKHP, kt_spec)]
     outputs += [len(inputs) - 2, len(inputs) - 1]
-  groups.append(kt_min_BKHP is not None)
-  if advance is not None:
-    inputs += [(advance[0], row_spec), (advance[1], row_spec)]
-    outputs += [len(inputs) - 2, len(inputs) - 1]
-  groups.append(advance is not None)
   # The channel choice: one more input and four outputs of their own (not aliased).
   choice = []
   if choose_q is not None:
@@ -282,9 +245,9 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   def body(*refs):
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
-    ins = take(5) + [r for given in groups for r in (take(2) if given else [None, None])]
+    ins = take(5) + (take(2) if pages else [None, None])
     ins += take(1) if choice else [None]
-    outs = take(2) + [r for given in groups for r in (take(2) if given else [None, None])]
+    outs = take(2) + (take(2) if pages else [None, None])
     outs += take(4) if choice else [None] * 4
     kernel(*ins, *outs)
 

@@ -5,9 +5,7 @@ XLA may skip that rounding inside a fusion, as its excess-precision rewrites all
 normed = w * (h_f32 * rsqrt(mean(h_f32^2) + eps)).astype(h.dtype): the model's `rms_norm(h, w, eps)` with
 the same casts. One program per row holds the whole row (D padded to a power of two for Triton, pads
 masked on load and store). In decode XLA ran this as three launch-bound kernels (add, sum-of-squares,
-scale) per norm on the H200; here it is one. delta may also come as float32 partial sums [S, B, D] of a
-split matmul (S a power of two): h = x + sum_s delta[s], in float32, rounded once; so the matmul's own
-reduction kernel is not needed.
+scale) per norm on the H200; here it is one.
 """
 from __future__ import annotations
 
@@ -24,14 +22,11 @@ from rocketkv_jax.kernels.triton_util import next_pow2
 
 
 def add_rms_norm_reference(x_BD, delta_BD, w_D, *, eps: float, **unused_tuning):
-  """(h, normed): h = x + delta in x's dtype (h = x when delta is None; with float32 partials delta [S, *x.shape]
-  (one axis more than x), h = x + their sum in float32, rounded once), normed = RMSNorm(h) * w with the statistics in float32, the
-  normalised row rounded to h's dtype before the scale, the product in result_type(w, h)."""
+  """(h, normed): h = x + delta in x's dtype (h = x when delta is None), normed = RMSNorm(h) * w with the
+  statistics in float32, the normalised row rounded to h's dtype before the scale, the product in
+  result_type(w, h)."""
   del unused_tuning
-  if delta_BD is not None and delta_BD.ndim == x_BD.ndim + 1:  # partials: a leading split axis
-    h = (x_BD.astype(jnp.float32) + delta_BD.sum(axis=0)).astype(x_BD.dtype)
-  else:
-    h = x_BD if delta_BD is None else x_BD + delta_BD
+  h = x_BD if delta_BD is None else x_BD + delta_BD
   hf = h.astype(jnp.float32)
   hf = hf * lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
   return h, w_D * hf.astype(h.dtype)
@@ -40,7 +35,7 @@ def add_rms_norm_reference(x_BD, delta_BD, w_D, *, eps: float, **unused_tuning):
 def _add_rms_norm_kernel(
     # inputs
     x_ref,  # [D]
-    delta_ref,  # [D], [S, D] float32 partials, or None (h = x)
+    delta_ref,  # [D], or None (h = x)
     w_ref,  # [D]
     # outputs
     h_ref,  # [D], or None (delta is None: h is x)
@@ -57,13 +52,7 @@ def _add_rms_norm_kernel(
   hf = load(x_ref)
   if delta_ref is not None:
     # The float32 sum of two bf16 (or f32) values rounded once to x's dtype is XLA's correctly rounded add.
-    if len(delta_ref.shape) == 2:  # partials: their float32 sum first
-      S = delta_ref.shape[0]
-      parts = pltriton.load(delta_ref.at[pl.ds(0, S), row], mask=None if ok is None else ok[None, :], other=other)
-      delta = jnp.sum(parts.astype(jnp.float32), axis=0)
-    else:
-      delta = load(delta_ref)
-    h = (hf + delta).astype(x_ref.dtype)
+    h = (hf + load(delta_ref)).astype(x_ref.dtype)
     pltriton.store(h_ref.at[row], h, mask=ok)
     hf = h.astype(jnp.float32)
   # Pads are 0 and add nothing to the sum; the mean divides by the real D.
@@ -81,12 +70,7 @@ def _check_args(x_BD, delta_BD, w_D, eps):
   if B < 1 or D < 1:
     raise ValueError(f"x_BD.shape={x_BD.shape} must have B >= 1 and D >= 1")
   check_dtype("x_BD", x_BD.dtype, FLOAT_DTYPES)
-  if delta_BD is not None and delta_BD.ndim == 3:  # float32 partials [S, B, D] of a split matmul
-    S = delta_BD.shape[0]
-    if delta_BD.shape[1:] != x_BD.shape or S & (S - 1) or delta_BD.dtype != jnp.float32:
-      raise ValueError(f"delta_BD.shape={delta_BD.shape}, dtype {delta_BD.dtype}: partials must be float32 "
-                       f"(S, {B}, {D}) with S a power of two")
-  elif delta_BD is not None:
+  if delta_BD is not None:
     if delta_BD.shape != x_BD.shape:
       raise ValueError(f"delta_BD.shape={delta_BD.shape} must equal x_BD.shape={x_BD.shape}")
     if delta_BD.dtype != x_BD.dtype:
@@ -102,8 +86,7 @@ def _check_args(x_BD, delta_BD, w_D, eps):
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps: float, interpret: bool = False, num_warps: int = 4):
   """Returns (h_BD, normed_BD): the residual stream h = x + delta (in x's dtype) and RMSNorm(h) scaled by
   w (in result_type(w, x)), equal to `add_rms_norm_reference` up to the order of the row's float32 sum.
-  With delta_BD None, h is x itself (nothing is written for it). delta_BD may be float32 partials [S, B, D]
-  (S a power of two), summed in the kernel."""
+  With delta_BD None, h is x itself (nothing is written for it)."""
   _check_args(x_BD, delta_BD, w_D, eps)
   B, D = x_BD.shape
   row_spec = pl.BlockSpec((None, D), lambda b: (b, 0))
@@ -117,8 +100,7 @@ def add_rms_norm(x_BD, delta_BD, w_D, *, eps: float, interpret: bool = False, nu
     out_specs, out_shape = [row_spec], [normed_shape]
   else:
     body = kernel
-    delta_spec = row_spec if delta_BD.ndim == 2 else pl.BlockSpec((delta_BD.shape[0], None, D), lambda b: (0, b, 0))
-    in_specs, args = [row_spec, delta_spec, w_spec], (x_BD, delta_BD, w_D)
+    in_specs, args = [row_spec, row_spec, w_spec], (x_BD, delta_BD, w_D)
     out_specs, out_shape = [row_spec, row_spec], [jax.ShapeDtypeStruct((B, D), x_BD.dtype), normed_shape]
   outs = pl.pallas_call(
       body,

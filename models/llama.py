@@ -352,23 +352,14 @@ def embed_tokens(model: Llama, tokens) -> jax.Array:
   return jnp.take(model.embed[...], tokens, axis=0)
 
 
-class SplitDelta(NamedTuple):
-  """What a split matmul adds to the residual stream: float32 partial sums [S, rows, D] (`DECODE_SPLIT_K`),
-  which `add_norm`'s kernel sums."""
-
-  parts: jax.Array
-
-
 def add_norm(x, delta, w, eps: float, impl: str = "xla"):
   """(h, normed) [..., D]: the residual h = x + delta (h = x when delta is None) and rms_norm(h, w, eps),
   through the core's `ops.add_rms_norm`. With kernels (`ops.uses_kernels(impl)`) one kernel runs over the
   rows; otherwise the op's reference runs on the arrays' own shapes (the decode step's [B, 1, D]: in bf16,
-  XLA's excess-precision rewrites depend on the shapes, and the XLA path keeps the numbers it always had).
-  delta may be a `SplitDelta` (kernels only), summed in float32 before the add."""
+  XLA's excess-precision rewrites depend on the shapes, and the XLA path keeps the numbers it always had)."""
   if ops.uses_kernels(impl):
     rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
-    d = delta.parts if isinstance(delta, SplitDelta) else rows(delta)
-    h, normed = ops.add_rms_norm(rows(x), d, w, eps=eps, impl=impl)
+    h, normed = ops.add_rms_norm(rows(x), rows(delta), w, eps=eps, impl=impl)
     return h.reshape(x.shape), normed.reshape(x.shape)
   return ops.add_rms_norm(x, delta, w, eps=eps, impl="xla")
 
@@ -421,43 +412,14 @@ def _rope_split(cfg: LlamaConfig, qkv_BX, pos_B, impl: str):
                       impl=impl)
 
 
-def _attn_out(blk: Block, attn_XNH, dtype, split: int = 1):
-  """The attention output [..., N, H] projected back to the residual stream [..., D] in its dtype (`split` > 1:
-  a `SplitDelta`, see `_project`)."""
-  return _project(attn_XNH.reshape(*attn_XNH.shape[:-2], -1).astype(dtype), blk.wo[...], split)
+def _attn_out(blk: Block, attn_XNH, dtype):
+  """The attention output [..., N, H] projected back to the residual stream [..., D] in its dtype."""
+  return attn_XNH.reshape(*attn_XNH.shape[:-2], -1).astype(dtype) @ blk.wo[...]
 
 
-def _mlp(blk: Block, normed, split: int = 1):
+def _mlp(blk: Block, normed):
   gate, up = jnp.split(normed @ blk.w_gate_up[...], 2, axis=-1)
-  return _project(jax.nn.silu(gate) * up, blk.w_down[...], split)
-
-
-# Explicit split-K of the decode step's o and down projections (`_project`): float32 partials [S, B, D] that
-# the next add + RMSNorm kernel sums, so no reduction kernel of XLA's runs between them (XLA's own split-K
-# runs one per matmul at small batch: 1.1-2.2 us each on an H200). An experiment, off (1) until a decode step
-# is timed with it; only with kernels, without a mesh, from DECODE_SPLIT_K_MIN_BATCH rows (at batch 1 XLA
-# rewrites the batched product as a transposed reduction, 3-4x slower: the probe in
-# benchmarks/results/stage2_h200_2026-12-02c/).
-DECODE_SPLIT_K = 1
-DECODE_SPLIT_K_MIN_BATCH = 2
-
-
-def _project(x_BX, w_XD, split: int):
-  """x @ w; split > 1: SplitDelta of the float32 partial products over `split` equal slices of X."""
-  if split == 1:
-    return x_BX @ w_XD
-  X, D = w_XD.shape
-  parts = jnp.einsum("bsx,sxd->sbd", x_BX.reshape(-1, split, X // split), w_XD.reshape(split, X // split, D),
-                     preferred_element_type=jnp.float32)
-  return SplitDelta(parts)
-
-
-def decode_split(cfg: LlamaConfig, batch: int, impl: str) -> int:
-  """The decode step's split of the o and down projections (`DECODE_SPLIT_K`), 1 where it does not apply."""
-  s = DECODE_SPLIT_K
-  ok = (s > 1 and ops.uses_kernels(impl) and active_mesh() is None
-        and batch >= DECODE_SPLIT_K_MIN_BATCH and (cfg.n_heads * cfg.head_dim) % s == 0 and cfg.ffn_dim % s == 0)
-  return s if ok else 1
+  return (jax.nn.silu(gate) * up) @ blk.w_down[...]
 
 
 def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
@@ -751,8 +713,7 @@ class LayerStep(NamedTuple):
   """What one layer of a decode step returns.
 
   x, delta: [B, 1, D] the residual stream after the attention block and what the MLP adds to it (the add
-    is left to the next layer, fused with its norm: `add_norm`); delta is a `SplitDelta` under
-    `DECODE_SPLIT_K`.
+    is left to the next layer, fused with its norm: `add_norm`).
   cache: the layer's updated cache.
   q: [B, N, H] the step's post-RoPE query; k: [B, K, H] its post-RoPE key (what the cache appended).
   """
@@ -781,9 +742,8 @@ def decode_layer(blk: Block, cfg: LlamaConfig, x_B1D, delta_B1D, cache, config) 
   else:
     q, k, v = _decode_qkv(blk, cfg, h, cache.pos, impl)
     o, cache = decode_step(cache, q, k, v, config=config)
-  split = decode_split(cfg, x.shape[0], impl)
-  x, h = _norm(x, _attn_out(blk, o[:, None], x.dtype, split), blk.mlp_norm[...], eps, impl, kernels)
-  return LayerStep(x=x, delta=_mlp(blk, h, split), cache=cache, q=q, k=k)
+  x, h = _norm(x, _attn_out(blk, o[:, None], x.dtype), blk.mlp_norm[...], eps, impl, kernels)
+  return LayerStep(x=x, delta=_mlp(blk, h), cache=cache, q=q, k=k)
 
 
 def _norm(x, delta, w, eps, impl, per_device: bool):

@@ -49,16 +49,14 @@ def uses_kernels(impl: str) -> bool:
 
 
 def cache_append_scatter(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                         page_size: int = 1, advance=None, choose_q=None, topr: int = 0):
+                         page_size: int = 1, choose_q=None, topr: int = 0):
   """`cache_append_reference` as XLA scatters (in place under donation). The reference rewrites every slot
   with a select, reading and writing the whole cache per token and layer; this touches one row each
   (CPU, B=8 K=3 S=8192 H=64 f32, 64 appends in a loop: 0.13 ms per append against 0.0005 ms).
-  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). advance, choose_q:
-  as the reference's (length and pos advanced, then the channel choice, after the outputs)."""
-  S = k_BKSH.shape[2]
+  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). choose_q: as the
+  reference's (the channel choice after the outputs)."""
   return (_scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                          page_size=page_size) + cache_append_kernel.advance_lengths(advance, S)
-          + cache_append_kernel.append_choice(choose_q, topr, kt_min_BKHP))
+                          page_size=page_size) + cache_append_kernel.append_choice(choose_q, topr, kt_min_BKHP))
 
 
 def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size):
@@ -215,28 +213,24 @@ def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k
 
 
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
-                 impl, advance=None, choose_q=None, topr=0):
+                 impl, choose_q=None, topr=0):
   """The new token's K/V rows at `slot` ([B], or [B, K] per KV head), its key folded into its KT page when
-  pages are given: (k, v) or (k, v, kt_min, kt_max); with advance = (length_B, pos_B) those two follow,
-  advanced (min(length + 1, S), pos + 1: inside the kernel, no launch of their own). A slot outside [0, S)
-  changes nothing (length and pos advance all the same). With choose_q (the step's query) and topr, HSA's
+  pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing. With choose_q (the step's query) and topr, HSA's
   channel choice of each row follows (`hsa_select`'s choice=; the kernel makes it in the same launch). The kernel
   rebuilds the open page from its K rows when the new key has the cache's dtype (`cache_append`'s
   kt_update="auto"); the XLA path folds the key into the page: the same pages whenever each page holds its
   rows' min/max, as every cache's do."""
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
-              page_size=page_size, impl=impl, advance=advance, choose_q=choose_q, topr=topr)
+              page_size=page_size, impl=impl, choose_q=choose_q, topr=topr)
 
 
 def advance_lengths(length_B, pos_B, num_slots: int):
-  """(min(length + 1, num_slots), pos + 1), int32: a cache's length and pos after an append, in XLA (the
-  append op's `advance` does the same inside its kernel)."""
-  return cache_append_kernel.advance_lengths((length_B, pos_B), num_slots)
+  """(min(length + 1, num_slots), pos + 1), int32: a cache's length and pos after an append."""
+  return jnp.minimum(length_B + 1, num_slots).astype(jnp.int32), (pos_B + 1).astype(jnp.int32)
 
 
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):
-  """(h, normed): h = x + delta (x when delta is None; delta may be float32 partials [S, B, D] of a split
-  matmul, summed first), normed = RMSNorm(h) * w."""
+  """(h, normed): h = x + delta (x when delta is None), normed = RMSNorm(h) * w."""
   return call("add_rms_norm", x_BD, delta_BD, w_D, eps=eps, impl=impl)
 
 

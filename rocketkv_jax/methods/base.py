@@ -47,13 +47,6 @@ def prefix_keep(k_BTKH, n: int):
   return jnp.broadcast_to(jnp.arange(min(n, t), dtype=jnp.int32), (b, n_kv, min(n, t)))
 
 
-# Whether `append_at` has the append op advance length and pos (with kernels, inside the append kernel) instead
-# of two scalar XLA ops per layer (1.3 and 1.1 us per layer on an H200 at batch 1: the profile in
-# benchmarks/results/stage2_h200_2026-12-02c/). The same cache either way; off until a decode step is timed
-# with it (tests/core cover both).
-ADVANCE_IN_APPEND = False
-
-
 def append_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
   """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages)
   its KT page, in one `ops.cache_append`; length (up to the capacity) and pos advance. A slot outside
@@ -69,14 +62,10 @@ def append_choosing_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, q_BKG
 
 def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
   pages = (cache.kt_min, cache.kt_max) if config.uses_kt_pages else ()
-  advance = (cache.length, cache.pos) if ADVANCE_IN_APPEND else None
   new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
-                         page_size=config.page_size if pages else 1, impl=config.impl, advance=advance, **choose)
+                         page_size=config.page_size if pages else 1, impl=config.impl, **choose)
   new, choice = (new[:-4], new[-4:]) if choose else (new, None)
-  if advance is None:
-    length, pos = ops.advance_lengths(cache.length, cache.pos, cache.capacity)
-  else:
-    new, (length, pos) = new[:-2], new[-2:]
+  length, pos = ops.advance_lengths(cache.length, cache.pos, cache.capacity)
   if pages:
     k, v, kt_min, kt_max = new
   else:

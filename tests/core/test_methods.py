@@ -259,15 +259,12 @@ def test_pallas_impl_matches_xla(method):
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
-@pytest.mark.parametrize("method,flag", [("full", "advance"), ("h2o", "advance"), ("rocketkv", "advance"),
-                                         ("rocketkv", "choice"), ("hsa", "choice"), ("rocketkv_plus", "both")])
-def test_append_experiments_keep_the_step(method, flag, impl, monkeypatch):
-  """The append experiments, off by default: `base.ADVANCE_IN_APPEND` (length and pos advanced by the append
-  op, inside the kernel, instead of by XLA ops) and `hsa.CHOICE_IN_APPEND` (the channel choice made by the
-  append's kernel, the scoring taking it) give the same outputs and caches, over steps that run past the
-  capacity (length stops at it)."""
+@pytest.mark.parametrize("method", ["rocketkv", "hsa", "rocketkv_plus"])
+def test_choice_in_append_keeps_the_step(method, impl, monkeypatch):
+  """`hsa.CHOICE_IN_APPEND` on (the default: the channel choice made by the append's kernel, the scoring
+  taking it) and off (the scoring's own choice) give the same outputs and caches, over steps that run past
+  the capacity (length stops at it)."""
   from rocketkv_jax import hsa
-  from rocketkv_jax.methods import base
   T, lengths, n_steps = 150, [150, 77], 4
   config = dataclasses.replace(_config(method, 64, T, 2), impl=impl)  # capacity for 2 new tokens, 4 steps
   q, k, v = _inputs(14, 2, T)
@@ -284,9 +281,9 @@ def test_append_experiments_keep_the_step(method, flag, impl, monkeypatch):
       outs.append(np.asarray(out))
     return np.stack(outs), c
 
+  monkeypatch.setattr(hsa, "CHOICE_IN_APPEND", False)
   want, want_cache = run()
-  monkeypatch.setattr(base, "ADVANCE_IN_APPEND", flag in ("advance", "both"))
-  monkeypatch.setattr(hsa, "CHOICE_IN_APPEND", flag in ("choice", "both"))
+  monkeypatch.setattr(hsa, "CHOICE_IN_APPEND", True)
   got, got_cache = run()
   np.testing.assert_array_equal(got, want)
   assert (np.asarray(got_cache.length) <= config.capacity).all()

@@ -48,26 +48,8 @@ def assert_same(out, ref):
     np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(r.astype(jnp.float32)))
 
 
-def lengths_and_pos(B, S, seed=0):
-  """(length, pos) [B] int32: 0, mid, S - 1 and S (at capacity: stays S), pos past the length."""
-  length = jnp.asarray(np.array([0, S // 2, S - 1, S])[np.arange(B) % 4], jnp.int32)
-  return length, length + jnp.asarray(np.random.default_rng(seed).integers(0, 50, B), jnp.int32)
-
-
-def check_advance(args, S, kw, interpret, num_warps=1):
-  """With advance: the same cache outputs, then min(length + 1, S) and pos + 1, kernel and reference."""
-  length, pos = lengths_and_pos(args[0].shape[0], S)
-  ref = cache_append_reference(*args, advance=(length, pos), **kw)
-  assert_same(ref[:-2], cache_append_reference(*args, **kw))
-  np.testing.assert_array_equal(np.asarray(ref[-2]), np.minimum(np.asarray(length) + 1, S))
-  np.testing.assert_array_equal(np.asarray(ref[-1]), np.asarray(pos) + 1)
-  out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps,
-                     advance=(jnp.copy(length), jnp.copy(pos)), **kw)
-  assert_same(out, ref)
-
-
 def check_choose(args, H, kw, interpret, num_warps=None, G=4, topr=21):
-  """With choose_q: the same cache outputs (and advance), then the channel choice of `row_channels_reference`
+  """With choose_q: the same cache outputs, then the channel choice of `row_channels_reference`
   (inv_tau up to float32 summation order); ties of |q| sums (twin channels) and a zero group included."""
   B, K = args[0].shape[:2]
   q = jax.random.normal(jax.random.PRNGKey(B + H), (B, K, G, H), jnp.float32)
@@ -75,11 +57,10 @@ def check_choose(args, H, kw, interpret, num_warps=None, G=4, topr=21):
   if K > 1:
     q = q.at[0, 1].set(0.0)
   q = q.astype(args[2].dtype)
-  adv = lengths_and_pos(B, args[0].shape[2])
-  ref = cache_append_reference(*args, advance=adv, choose_q=q, topr=topr, **kw)
-  assert_same(ref[:-4], cache_append_reference(*args, advance=adv, **kw))
-  out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps,
-                     advance=tuple(jnp.copy(a) for a in adv), choose_q=q, topr=topr, **kw)
+  ref = cache_append_reference(*args, choose_q=q, topr=topr, **kw)
+  assert_same(ref[:-4], cache_append_reference(*args, **kw))
+  out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps, choose_q=q,
+                     topr=topr, **kw)
   assert_same(out[:-1], ref[:-1])
   np.testing.assert_allclose(np.asarray(out[-1]), np.asarray(ref[-1]), rtol=1e-6)
 
@@ -91,7 +72,6 @@ def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, see
   ref = cache_append_reference(*args, **kw)
   out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps, **kw)
   assert_same(out, ref)
-  check_advance(args, S, kw, interpret, num_warps)
   if kt_dtype is not None:
     check_choose(args, H, kw, interpret)
   if not per_head:  # one [B] slot for every KV head: the same result
@@ -180,17 +160,14 @@ def test_casts_new_rows_to_the_cache_dtype_interpret():
   assert_same(cache_append(*args, page_size=3, interpret=True), cache_append_reference(*args, page_size=3))
 
 
-@pytest.mark.parametrize("advance", [False, True])
-def test_donated_jit_is_in_place_interpret(advance):
-  """Every output is its donated input's buffer (with advance, the length and pos [B] too)."""
+def test_donated_jit_is_in_place_interpret():
+  """Every output is its donated input's buffer."""
   slot = slots(4, 2, 17, 3, per_head=False)
   args = make_inputs(4, 2, 17, 64, 3, jnp.bfloat16, jnp.float8_e5m2, slot)
-  extra = lengths_and_pos(4, 17) if advance else ()
-  ref = cache_append_reference(*args, page_size=3, advance=extra or None)
-  step = jax.jit(lambda *a: cache_append(*a[:7], page_size=3, interpret=True, advance=tuple(a[7:]) or None),
-                 donate_argnums=(0, 1, 5, 6) + ((7, 8) if advance else ()))
-  donated = [jnp.copy(x) for x in args + tuple(extra)]
-  kept = (0, 1, 5, 6) + ((7, 8) if advance else ())
+  ref = cache_append_reference(*args, page_size=3)
+  step = jax.jit(lambda *a: cache_append(*a, page_size=3, interpret=True), donate_argnums=(0, 1, 5, 6))
+  donated = [jnp.copy(x) for x in args]
+  kept = (0, 1, 5, 6)
   pointers = [donated[i].unsafe_buffer_pointer() for i in kept]
   out = step(*donated)
   assert_same(out, ref)
@@ -219,13 +196,6 @@ def test_rejects_bad_args():
     cache_append(kv, kv, new, new, slot, kt, kt, page_size=2)  # 10 slots make 5 pages of 2, not 4
   with pytest.raises(ValueError, match="kt_min_BKHP.dtype"):
     cache_append(kv, kv, new, new, slot, kt.astype(jnp.int8), kt.astype(jnp.int8), page_size=3)
-  n = jnp.zeros((1,), jnp.int32)
-  with pytest.raises(ValueError, match="advance's pos_B has shape"):
-    cache_append(kv, kv, new, new, slot, advance=(n, jnp.zeros((2,), jnp.int32)))
-  with pytest.raises(ValueError, match="advance's length_B has shape"):
-    cache_append(kv, kv, new, new, slot, advance=(n.astype(jnp.float32), n))
-  with pytest.raises(ValueError, match="advance must be a"):
-    cache_append(kv, kv, new, new, slot, advance=n)
   q = jnp.ones((1, 2, 4, 64))
   with pytest.raises(ValueError, match="choose_q needs the KT pages"):
     cache_append(kv, kv, new, new, slot, choose_q=q, topr=8)
@@ -254,21 +224,11 @@ def test_lowers_for_h200_through_triton(kt_dtype):
 
 
 def test_lowers_for_h200_with_the_channel_choice():
-  n = jax.ShapeDtypeStruct((8,), jnp.int32)
   q = jax.ShapeDtypeStruct((8, 8, 4, 128), jnp.bfloat16)
-  text = lower_for_h200(lambda *a: cache_append(*a[:-3], page_size=3, advance=a[-3:-1], choose_q=a[-1], topr=60),
-                        *_sd(8, 8, 1617, 128, 544, jnp.bfloat16, jnp.bfloat16, slot_shape=(8,)), n, n, q)
+  text = lower_for_h200(lambda *a: cache_append(*a[:-1], page_size=3, choose_q=a[-1], topr=60),
+                        *_sd(8, 8, 1617, 128, 544, jnp.bfloat16, jnp.bfloat16, slot_shape=(8,)), q)
   assert "rocketkv_cache_append" in text
-  assert text.count("stablehlo.output_operand_alias<") == 6  # the choice's four outputs are new buffers
-
-
-@pytest.mark.parametrize("kt_dtype", [jnp.bfloat16, None])
-def test_lowers_for_h200_with_advance(kt_dtype):
-  n = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = lower_for_h200(lambda *a: cache_append(*a[:-2], page_size=3, advance=a[-2:]),
-                        *_sd(2, 8, 1617, 128, 544, jnp.bfloat16, kt_dtype, slot_shape=(2,)), n, n)
-  assert "rocketkv_cache_append" in text
-  assert text.count("stablehlo.output_operand_alias<") == (4 if kt_dtype is None else 6)
+  assert text.count("stablehlo.output_operand_alias<") == 4  # the choice's four outputs are new buffers
 
 
 def test_lowers_for_h200_one_slot_per_sequence():
