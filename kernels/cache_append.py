@@ -48,7 +48,7 @@ def append_choice(choose_q, topr: int, kt_min_BKHP) -> tuple:
 
 def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size,
                       kt_update):
-  kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH)
+  kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH, page_size)
   S = k_BKSH.shape[2]
   slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
   in_range_BK = (slot_BK >= 0) & (slot_BK < S)
@@ -76,10 +76,20 @@ def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP
           jnp.where(at, new_max.astype(kt_max_BKHP.dtype), kt_max_BKHP))
 
 
-def resolve_kt_update(kt_update: str, k_BKSH, k_new_BKH) -> str:
-  """"auto": "rows" when k_new has the cache's dtype (then equal to "fold"), else "fold"."""
+# The largest page for which kt_update="auto" rebuilds the page from its K rows: the program holds
+# next_pow2(page_size) rows of H channels in registers (one warp), so above this the column fold is taken.
+# Quest's pages are far larger (2 * S / t slots: 257 at 32k and t=256), and with "rows" for every page size
+# its 32k decode step went from 5.17 ms to 9.60 ms on the H200 (benchmarks/results/stage2_h200_2026-12-02d/;
+# the bound is set from that register argument, not yet timed: no device time was left).
+ROWS_MAX_PAGE_SIZE = 16
+
+
+def resolve_kt_update(kt_update: str, k_BKSH, k_new_BKH, page_size: int) -> str:
+  """"auto": "rows" when k_new has the cache's dtype (then equal to "fold") and page_size is at most
+  ROWS_MAX_PAGE_SIZE, else "fold"."""
   if kt_update == "auto":
-    return "rows" if jnp.dtype(k_new_BKH.dtype) == jnp.dtype(k_BKSH.dtype) else "fold"
+    same = jnp.dtype(k_new_BKH.dtype) == jnp.dtype(k_BKSH.dtype)
+    return "rows" if same and page_size <= ROWS_MAX_PAGE_SIZE else "fold"
   if kt_update not in ("fold", "rows"):
     raise ValueError(f"kt_update={kt_update!r} must be 'fold', 'rows' or 'auto'")
   return kt_update
@@ -207,7 +217,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   kt_update: "fold" (the page's min/max folded with k_new in float32: reads the page's KT column, strided by
   the row of P pages: each value its own memory sector), "rows" (the page's min/max recomputed from its K rows
   up to the slot, as the cache holds them: at most page_size - 1 contiguous K rows instead of the KT column)
-  or "auto" ("rows" when k_new has the cache's dtype, else "fold"). The two agree when k_new has the cache's
+  or "auto" ("rows" when k_new has the cache's dtype and page_size <= ROWS_MAX_PAGE_SIZE, else "fold"). The two agree when k_new has the cache's
   dtype and the KT page holds the min/max of its rows (as `cache.build_kt_pages` and every append keep it):
   rounding to the KT dtype commutes with min and max. H200, 32k context, t=256 (539 pages of 3), us per
   layer: 391 x 8 rows fold 73, rows 51; 108 x 8 fold 8.5, rows 5.6 (benchmarks/results/stage2_h200_2026-12-02b).
@@ -217,7 +227,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   """
   _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q,
               topr)
-  kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH)
+  kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH, page_size)
   B, K, S, H = k_BKSH.shape
   if num_warps is None:
     num_warps = 1 if choose_q is None else row_channels_warps(B * K)

@@ -136,12 +136,15 @@ def test_kt_from_rows_equals_the_fold_on_a_consistent_cache(kt_dtype):
 
 
 def test_kt_update_auto_folds_a_key_finer_than_the_cache():
-  """A float32 k_new into a bf16 cache: "auto" folds the float32 key (rows would see it rounded), and it is
-  checked before any work."""
-  from rocketkv_jax.kernels.cache_append import resolve_kt_update
+  """A float32 k_new into a bf16 cache: "auto" folds the float32 key (rows would see it rounded); pages above
+  ROWS_MAX_PAGE_SIZE are folded too (their rows would not fit the program's registers); a bad value is
+  refused before any work."""
+  from rocketkv_jax.kernels.cache_append import ROWS_MAX_PAGE_SIZE, resolve_kt_update
   k = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
-  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.float32)) == "fold"
-  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.bfloat16)) == "rows"
+  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.float32), 3) == "fold"
+  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.bfloat16), 3) == "rows"
+  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.bfloat16), ROWS_MAX_PAGE_SIZE) == "rows"
+  assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.bfloat16), ROWS_MAX_PAGE_SIZE + 1) == "fold"
   with pytest.raises(ValueError, match="kt_update='nope'"):
     cache_append(k, k, k[:, :, 0], k[:, :, 0], jnp.zeros((1,), jnp.int32), kt_update="nope")
 

@@ -41,6 +41,8 @@ def test_later_points_win_and_empty_runs_go(tmp_path):
   assert "run 1: command: `old a`" in md and "run 2: command: `new`" in md
   rows = [line for line in md.splitlines() if line.startswith("| rocketkv")]
   assert rows[0].endswith("| 2 |") and "4.80" in rows[0]  # batch 1, from run 2
+  # Prefill against dense only within a run: run 2 has no full point, so none (not another run's prefill).
+  assert rows[0].endswith("| None | 2 |")
   assert any(line.startswith("| full") and line.endswith("| 1 |") for line in md.splitlines())
 
 
