@@ -11,11 +11,20 @@ subprocess per point, since the peak counter cannot be reset.
 
   python -m benchmarks.decode --out benchmarks/results/decode_h200.jsonl            # default grid
   python -m benchmarks.decode --tiny --contexts 256 --batches 1,2 --steps 4          # CPU smoke test
+
+A/B in one process (`--ab MODULE.FLAG=V1,V2`): each point is compiled once per value of a module flag that the
+decode step reads while tracing, and the variants are timed in alternating rounds on the same caches, so the
+comparison does not carry the 0.1-0.3 ms that the same code's step moves between processes on the H200:
+
+  python -m benchmarks.decode --contexts 32k --methods rocketkv --ab rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -137,19 +146,21 @@ def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed
   return assembled, seconds
 
 
-def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: str | None = None):
-  """Median seconds per step of `chunk`-step calls of the decode loop. Each call starts from the same logits
-  (the values do not change the speed) and carries the caches on (donated), so the cache keeps growing."""
+def compile_decode(model, config, caches, chunk: int):
+  """(run, compiled): `chunk`-step calls of the decode loop compiled for these caches; run(caches) -> the
+  loop's output. Each call starts from the same logits (the values do not change the speed) and carries the
+  caches on (donated), so the cache keeps growing."""
   graphdef, state = nnx.split(model)
   b = caches[0].k.shape[0]
   logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
   key = jax.random.key(0)
   compiled = decode_loop_jit.lower(graphdef, state, logits, caches, key, None, None, config=config,
                                    loop=chunk_loop(chunk)).compile()
-  run = lambda caches: compiled(state, logits, caches, key, None, None)  # noqa: E731
-  out = run(caches)  # warm-up
-  out.tokens.block_until_ready()
-  caches = out.caches
+  return (lambda caches: compiled(state, logits, caches, key, None, None)), compiled
+
+
+def timed_calls(run, caches, *, chunk: int, reps: int):
+  """(seconds per step of each of `reps` calls, the caches after them)."""
   per_step = []
   for _ in range(reps):
     t0 = time.perf_counter()
@@ -157,6 +168,16 @@ def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: st
     out.tokens.block_until_ready()
     per_step.append((time.perf_counter() - t0) / chunk)
     caches = out.caches
+  return per_step, caches
+
+
+def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: str | None = None):
+  """Median seconds per step of `chunk`-step calls of the decode loop (`compile_decode`), after one warm-up
+  call; with profile_dir, one more call traced there and its top ops returned."""
+  run, compiled = compile_decode(model, config, caches, chunk)
+  out = run(caches)  # warm-up
+  out.tokens.block_until_ready()
+  per_step, caches = timed_calls(run, out.caches, chunk=chunk, reps=reps)
   top = None
   if profile_dir:
     from benchmarks.profile_util import top_ops
@@ -171,6 +192,63 @@ def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: st
   length = int(np.asarray(caches[0].length).max())
   del caches, out
   return float(np.median(per_step)), per_step, length, top
+
+
+def parse_ab(spec: str):
+  """(module, attribute name, values) of `--ab MODULE.FLAG=V1,V2,...` (values as Python literals), checked
+  before any work: the module imports, it has the flag, at least two distinct values."""
+  name, sep, vals = spec.partition("=")
+  mod_name, _, attr = name.rpartition(".")
+  if not (sep and mod_name and attr):
+    raise SystemExit(f"--ab={spec!r} must be MODULE.FLAG=V1,V2 (e.g. rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False)")
+  try:
+    module = importlib.import_module(mod_name)
+  except ImportError as e:
+    raise SystemExit(f"--ab={spec!r}: cannot import {mod_name!r} ({e})") from None
+  if not hasattr(module, attr):
+    raise SystemExit(f"--ab={spec!r}: module {mod_name!r} has no attribute {attr!r}")
+  try:
+    values = [ast.literal_eval(v.strip()) for v in vals.split(",")]
+  except (ValueError, SyntaxError):
+    raise SystemExit(f"--ab={spec!r}: the values {vals!r} must be Python literals, comma-separated") from None
+  if len(values) < 2 or len(set(map(repr, values))) != len(values):
+    raise SystemExit(f"--ab={spec!r}: give at least two distinct values")
+  return module, attr, values
+
+
+def ab_decode(model, config, caches, *, chunk: int, reps: int, rounds: int, module, attr: str, values):
+  """The decode loop compiled once per value of module.attr (read while tracing: the trace caches are cleared
+  before each compile, and the flag is restored after), one warm-up call each, then `rounds` rounds in which
+  every variant in turn runs ceil(reps / rounds) timed calls on the same caches (they carry on from variant
+  to variant). Returns ([seconds per step of each timed call] per variant, [round medians] per variant,
+  [hash of the compiled HLO] per variant, final length)."""
+  saved = getattr(module, attr)
+  runs, hashes = [], []
+  try:
+    for v in values:
+      setattr(module, attr, v)
+      jax.clear_caches()
+      run, compiled = compile_decode(model, config, caches, chunk)
+      runs.append(run)
+      hashes.append(hashlib.sha1(compiled.as_text().encode()).hexdigest()[:12])
+  finally:
+    setattr(module, attr, saved)
+    jax.clear_caches()
+  for run in runs:  # warm-up
+    out = run(caches)
+    out.tokens.block_until_ready()
+    caches = out.caches
+  per_round = -(-reps // rounds)
+  steps = [[] for _ in values]
+  round_ms = [[] for _ in values]
+  for _ in range(rounds):
+    for i, run in enumerate(runs):
+      times, caches = timed_calls(run, caches, chunk=chunk, reps=per_round)
+      steps[i] += times
+      round_ms[i].append(round(float(np.median(times)) * 1e3, 3))
+  length = int(np.asarray(caches[0].length).max())
+  del caches
+  return steps, round_ms, hashes, length
 
 
 def _is_oom(e: Exception) -> bool:
@@ -230,12 +308,29 @@ def main(argv=None):
                   help="DP,TP: a mesh of DP x TP devices (batch over DP, tensor parallel over TP); floors are "
                        "per device. The kernels are not partitioned yet: a mesh of more than one device runs "
                        "the XLA path")
+  ap.add_argument("--ab", default=None,
+                  help="MODULE.FLAG=V1,V2: time each point once per value of a flag read while tracing, the "
+                       "variants alternating in rounds within this process (one record per variant)")
+  ap.add_argument("--ab-rounds", type=int, default=4, help="alternating rounds of --ab (timed steps split over them)")
   ap.add_argument("--no-choice-in-append", action="store_true",
                   help="HSA's channel choice by its own kernel, not by the append's (hsa.CHOICE_IN_APPEND off)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
   if args.no_choice_in_append:
     hsa.CHOICE_IN_APPEND = False
+  ab = parse_ab(args.ab) if args.ab else None
+  if ab:
+    if args.profile:
+      raise SystemExit("--ab and --profile run apart: profile each variant in its own run")
+    if args.ab_rounds < 1:
+      raise SystemExit(f"--ab-rounds={args.ab_rounds} must be >= 1")
+    # warm-up and timed steps of every variant share one cache, planned for NEW_TOKENS steps
+    need = len(ab[2]) * (args.chunk + args.ab_rounds * -(-max(1, -(-args.steps // args.chunk)) // args.ab_rounds)
+                         * args.chunk)
+    if need > NEW_TOKENS:
+      raise SystemExit(f"--ab with {len(ab[2])} variants, --steps {args.steps}, --chunk {args.chunk} and "
+                       f"--ab-rounds {args.ab_rounds} decodes {need} steps per point; the caches hold "
+                       f"{NEW_TOKENS}: lower --steps")
   cfg = TINY if args.tiny else SHAPES[args.shape]
   mesh = None
   if args.mesh:
@@ -266,7 +361,8 @@ def main(argv=None):
                     sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), mesh=args.mesh,
                 shape="tiny" if args.tiny else args.shape, choice_in_append=hsa.CHOICE_IN_APPEND,
-                gather_min_rows=hsa_scores.GATHER_MIN_ROWS)
+                gather_min_rows=hsa_scores.GATHER_MIN_ROWS, ab=args.ab,
+                ab_rounds=args.ab_rounds if args.ab else None)
 
   def emit(rec):
     line = json.dumps(rec)
@@ -328,18 +424,31 @@ def main(argv=None):
                 caches = jax.tree.map(jnp.copy, caches1)
               prof = (os.path.join(args.profile, f"{method}_{budget}_{context}_{batch}")
                       if args.profile and bspec in args.profile_batches.split(",") else None)
-              ms, per_step, length, top = time_decode(model, config, caches, chunk=args.chunk, reps=reps,
-                                                      profile_dir=prof)
+              if ab:
+                steps, round_ms, hashes, length = ab_decode(
+                    model, config, caches, chunk=args.chunk, reps=reps, rounds=args.ab_rounds, module=ab[0],
+                    attr=ab[1], values=ab[2])
+                top = None
+              else:
+                ms, per_step, length, top = time_decode(model, config, caches, chunk=args.chunk, reps=reps,
+                                                        profile_dir=prof)
+                steps, round_ms, hashes = [per_step], [None], [None]
               del caches
               kv_bytes = kv_bytes_needed(config, cfg, length, batch)
               # per device: its share of the weights (split over the model axis) and of the KV
               floor = (wbytes / tp + kv_bytes / kv_split) / bw
-              rec.update(status="ok", ms_per_step=round(ms * 1e3, 3), floor_ms=round(floor * 1e3, 3),
-                         ratio_to_floor=round(ms / floor, 3), tokens_per_s=round(batch / ms, 1),
-                         step_ms_min=round(min(per_step) * 1e3, 3), step_ms_max=round(max(per_step) * 1e3, 3),
-                         steps_timed=reps * args.chunk, kv_bytes_needed=kv_bytes)
+              variants = []
+              for i, per_step in enumerate(steps):
+                ms = float(np.median(per_step))
+                var = dict(rec, status="ok", ms_per_step=round(ms * 1e3, 3), floor_ms=round(floor * 1e3, 3),
+                           ratio_to_floor=round(ms / floor, 3), tokens_per_s=round(batch / ms, 1),
+                           step_ms_min=round(min(per_step) * 1e3, 3), step_ms_max=round(max(per_step) * 1e3, 3),
+                           steps_timed=len(per_step) * args.chunk, kv_bytes_needed=kv_bytes)
+                if ab:
+                  var.update(ab_value=repr(ab[2][i]), ab_round_ms=round_ms[i], hlo_hash=hashes[i])
+                variants.append(var)
               if top:
-                rec["top_ops"] = top
+                variants[0]["top_ops"] = top
               break
             except Exception as e:  # noqa: BLE001 - every failure is reported with its point
               caches = None  # frees the failed attempt's caches before a retry allocates its own (pyflakes: unused)
@@ -351,7 +460,8 @@ def main(argv=None):
                 break
               batch = max(1, int(batch * 0.8))
               rec.update(batch=batch, cache_bytes=per_seq * batch)
-          emit(rec)
+          for var in variants if rec.get("status") is None else [rec]:
+            emit(var)
         del caches1
   if points:
     raise SystemExit("--peak runs alone (without --contexts) so that this process holds no device memory")
