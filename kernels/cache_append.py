@@ -7,9 +7,9 @@ k_new), otherwise min/max take the element-wise min/max with k_new. One program 
 and one V row, and one page column of each of kt_min and kt_max, in place (input_output_aliases), so
 nothing else of the cache moves. The page's old min/max come from its K rows before the slot (contiguous),
 or from the KT column itself (`kt_update`). This replaces two XLA scatters and a separate KT
-kernel, three launch-bound launches per layer on the H200, by one. Given the step's query and top_r (`choose_q`, `topr`), each program
-also makes HSA's channel choice for its row (`hsa_scores.row_channels_body`): the stage-2 scoring's choice
-kernel folded into this launch.
+kernel, three launch-bound launches per layer on the H200, by one. Given the step's query and top_r
+(`choose_q`, `topr`), each program also makes HSA's channel choice for its row (`hsa_scores.row_channels_body`):
+the stage-2 scoring's choice kernel folded into this launch.
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min
                            **unused_tuning):
   """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
   with its page updated when KT pages are given, plus `append_choice(choose_q, topr, kt dtype)` when `choose_q`
-  is given. A slot outside
-  [0, S) changes nothing. kt_update: see `cache_append`."""
+  is given. A slot outside [0, S) changes nothing. kt_update: see `cache_append`."""
   del unused_tuning
   return (_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
                             page_size=page_size, kt_update=kt_update) + append_choice(choose_q, topr, kt_min_BKHP))
@@ -206,9 +205,10 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
   slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
   pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts
-  fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max); with choose_q (the step's query [B, K, G, H]; KT pages required) and topr, followed by HSA's channel choice of each row
-  (q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG: `hsa_scores.row_channels`' outputs, which the scoring takes as
-  `choice=`). num_warps None: 1, or with choose_q `row_channels`' (`hsa_scores.row_channels_warps`).
+  fresh at its first slot. Returns (k, v), or (k, v, kt_min, kt_max); with choose_q (the step's query
+  [B, K, G, H]; KT pages required) and topr, followed by HSA's channel choice of each row (q_BKGR, ch_BKR,
+  use_max_BKR, inv_tau_BKG: `hsa_scores.row_channels`' outputs, which the scoring takes as `choice=`).
+  num_warps None: 1, or with choose_q `row_channels`' (`hsa_scores.row_channels_warps`).
 
   A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
   how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages
@@ -217,10 +217,11 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   kt_update: "fold" (the page's min/max folded with k_new in float32: reads the page's KT column, strided by
   the row of P pages: each value its own memory sector), "rows" (the page's min/max recomputed from its K rows
   up to the slot, as the cache holds them: at most page_size - 1 contiguous K rows instead of the KT column)
-  or "auto" ("rows" when k_new has the cache's dtype and page_size <= ROWS_MAX_PAGE_SIZE, else "fold"). The two agree when k_new has the cache's
-  dtype and the KT page holds the min/max of its rows (as `cache.build_kt_pages` and every append keep it):
-  rounding to the KT dtype commutes with min and max. H200, 32k context, t=256 (539 pages of 3), us per
-  layer: 391 x 8 rows fold 73, rows 51; 108 x 8 fold 8.5, rows 5.6 (benchmarks/results/stage2_h200_2026-12-02b).
+  or "auto" ("rows" when k_new has the cache's dtype and page_size <= ROWS_MAX_PAGE_SIZE, else "fold"). The two
+  agree when k_new has the cache's dtype and the KT page holds the min/max of its rows (as
+  `cache.build_kt_pages` and every append keep it): rounding to the KT dtype commutes with min and max. H200,
+  32k context, t=256 (539 pages of 3), us per layer: 391 x 8 rows fold 73, rows 51; 108 x 8 fold 8.5, rows 5.6
+  (benchmarks/results/stage2_h200_2026-12-02b).
 
   The outputs alias the cache inputs (input_output_aliases): inside a jitted step whose cache is donated (or
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
@@ -233,7 +234,8 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
     num_warps = 1 if choose_q is None else row_channels_warps(B * K)
   kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
   new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
-  slot_spec = pl.BlockSpec((None,), lambda b, k: (b,)) if slot_BK.ndim == 1 else pl.BlockSpec((None, None), lambda b, k: (b, k))
+  slot_spec = (pl.BlockSpec((None,), lambda b, k: (b,)) if slot_BK.ndim == 1
+               else pl.BlockSpec((None, None), lambda b, k: (b, k)))
   # Inputs: k, v, k_new, v_new, slot, then optionally (kt_min, kt_max); the outputs are k, v and the KT
   # pages, each aliased to its input.
   inputs = [(k_BKSH, kv_spec), (v_BKSH, kv_spec), (k_new_BKH, new_spec), (v_new_BKH, new_spec),

@@ -215,11 +215,11 @@ def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
                  impl, choose_q=None, topr=0):
   """The new token's K/V rows at `slot` ([B], or [B, K] per KV head), its key folded into its KT page when
-  pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing. With choose_q (the step's query) and topr, HSA's
-  channel choice of each row follows (`hsa_select`'s choice=; the kernel makes it in the same launch). The kernel
-  rebuilds the open page from its K rows when the new key has the cache's dtype (`cache_append`'s
-  kt_update="auto"); the XLA path folds the key into the page: the same pages whenever each page holds its
-  rows' min/max, as every cache's do."""
+  pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing. With choose_q (the
+  step's query) and topr, HSA's channel choice of each row follows (`hsa_select`'s choice=; the kernel makes it
+  in the same launch). The kernel rebuilds the open page from its K rows when the new key has the cache's dtype
+  and the page is small (`cache_append`'s kt_update="auto"); the XLA path folds the key into the page: the
+  same pages whenever each page holds its rows' min/max, as every cache's do."""
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
               page_size=page_size, impl=impl, choose_q=choose_q, topr=topr)
 
