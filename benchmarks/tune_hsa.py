@@ -6,8 +6,8 @@ the profiler against the bytes the call must move at copy bandwidth. GPU only.
   rows are already padded to a multiple of 16 pages, `kt_num_pages`); floor: the chosen rows' bytes;
 - the gather layout's channel choice alone (`row_channels`, the Pallas kernel) at each of --row-channels-warps;
   floor: the query read and the choice written;
-- selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps and --topk-bits (key
-  bits resolved per step of its threshold search); floor: the partials' bytes;
+- selection (`hsa_page_topk` of the default scoring's partials) at each of --topk-warps; floor: the partials'
+  bytes;
 - token append (`cache_append`, 16 appends in a loop, per append) at each of --append-warps and
   --append-kt-updates; floor: the rows and KT page columns written (each column value a 32-byte sector read
   and written).
@@ -49,7 +49,6 @@ def main():
   ap.add_argument("--pad-pages", default="0")
   ap.add_argument("--row-channels-warps", default="", help="comma list: time row_channels at these warps")
   ap.add_argument("--topk-warps", default="", help="comma list: time hsa_page_topk at these warps")
-  ap.add_argument("--topk-bits", default="0", help="hsa_page_topk search_bits values (0: its default)")
   ap.add_argument("--append-warps", default="", help="comma list: time cache_append at these warps")
   ap.add_argument("--append-kt-updates", default="auto", help="cache_append kt_update values: fold,rows,auto")
   a = ap.parse_args()
@@ -108,12 +107,10 @@ def main():
       parts = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps))(
           q, cache)
       part_bytes = sum(x.size * x.dtype.itemsize for x in parts)
-      for warps, bits in itertools.product(_ints(a.topk_warps), _ints(a.topk_bits)):
-        f = jax.jit(lambda s, m, l, n, warps=warps, bits=bits: hsa_page_topk(
-            s, m, l, n, page_size=ps, k=cfg.topk, num_slots=cfg.capacity, num_warps=warps,
-            search_bits=bits or None))
-        timed(dict(base, kind="page_topk", warps=warps, search_bits=bits), f, [(*parts, cache.length)],
-              part_bytes)
+      for warps in _ints(a.topk_warps):
+        f = jax.jit(lambda s, m, l, n, warps=warps: hsa_page_topk(
+            s, m, l, n, page_size=ps, k=cfg.topk, num_slots=cfg.capacity, num_warps=warps))
+        timed(dict(base, kind="page_topk", warps=warps), f, [(*parts, cache.length)], part_bytes)
       del parts
     if a.append_warps:
       k_new = jax.random.normal(ks[2], (B, K_HEADS, H), jnp.bfloat16)

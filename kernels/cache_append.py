@@ -21,9 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import (choice_dot_dtype, choice_shapes, row_blocks, row_channels_body,
+from rocketkv_jax.kernels.hsa_scores import (choice_dot_dtype, choice_shapes, row_channels_body,
                                              row_channels_reference, row_channels_warps)
-from rocketkv_jax.kernels.triton_util import next_pow2
+from rocketkv_jax.kernels.triton_util import next_pow2, row_blocks
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
@@ -229,22 +229,19 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q,
               topr)
   kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH, page_size)
-  B, K, S, H = k_BKSH.shape
+  B, K = k_BKSH.shape[:2]
   if num_warps is None:
     num_warps = 1 if choose_q is None else row_channels_warps(B * K)
-  kv_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))
-  new_spec = pl.BlockSpec((None, None, H), lambda b, k: (b, k, 0))
-  slot_spec = (pl.BlockSpec((None,), lambda b, k: (b,)) if slot_BK.ndim == 1
-               else pl.BlockSpec((None, None), lambda b, k: (b, k)))
-  # Inputs: k, v, k_new, v_new, slot, then optionally (kt_min, kt_max); the outputs are k, v and the KT
-  # pages, each aliased to its input.
-  inputs = [(k_BKSH, kv_spec), (v_BKSH, kv_spec), (k_new_BKH, new_spec), (v_new_BKH, new_spec),
-            (slot_BK.astype(jnp.int32), slot_spec)]
+  slot = slot_BK.astype(jnp.int32)
+  slot_spec = pl.BlockSpec((None,), lambda b, k: (b,)) if slot.ndim == 1 else row_blocks([slot])[0]
+  # Inputs: k, v, k_new, v_new, slot, then optionally (kt_min, kt_max), each taken per (b, k) row; the
+  # outputs are k, v and the KT pages, each aliased to its input.
+  rows = [k_BKSH, v_BKSH, k_new_BKH, v_new_BKH]
+  inputs = list(zip(rows, row_blocks(rows))) + [(slot, slot_spec)]
   outputs = [0, 1]  # indices into inputs
   pages = kt_min_BKHP is not None
   if pages:
-    kt_spec = pl.BlockSpec((None, None, H, kt_min_BKHP.shape[-1]), lambda b, k: (b, k, 0, 0))
-    inputs += [(kt_min_BKHP, kt_spec), (kt_max_BKHP, kt_spec)]
+    inputs += zip([kt_min_BKHP, kt_max_BKHP], row_blocks([kt_min_BKHP, kt_max_BKHP]))
     outputs += [len(inputs) - 2, len(inputs) - 1]
   # The channel choice: one more input and four outputs of their own (not aliased).
   choice = []

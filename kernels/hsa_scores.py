@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
 from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
-                                              masked_scatter, next_pow2, page_slots)
+                                              masked_scatter, next_pow2, page_slots, row_blocks)
 
 _TARGET_PROGRAMS = 2 * 132
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
@@ -193,12 +193,6 @@ def choice_shapes(B: int, K: int, G: int, topr: int, dot_dtype) -> list:
   Rp = chosen_slots(topr)
   return [jax.ShapeDtypeStruct((B, K, G, Rp), dot_dtype), jax.ShapeDtypeStruct((B, K, Rp), jnp.int32),
           jax.ShapeDtypeStruct((B, K, Rp), jnp.int32), jax.ShapeDtypeStruct((B, K, G), jnp.float32)]
-
-
-def row_blocks(shapes) -> list:
-  """BlockSpecs of a (B, K) grid taking each array's (b, k) row whole."""
-  return [pl.BlockSpec((None, None) + tuple(x.shape[2:]), lambda b, k, n=len(x.shape) - 2: (b, k) + (0,) * n)
-          for x in shapes]
 
 
 def row_channels_warps(rows: int) -> int:

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 from rocketkv_jax.kernels.checks import check_page_count
 from rocketkv_jax.kernels.hsa_scores import normalize_partials
 from rocketkv_jax.kernels.topk_select import best_units_take, order_key
-from rocketkv_jax.kernels.triton_util import MASK_VALUE, masked_scatter, next_pow2, page_slots
+from rocketkv_jax.kernels.triton_util import MASK_VALUE, masked_scatter, next_pow2, page_slots, row_blocks
 
 # A row's page scores live in registers: up to this many pages per row (4096 pages of 3 slots is a
 # 12k-token cache, above RocketKV's capacity at t = 2048).
@@ -215,8 +215,7 @@ def _call(kernel, inputs, length_B, B, K, M, interpret, num_warps, name):
   return pl.pallas_call(
       functools.partial(kernel, interpret=interpret),
       grid=(B, K),
-      in_specs=[pl.BlockSpec((None, None) + shape, lambda b, h, n=len(shape): (b, h) + (0,) * n)
-                for shape in (x.shape[2:] for x in inputs)] + [pl.BlockSpec((None,), lambda b, h: (b,))],
+      in_specs=row_blocks(inputs) + [pl.BlockSpec((None,), lambda b, h: (b,))],
       out_specs=pl.BlockSpec((None, None, M), lambda b, h: (b, h, 0)),
       out_shape=jax.ShapeDtypeStruct((B, K, M), jnp.int32),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),

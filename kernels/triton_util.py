@@ -24,6 +24,13 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def row_blocks(arrays) -> list:
+  """BlockSpecs of a (B, K) grid taking each array's (b, k) row whole (arrays: anything with a .shape of at
+  least 2 dims, [B, K, ...])."""
+  return [pl.BlockSpec((None, None) + tuple(x.shape[2:]), lambda b, k, n=len(x.shape) - 2: (b, k) + (0,) * n)
+          for x in arrays]
+
+
 def dot_precision(dtype):
   """float32 operands: full precision (no TF32); bf16: the native tensor-core path."""
   return "highest" if jnp.dtype(dtype) == jnp.float32 else None

@@ -224,11 +224,6 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
               page_size=page_size, impl=impl, choose_q=choose_q, topr=topr)
 
 
-def advance_lengths(length_B, pos_B, num_slots: int):
-  """(min(length + 1, num_slots), pos + 1), int32: a cache's length and pos after an append."""
-  return jnp.minimum(length_B + 1, num_slots).astype(jnp.int32), (pos_B + 1).astype(jnp.int32)
-
-
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):
   """(h, normed): h = x + delta (x when delta is None), normed = RMSNorm(h) * w."""
   return call("add_rms_norm", x_BD, delta_BD, w_D, eps=eps, impl=impl)

@@ -65,12 +65,12 @@ def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
   new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
                          page_size=config.page_size if pages else 1, impl=config.impl, **choose)
   new, choice = (new[:-4], new[-4:]) if choose else (new, None)
-  length, pos = ops.advance_lengths(cache.length, cache.pos, cache.capacity)
   if pages:
     k, v, kt_min, kt_max = new
   else:
     (k, v), kt_min, kt_max = new, cache.kt_min, cache.kt_max
-  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=pos, length=length), choice
+  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=cache.pos + 1,
+                             length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32)), choice
 
 
 def kt_itemsize(config, itemsize: int) -> int:
