@@ -4,14 +4,15 @@ k, in one launch.
 qkv[b] is laid out as N query heads, then K key heads, then K value heads, H channels each. Channel i < H/2
 of a q or k head pairs with channel i + H/2 (the HF convention): with angle = pos[b] * inv_freq[i] in
 float32, out[i] = x[i] cos - x[i + H/2] sin and out[i + H/2] = x[i + H/2] cos + x[i] sin, computed in
-float32 and rounded to the input dtype; v heads are copied. The grid is (B, N + 2K), one program per head
-of a row, each loading the two halves separately (no concatenate) and storing to q, k or v. In decode XLA
-ran this as three launch-bound kernels (a rope fusion each for q and k, a slice copy for v) per layer on
-the H200; here it is one.
+float32 and rounded to the input dtype; v heads are copied. The grid is (B, (N + 2K) / hp): each program
+takes hp heads of a row (all q, all k or all v: hp divides N and K), loads the two halves separately (no
+concatenate), computes the row's cos/sin once and stores to q, k or v. In decode XLA ran this as three
+launch-bound kernels (a rope fusion each for q and k, a slice copy for v) per layer on the H200; here it is one.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,45 +44,59 @@ def qkv_rope_reference(qkv_BX, pos_B, inv_freq_half, *, n_heads: int, n_kv_heads
           rope_reference(heads_BXH[:, N:N + K], pos_B, inv_freq_half), heads_BXH[:, N + K:])
 
 
+# Token rows (B) from which each program takes a group of heads (`heads_per_program`) instead of one: at large
+# batch one program per head is 48 x B tiny programs per layer (8B shape), each computing its own cos/sin.
+GROUP_HEADS_MIN_ROWS = 64
+
+
+def heads_per_program(B: int, n_heads: int, n_kv_heads: int) -> int:
+  """hp: 1 below GROUP_HEADS_MIN_ROWS rows, else the largest power of two dividing both N and K (8 for
+  Llama-3.1-8B's 32 and 8 heads; 1 for SmolLM2's 9 and 3)."""
+  if B < GROUP_HEADS_MIN_ROWS:
+    return 1
+  g = math.gcd(n_heads, n_kv_heads)
+  return g & -g
+
+
 def _qkv_rope_kernel(
     # inputs
-    x_ref,  # [H], head j of the row
+    x_ref,  # [hp, H], heads [j * hp, (j + 1) * hp) of the row
     pos_ref,  # []
     inv_freq_ref,  # [H/2] float32
     # outputs
-    q_ref,  # [H], head min(j, N-1) of q
-    k_ref,  # [H], head clip(j - N, 0, K-1) of k
-    v_ref,  # [H], head clip(j - N - K, 0, K-1) of v
+    q_ref,  # [hp, H], q's block min(j, N/hp - 1)
+    k_ref,  # [hp, H], k's block clip(j - N/hp, 0, K/hp - 1)
+    v_ref,  # [hp, H], v's block clip(j - (N + K)/hp, 0, K/hp - 1)
     *,
     n_heads: int,
     n_kv_heads: int,
 ):
-  H = x_ref.shape[0]
+  hp, H = x_ref.shape
   half = H // 2
-  lo, hi = pl.ds(0, half), pl.ds(half, half)
+  heads, lo, hi = pl.ds(0, hp), pl.ds(0, half), pl.ds(half, half)
   j = pl.program_id(1)
-  # Only the output whose head this program is gets a store; the other two refs point at a neighbour's
+  # Only the output whose heads this program holds gets a store; the other two refs point at a neighbour's
   # block and are left alone.
 
   def rope_into(out_ref):
     ang = pos_ref[...].astype(jnp.float32) * inv_freq_ref[...]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    x1 = x_ref[lo].astype(jnp.float32)
-    x2 = x_ref[hi].astype(jnp.float32)
-    pltriton.store(out_ref.at[lo], (x1 * cos - x2 * sin).astype(out_ref.dtype))
-    pltriton.store(out_ref.at[hi], (x2 * cos + x1 * sin).astype(out_ref.dtype))
+    cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+    x1 = x_ref[heads, lo].astype(jnp.float32)
+    x2 = x_ref[heads, hi].astype(jnp.float32)
+    pltriton.store(out_ref.at[heads, lo], (x1 * cos - x2 * sin).astype(out_ref.dtype))
+    pltriton.store(out_ref.at[heads, hi], (x2 * cos + x1 * sin).astype(out_ref.dtype))
 
-  @pl.when(j < n_heads)
+  @pl.when(j < n_heads // hp)
   def _():
     rope_into(q_ref)
 
-  @pl.when((j >= n_heads) & (j < n_heads + n_kv_heads))
+  @pl.when((j >= n_heads // hp) & (j < (n_heads + n_kv_heads) // hp))
   def _():
     rope_into(k_ref)
 
-  @pl.when(j >= n_heads + n_kv_heads)
+  @pl.when(j >= (n_heads + n_kv_heads) // hp)
   def _():
-    pltriton.store(v_ref.at[pl.ds(0, H)], x_ref[...])
+    pltriton.store(v_ref.at[heads, pl.ds(0, H)], x_ref[...])
 
 
 def _check_args(qkv_BX, pos_B, inv_freq_half, n_heads, n_kv_heads, head_dim):
@@ -118,22 +133,24 @@ def qkv_rope(qkv_BX, pos_B, inv_freq_half, *, n_heads: int, n_kv_heads: int, hea
   _check_args(qkv_BX, pos_B, inv_freq_half, n_heads, n_kv_heads, head_dim)
   B = qkv_BX.shape[0]
   N, K, H = n_heads, n_kv_heads, head_dim
+  hp = heads_per_program(B, N, K)
+  nq, nk = N // hp, K // hp  # blocks of hp heads
   dtype = qkv_BX.dtype
   out_shape = [jax.ShapeDtypeStruct((B, N, H), dtype), jax.ShapeDtypeStruct((B, K, H), dtype),
                jax.ShapeDtypeStruct((B, K, H), dtype)]
-  out_specs = [pl.BlockSpec((None, None, H), lambda b, j: (b, jnp.minimum(j, N - 1), 0)),
-               pl.BlockSpec((None, None, H), lambda b, j: (b, jnp.clip(j - N, 0, K - 1), 0)),
-               pl.BlockSpec((None, None, H), lambda b, j: (b, jnp.clip(j - N - K, 0, K - 1), 0))]
-  in_specs = [pl.BlockSpec((None, H), lambda b, j: (b, j)),
+  out_specs = [pl.BlockSpec((None, hp, H), lambda b, j: (b, jnp.minimum(j, nq - 1), 0)),
+               pl.BlockSpec((None, hp, H), lambda b, j: (b, jnp.clip(j - nq, 0, nk - 1), 0)),
+               pl.BlockSpec((None, hp, H), lambda b, j: (b, jnp.clip(j - nq - nk, 0, nk - 1), 0))]
+  in_specs = [pl.BlockSpec((None, hp, H), lambda b, j: (b, j, 0)),
               pl.BlockSpec((None,), lambda b, j: (b,)),
               pl.BlockSpec((H // 2,), lambda b, j: (0,))]
   return tuple(pl.pallas_call(
       functools.partial(_qkv_rope_kernel, n_heads=N, n_kv_heads=K),
-      grid=(B, N + 2 * K),
+      grid=(B, nq + 2 * nk),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="rocketkv_qkv_rope",
-  )(qkv_BX, pos_B.astype(jnp.int32), inv_freq_half))
+  )(qkv_BX.reshape(B, N + 2 * K, H), pos_B.astype(jnp.int32), inv_freq_half))

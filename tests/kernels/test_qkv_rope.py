@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import lower_for_h200, needs_gpu, rel_err
-from rocketkv_jax.kernels.qkv_rope import qkv_rope, qkv_rope_reference
+from rocketkv_jax.kernels import qkv_rope as qkv_rope_module
+from rocketkv_jax.kernels.qkv_rope import heads_per_program, qkv_rope, qkv_rope_reference
 
 # N = 9, K = 3 (SmolLM2's heads) are not powers of two; H = 16 is the tiny test model's head dim.
 CASES = [
@@ -69,6 +70,32 @@ def test_matches_reference_interpret(case):
   check(**case, interpret=True)
 
 
+@pytest.fixture
+def group_heads(monkeypatch):
+  """qkv_rope with grouped heads at every batch (traces cleared around: the bound is read at trace time)."""
+  monkeypatch.setattr(qkv_rope_module, "GROUP_HEADS_MIN_ROWS", 1)
+  qkv_rope.clear_cache()
+  yield
+  qkv_rope.clear_cache()
+
+
+GROUPED_CASES = CASES + [pytest.param(dict(B=2, N=8, K=4, H=32, dtype=jnp.bfloat16), id="B2N8K4H32-bf16")]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_grouped_heads_match_reference_interpret(group_heads, case):
+  """hp heads per program (2 for N=8, K=2; 4 for N=8, K=4; 1 for SmolLM2's 9 and 3): the same outputs."""
+  check(**case, interpret=True)
+
+
+def test_heads_per_program():
+  bound = qkv_rope_module.GROUP_HEADS_MIN_ROWS
+  assert heads_per_program(bound - 1, 32, 8) == 1
+  assert heads_per_program(bound, 32, 8) == 8
+  assert heads_per_program(bound, 9, 3) == 1
+  assert heads_per_program(bound, 12, 6) == 2
+
+
 def test_rotation_keeps_pair_norms_interpret():
   """Each (i, i + H/2) pair is rotated: its length is kept."""
   B, N, K, H = 4, 4, 2, 32
@@ -123,7 +150,7 @@ def _lower(B, N, K, H, dtype):
                         sd((B, (N + 2 * K) * H), dtype), sd((B,), jnp.int32), sd((H // 2,), jnp.float32))
 
 
-@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("B", [1, 8, 391])
 def test_lowers_for_h200_through_triton(B):
   assert "rocketkv_qkv_rope" in _lower(B, 32, 8, 128, jnp.bfloat16)
 
@@ -135,5 +162,12 @@ def test_lowers_for_h200_odd_heads_f32():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_matches_reference_gpu(case):
+  needs_gpu()
+  check(**case, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_grouped_heads_match_reference_gpu(group_heads, case):
   needs_gpu()
   check(**case, interpret=False)
