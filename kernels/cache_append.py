@@ -78,8 +78,8 @@ def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP
 # The largest page for which kt_update="auto" rebuilds the page from its K rows: the program holds
 # next_pow2(page_size) rows of H channels in registers (one warp), so above this the column fold is taken.
 # Quest's pages are far larger (2 * S / t slots: 257 at 32k and t=256), and with "rows" for every page size
-# its 32k decode step went from 5.17 ms to 9.60 ms on the H200 (benchmarks/results/stage2_h200_2026-12-02d/;
-# the bound is set from that register argument, not yet timed: no device time was left).
+# its 32k decode step went from 5.17 ms to 9.60 ms on the H200 (benchmarks/results/stage2_h200_2026-12-02d/);
+# with this bound it is 4.84 ms (batch 1; stage2_h200_2026-12-02e/).
 ROWS_MAX_PAGE_SIZE = 16
 
 
