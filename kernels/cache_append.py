@@ -4,8 +4,8 @@ fold of the new key into its min/max page (ALGORITHM.md section 3).
 Row slot[b, k] of k[b, k] / v[b, k] becomes k_new[b, k] / v_new[b, k]. With KT pages (channel-major
 [B, K, H, P]), page p = slot // page_size: when slot % page_size == 0 the page starts fresh (min = max =
 k_new), otherwise min/max take the element-wise min/max with k_new. One program per (b, k) writes one K row
-and one V row, and one page column of each of kt_min and kt_max, in place (input_output_aliases), so
-nothing else of the cache moves. The page's old min/max come from its K rows before the slot (contiguous),
+and one V row, and the values of one page column of kt_min and kt_max that change, in place
+(input_output_aliases), so nothing else of the cache moves. The page's old min/max come from its K rows before the slot (contiguous),
 or from the KT column itself (`kt_update`). This replaces two XLA scatters and a separate KT
 kernel, three launch-bound launches per layer on the H200, by one. Given the step's query and top_r
 (`choose_q`, `topr`), each program also makes HSA's channel choice for its row (`hsa_scores.row_channels_body`):
@@ -60,19 +60,26 @@ def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP
   P = kt_min_BKHP.shape[-1]
   at_BKP = (jnp.arange(P)[None, None, :] == (slot_BK // page_size)[..., None]) & in_range_BK[..., None]
   fresh = ((slot_BK % page_size) == 0)[..., None, None]
-  if kt_update == "rows":  # the page's rows up to the slot, as the cache now holds them
-    s = jnp.arange(S)[None, None, :]
-    in_page = ((s >= slot_BK[..., None] // page_size * page_size) & (s <= slot_BK[..., None]))[..., None]
-    kc = k.astype(jnp.float32)
-    new_min = jnp.min(jnp.where(in_page, kc, jnp.inf), axis=2)[..., None]  # [B, K, H, 1]
-    new_max = jnp.max(jnp.where(in_page, kc, -jnp.inf), axis=2)[..., None]
-  else:
+  at = at_BKP[:, :, None, :]
+  if kt_update == "fold":
     kf = k_new_BKH.astype(jnp.float32)[..., None]  # [B, K, H, 1]
     new_min = jnp.where(fresh, kf, jnp.minimum(kt_min_BKHP.astype(jnp.float32), kf))
     new_max = jnp.where(fresh, kf, jnp.maximum(kt_max_BKHP.astype(jnp.float32), kf))
-  at = at_BKP[:, :, None, :]
-  return (k, v, jnp.where(at, new_min.astype(kt_min_BKHP.dtype), kt_min_BKHP),
-          jnp.where(at, new_max.astype(kt_max_BKHP.dtype), kt_max_BKHP))
+    return (k, v, jnp.where(at, new_min.astype(kt_min_BKHP.dtype), kt_min_BKHP),
+            jnp.where(at, new_max.astype(kt_max_BKHP.dtype), kt_max_BKHP))
+  # "rows": the page's rows up to the slot, as the cache now holds them; a value is stored where it differs
+  # from the min/max of the rows before the slot (which the page holds already, when it is consistent)
+  s = jnp.arange(S)[None, None, :, None]
+  start = (slot_BK // page_size * page_size)[..., None, None]
+  kc = k.astype(jnp.float32)
+  kt = []
+  for old_BKHP, fill, reduce in ((kt_min_BKHP, jnp.inf, jnp.min), (kt_max_BKHP, -jnp.inf, jnp.max)):
+    before = reduce(jnp.where((s >= start) & (s < slot_BK[..., None, None]), kc, fill), axis=2)[..., None]
+    new = reduce(jnp.where((s >= start) & (s <= slot_BK[..., None, None]), kc, fill), axis=2)[..., None]
+    new, before = new.astype(old_BKHP.dtype), before.astype(old_BKHP.dtype)
+    changed = fresh | (new.astype(jnp.float32) != before.astype(jnp.float32))  # [B, K, H, 1]
+    kt.append(jnp.where(at & changed, new, old_BKHP))
+  return (k, v, *kt)
 
 
 # The largest page for which kt_update="auto" rebuilds the page from its K rows: the program holds
@@ -134,6 +141,7 @@ def _cache_append_kernel(
     # The page's min/max before this token, in float32 (an f8/bf16 page value round-trips it exactly): +inf /
     # -inf on a page that starts at this slot, so the fold below gives k_new there.
     page = row // page_size  # < P, as P >= cdiv(S, page_size)
+    fresh = (slot % page_size) == 0
     cols = jnp.zeros((H,), jnp.int32) + page
     if kt_update == "rows":  # the page's rows before the slot (contiguous), not the strided KT column
       j = jnp.arange(max(2, next_pow2(page_size)))
@@ -144,7 +152,6 @@ def _cache_append_kernel(
       old_min = jnp.min(jnp.where(before[:, None], prev, jnp.inf), axis=0)
       old_max = jnp.max(jnp.where(before[:, None], prev, -jnp.inf), axis=0)
     else:
-      fresh = (slot % page_size) == 0
       old_min = jnp.where(fresh, jnp.inf, kt_min_ref[chans, cols].astype(jnp.float32))
       old_max = jnp.where(fresh, -jnp.inf, kt_max_ref[chans, cols].astype(jnp.float32))
   pltriton.store(k_out_ref.at[rows, chans], k_new.astype(k_out_ref.dtype), mask=write)
@@ -155,8 +162,15 @@ def _cache_append_kernel(
     return
   # "rows": the key as the cache holds it (with the rows above, the page's min/max over its stored keys)
   k = k_new.astype(k_out_ref.dtype if kt_update == "rows" else jnp.float32).astype(jnp.float32)
-  pltriton.store(kt_min_out_ref.at[chans, cols], jnp.minimum(old_min, k).astype(kt_min_out_ref.dtype), mask=write)
-  pltriton.store(kt_max_out_ref.at[chans, cols], jnp.maximum(old_max, k).astype(kt_max_out_ref.dtype), mask=write)
+  # Only the values that change are stored (a page's first slot stores all): each value is its own write
+  # transaction (a sector of the channel-major row). On a 3-slot page of random keys that is 2, 1 and 2/3 of
+  # each channel's two values at its three slots. H200, 32k, t=256, decode step A/B in one process: batch 391
+  # 17.53 -> 17.01 ms, batch 8 5.22 -> 5.18 (benchmarks/results/stage2_h200_2026-12-02f).
+  for old, new, out_ref in ((old_min, jnp.minimum(old_min, k), kt_min_out_ref),
+                            (old_max, jnp.maximum(old_max, k), kt_max_out_ref)):
+    new, old = new.astype(out_ref.dtype), old.astype(out_ref.dtype)
+    changed = fresh | (new.astype(jnp.float32) != old.astype(jnp.float32))
+    pltriton.store(out_ref.at[chans, cols], new, mask=write & changed)
 
 
 def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q=None,
@@ -216,8 +230,9 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
 
   kt_update: "fold" (the page's min/max folded with k_new in float32: reads the page's KT column, strided by
   the row of P pages: each value its own memory sector), "rows" (the page's min/max recomputed from its K rows
-  up to the slot, as the cache holds them: at most page_size - 1 contiguous K rows instead of the KT column)
-  or "auto" ("rows" when k_new has the cache's dtype and page_size <= ROWS_MAX_PAGE_SIZE, else "fold"). The two
+  up to the slot, as the cache holds them: at most page_size - 1 contiguous K rows instead of the KT column;
+  a value is stored only where it differs from the min/max of the rows before the slot, or at the page's
+  first slot, so a page that does not hold its rows' min/max keeps its other values) or "auto" ("rows" when k_new has the cache's dtype and page_size <= ROWS_MAX_PAGE_SIZE, else "fold"). The two
   agree when k_new has the cache's dtype and the KT page holds the min/max of its rows (as
   `cache.build_kt_pages` and every append keep it): rounding to the KT dtype commutes with min and max. H200,
   32k context, t=256 (539 pages of 3), us per layer: 391 x 8 rows fold 73, rows 51; 108 x 8 fold 8.5, rows 5.6
