@@ -78,17 +78,43 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
   return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
 
 
-def _choose_channels(q_GH, topr: int):
+# Channels per step of `_choose_channels`' rank loop: each step compares all H channels with RANK_CHUNK of them
+# ([H, RANK_CHUNK] compares), so the program holds H * RANK_CHUNK values, not H * H. With the whole [H, H] at
+# once the append kernel (which makes the choice) took 214 registers per thread at 2 warps: 12.5% occupancy
+# (ncu, H200, 391 x 8 rows); with 32 it takes 168. Decode step A/B in one process, 32k, t=256, ms: batch 391
+# chunks of 128 17.33, 32 17.03, 16 17.89; batch 1 4.92 / 4.90 / 4.93; batch 8 5.14 / 5.09 / 5.15
+# (benchmarks/results/stage2_h200_2026-12-02f).
+RANK_CHUNK = 32
+
+
+def _abs_group_sum(q_ref, cols):
+  """sum_g |q_g| over the group's rows of q_ref [G, H] at columns `cols` (a pl.ds), in float32, the rows added
+  in order: the same bits for a channel whichever columns are loaded with it."""
+  a = jnp.abs(q_ref[0, cols].astype(jnp.float32))
+  for g in range(1, q_ref.shape[0]):
+    a = a + jnp.abs(q_ref[g, cols].astype(jnp.float32))
+  return a
+
+
+def _choose_channels(q_ref, q_GH, topr: int):
   """(use_max, use_min) [H] bool and a slot [H] int32 per channel: the group's top-r channels of sum_g |q_g|,
-  ties toward the lower channel, split by the sign of the group's summed query (zero counts as negative). The
-  slot is the channel's rank: the channels that beat it ([H, H] compares of one register vector; no serial
-  loop), so the chosen channels' slots are 0..r-1. Pad rows of q must be 0."""
-  H = q_GH.shape[-1]
-  a = jnp.abs(q_GH).sum(axis=0)  # [H]
-  c = jnp.arange(H)
-  a_i, a_j = a[:, None], a[None, :]
-  beats = (a_j > a_i) | ((a_j == a_i) & (c[None, :] < c[:, None]))  # channel j ranks before channel i
-  slot = jnp.sum(beats.astype(jnp.int32), axis=1)  # [H], a permutation of 0..H-1
+  ties toward the lower channel, split by the sign of the group's summed query (q_GH: the group's rows as
+  loaded, pad rows 0; zero counts as negative). The slot is the channel's rank: the channels that beat it,
+  counted RANK_CHUNK channels at a time ([H, RANK_CHUNK] compares, no serial loop over channels), so the
+  chosen channels' slots are 0..r-1."""
+  H = q_ref.shape[1]
+  chunk = min(H, RANK_CHUNK)
+  a_i = _abs_group_sum(q_ref, pl.ds(0, H))[:, None]  # [H, 1]
+  c_i = jnp.arange(H)[:, None]
+
+  def count(j, slot):
+    j0 = j * chunk
+    a_j = _abs_group_sum(q_ref, pl.ds(j0, chunk))[None, :]  # [1, chunk]
+    c_j = j0 + jnp.arange(chunk)[None, :]
+    beats = (a_j > a_i) | ((a_j == a_i) & (c_j < c_i))  # channel c_j ranks before channel c_i
+    return slot + jnp.sum(beats.astype(jnp.int32), axis=1)
+
+  slot = lax.fori_loop(0, H // chunk, count, jnp.zeros((H,), jnp.int32))  # a permutation of 0..H-1
   chosen = slot < topr
   use_max = chosen & (q_GH.sum(axis=0) > 0)
   return use_max, chosen & ~use_max, slot
@@ -126,7 +152,7 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
   H = q_ref.shape[1]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
   q = q_in.astype(jnp.float32)
-  use_max, use_min, _ = _choose_channels(q, topr)
+  use_max, use_min, _ = _choose_channels(q_ref, q, topr)
   chosen = use_max | use_min
   # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
   q_r = jnp.where(chosen[None, :], q, 0.0)
@@ -237,7 +263,7 @@ def row_channels_body(
   q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
   Gp = row_ok.shape[0]
   q = q_in.astype(jnp.float32)
-  use_max_H, use_min_H, slot = _choose_channels(q, topr)
+  use_max_H, use_min_H, slot = _choose_channels(q_ref, q, topr)
   # Each chosen channel is written to its slot (< topr; the slots are distinct), the pads (>= topr) apart:
   # disjoint stores. (A one-hot [H, Rp] compaction, three reductions and a dot, was 2.5-3.5x slower on the
   # H200: 64 rows 7.39 against 2.53 us, 3128 rows 71.7 against 23.0; results/stage2_h200_2026-12-02c.)
