@@ -82,7 +82,8 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
 # ([H, RANK_CHUNK] compares), so the program holds H * RANK_CHUNK values, not H * H. With the whole [H, H] at
 # once the append kernel (which makes the choice) took 214 registers per thread at 2 warps: 12.5% occupancy
 # (ncu, H200, 391 x 8 rows); with 32 it takes 168. Decode step A/B in one process, 32k, t=256, ms: batch 391
-# chunks of 128 17.33, 32 17.03, 16 17.89; batch 1 4.92 / 4.90 / 4.93; batch 8 5.14 / 5.09 / 5.15
+# chunks of 128 17.33, 32 17.03, 16 17.89; batch 1 4.92 / 4.90 / 4.93; batch 8 5.14 / 5.09 / 5.15. Against the
+# one-block code before it (17.01 at batch 391 in another process) the step is unchanged within run-to-run noise
 # (benchmarks/results/stage2_h200_2026-12-02f).
 RANK_CHUNK = 32
 
