@@ -135,6 +135,30 @@ def test_kt_from_rows_equals_the_fold_on_a_consistent_cache(kt_dtype):
                              kt_update=kt_update), fold)
 
 
+@pytest.mark.parametrize("kt_update,page_size,kt_dtype", [("rows", 3, jnp.bfloat16), ("rows", 1, jnp.float8_e5m2),
+                                                          ("rows", 5, jnp.float32), ("fold", 4, jnp.bfloat16)])
+def test_appends_in_a_row_keep_every_page_its_rows_min_max_interpret(kt_update, page_size, kt_dtype):
+  """The kernel stores only the KT values that change: over a run of appends from stage 1's pages, with keys
+  repeated (so that many values do not change) and a page filled from its first slot, every page stays
+  `build_kt_pages` of the rows the cache then holds, exactly."""
+  from rocketkv_jax.cache import build_kt_pages
+  B, K, S, H, steps = 2, 2, 23, 64, 9
+  ks = jax.random.split(jax.random.PRNGKey(page_size), 3)
+  k, v = (jax.random.normal(x, (B, K, S, H), jnp.bfloat16) for x in ks[:2])
+  new = jax.random.normal(ks[2], (steps, B, K, H), jnp.bfloat16)
+  new = new.at[1::2].set(new[0::2][:new[1::2].shape[0]])  # every other key repeats the one before it
+  length = jnp.array([5, 12], jnp.int32)
+  kt = build_kt_pages(k, length, page_size, kt_dtype)
+  for i in range(steps):
+    k, v, *kt = cache_append(k, v, new[i], new[i], length + i, *kt, page_size=page_size, interpret=True,
+                             kt_update=kt_update)
+  want = build_kt_pages(k, length + steps, page_size, kt_dtype)
+  used = np.arange(kt[0].shape[-1]) * page_size < np.asarray(length + steps)[:, None, None, None]
+  for got, ref in zip(kt, want):
+    np.testing.assert_array_equal(np.where(used, np.asarray(got.astype(jnp.float32)), 0),
+                                  np.where(used, np.asarray(ref.astype(jnp.float32)), 0))
+
+
 def test_kt_update_auto_folds_a_key_finer_than_the_cache():
   """A float32 k_new into a bf16 cache: "auto" folds the float32 key (rows would see it rounded); pages above
   ROWS_MAX_PAGE_SIZE are folded too (their rows would not fit the program's registers); a bad value is
