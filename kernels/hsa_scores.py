@@ -101,8 +101,8 @@ def _choose_channels(q_ref, q_GH, topr: int):
   """(use_max, use_min) [H] bool and a slot [H] int32 per channel: the group's top-r channels of sum_g |q_g|,
   ties toward the lower channel, split by the sign of the group's summed query (q_GH: the group's rows as
   loaded, pad rows 0; zero counts as negative). The slot is the channel's rank: the channels that beat it,
-  counted RANK_CHUNK channels at a time ([H, RANK_CHUNK] compares, no serial loop over channels), so the
-  chosen channels' slots are 0..r-1."""
+  counted RANK_CHUNK channels at a time ([H, RANK_CHUNK] compares per step of an H / RANK_CHUNK-step loop), so
+  the chosen channels' slots are 0..r-1."""
   H = q_ref.shape[1]
   chunk = min(H, RANK_CHUNK)
   a_i = _abs_group_sum(q_ref, pl.ds(0, H))[:, None]  # [H, 1]
