@@ -121,10 +121,25 @@ def _choose_channels(q_ref, q_GH, topr: int):
   return use_max, chosen & ~use_max, slot
 
 
+def _chosen_rows(kt_min_ref, kt_max_ref, rows, page, use_max, use_min, page_ok, dot_dtype):
+  """A tile of the chosen channels' page summaries, [len(rows), len(page)] in dot_dtype: tile row i is KT row
+  rows[i] of kt_max where use_max[i], of kt_min where use_min[i], 0 where neither (a channel not chosen, a
+  pad); the pages where page_ok is False are read from neither array and are 0. Every masked-off lane loads 0,
+  so a row is the sum of its two loads, one of them 0: no selects. H200, decode step A/B in one process
+  against the selects it replaced (32k, t=256, gather layout): batch 391 16.96 -> 16.52 ms, batch 1 5.08 ->
+  5.06, batch 8 5.23 -> 5.22 (benchmarks/results/stage2_h200_2026-12-02g)."""
+  zero = jnp.zeros((), kt_max_ref.dtype)
+  rows, cols, ok = rows[:, None], page[None, :], page_ok[None, :]
+  rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & ok, other=zero)
+  rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & ok, other=zero)
+  return rep_max.astype(dot_dtype) + rep_min.astype(dot_dtype)
+
+
 def _block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
   """One page block's scaled scores s = (q . rep) / tau [G, block] (MASK_VALUE on empty pages) and its softmax
   partials: m [G] the max over the block's non-empty pages, l [G] the sum over them of n[p] * exp(s - m).
-  rep must be 0 wherever it is not a chosen channel's value of a non-empty page."""
+  rep must be 0 on the rows of channels not chosen; the column of an empty page may hold anything (junk, NaN):
+  the dot keeps it to that page's scores, which are masked."""
   # one dot with float32 accumulation (bf16 operands multiply exactly; float32 operands at full precision)
   s = jnp.dot(q_GR, rep_RB, precision=prec, preferred_element_type=jnp.float32) * inv_tau_G[:, None]
   s = jnp.where(p_ok_B[None, :], s, MASK_VALUE)
@@ -167,14 +182,8 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, page_size)
     p_ok = (n > 0) & (page < num_pages)
-    # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all, and
-    # no page past P is. No `other=`: Triton cannot cast an int fill to float8; masked lanes are dropped by
-    # the where below.
-    rows_H, cols = jnp.arange(H)[:, None], page[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
-    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
-    rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
+    # [H, block_p]: each chosen channel's row from kt_min or kt_max, the other channels and the empty pages 0
+    rep = _chosen_rows(kt_min_ref, kt_max_ref, jnp.arange(H), page, use_max, use_min, p_ok, dot_dtype)
     # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]
     _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, store_from + i,
                           *_block_partials(q_r, rep, inv_tau, n, p_ok, prec))
@@ -351,13 +360,10 @@ def _hsa_scores_gather_kernel(
     # zeroed below), a mask constant along the pages, so that Triton vectorises the loads when a KT row is a
     # multiple of 16 bytes (`kt_num_pages` pads every cache's rows so). H200, 391 x 8 rows: 539 pages (odd
     # stride) "rows" 25-30% slower than "pages"; 544 pages "rows" about 2x faster (results/stage2_h200_2026-12-02).
-    rows, cols = ch[:, None], page[None, :]
+    # With "rows", the pages past the length inside the array are loaded, junk and all: the dot keeps each
+    # page's column to itself, and `_block_partials` masks the score of every such page.
     ld_ok = p_ok if load_mask == "pages" else page < num_pages
-    rep_max = pltriton.load(kt_max_ref.at[rows, cols], mask=use_max[:, None] & ld_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows, cols], mask=use_min[:, None] & ld_ok[None, :])
-    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
-    # masked-off lanes (pad rows, pages past the length or past P) hold whatever the load left: zero them
-    rep = jnp.where((use_max | use_min)[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))
+    rep = _chosen_rows(kt_min_ref, kt_max_ref, ch, page, use_max, use_min, ld_ok, dot_dtype)
     _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, i,
                           *_block_partials(q, rep, inv_tau, n, p_ok, prec))
     return carry
