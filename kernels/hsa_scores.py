@@ -125,8 +125,8 @@ def _chosen_rows(kt_min_ref, kt_max_ref, rows, page, use_max, use_min, page_ok, 
   """A tile of the chosen channels' page summaries, [len(rows), len(page)] in dot_dtype: tile row i is KT row
   rows[i] of kt_max where use_max[i], of kt_min where use_min[i], 0 where neither (a channel not chosen, a
   pad); the pages where page_ok is False are read from neither array and are 0. Every masked-off lane loads 0,
-  so a row is the sum of its two loads, one of them 0: no selects. H200, decode step A/B in one process
-  against the selects it replaced (32k, t=256, gather layout): batch 391 16.96 -> 16.52 ms, batch 1 5.08 ->
+  so a row is the sum of its two loads, one of them 0: no selects. The gather layout's tile. H200, decode step
+  A/B in one process against the selects it replaced (32k, t=256): batch 391 16.96 -> 16.52 ms, batch 1 5.08 ->
   5.06, batch 8 5.23 -> 5.22 (benchmarks/results/stage2_h200_2026-12-02g)."""
   zero = jnp.zeros((), kt_max_ref.dtype)
   rows, cols, ok = rows[:, None], page[None, :], page_ok[None, :]
@@ -182,8 +182,15 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, page_size)
     p_ok = (n > 0) & (page < num_pages)
-    # [H, block_p]: each chosen channel's row from kt_min or kt_max, the other channels and the empty pages 0
-    rep = _chosen_rows(kt_min_ref, kt_max_ref, jnp.arange(H), page, use_max, use_min, p_ok, dot_dtype)
+    # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all, and
+    # no page past P is; masked lanes are dropped by the wheres. (Not `_chosen_rows`: with it this layout's
+    # kernel measured 6.0 us at batch 1, 32k, t=256, against 5.3-5.35 us with the wheres in two earlier runs;
+    # not an A/B: benchmarks/results/stage2_h200_2026-12-02g.)
+    rows_H, cols = jnp.arange(H)[:, None], page[None, :]
+    rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
+    rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
+    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
+    rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
     # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]
     _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, store_from + i,
                           *_block_partials(q_r, rep, inv_tau, n, p_ok, prec))
