@@ -363,8 +363,8 @@ def _hsa_scores_gather_kernel(
     n = page_slots(length, page, page_size)
     p_ok = (n > 0) & (page < num_pages)
     # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
-    # load_mask "pages": only the valid pages of them; "rows": every page inside the array (junk pages
-    # zeroed below), a mask constant along the pages, so that Triton vectorises the loads when a KT row is a
+    # load_mask "pages": only the valid pages of them; "rows": every page inside the array (junk pages too,
+    # see below), a mask constant along the pages, so that Triton vectorises the loads when a KT row is a
     # multiple of 16 bytes (`kt_num_pages` pads every cache's rows so). H200, 391 x 8 rows: 539 pages (odd
     # stride) "rows" 25-30% slower than "pages"; 544 pages "rows" about 2x faster (results/stage2_h200_2026-12-02).
     # With "rows", the pages past the length inside the array are loaded, junk and all: the dot keeps each

@@ -76,7 +76,7 @@ def test_one_program_per_row_walking_its_pages(c):
                           for i, c in enumerate(CASES)])
 def test_gather_layout_matches_reference_interpret(c, page_size, R, kt_dtype, load_mask, split_pages):
   """layout="gather": the channels chosen once per row (the row_channels kernel), the scoring kernel
-  reading only those rows. load_mask "rows" loads junk pages too (NaN / inf here) and must zero them."""
+  reading only those rows. load_mask "rows" loads junk pages too (NaN / inf here): their scores must stay out."""
   check(c, seed=6, page_size=page_size, R=min(R, c["H"]), kt_dtype=kt_dtype, interpret=True, block_p=16,
         split_pages=split_pages, layout="gather", load_mask=load_mask, aligned=True)
 
