@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
 from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
-                                              masked_scatter, next_pow2, page_slots, row_blocks)
+                                              masked_scatter, next_pow2, page_slots, pow2_pieces, row_blocks)
 
 _TARGET_PROGRAMS = 2 * 132
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
@@ -135,14 +135,17 @@ def _chosen_rows(kt_min_ref, kt_max_ref, rows, page, use_max, use_min, page_ok, 
   return rep_max.astype(dot_dtype) + rep_min.astype(dot_dtype)
 
 
-def _block_partials(q_GR, rep_RB, inv_tau_G, n_B, p_ok_B, prec):
-  """One page block's scaled scores s = (q . rep) / tau [G, block] (MASK_VALUE on empty pages) and its softmax
-  partials: m [G] the max over the block's non-empty pages, l [G] the sum over them of n[p] * exp(s - m).
-  rep must be 0 on the rows of channels not chosen; the column of an empty page may hold anything (junk, NaN):
-  the dot keeps it to that page's scores, which are masked."""
-  # one dot with float32 accumulation (bf16 operands multiply exactly; float32 operands at full precision)
-  s = jnp.dot(q_GR, rep_RB, precision=prec, preferred_element_type=jnp.float32) * inv_tau_G[:, None]
-  s = jnp.where(p_ok_B[None, :], s, MASK_VALUE)
+def _score_dot(q_GR, rep_RB, prec):
+  """q . rep [G, block] with float32 accumulation (bf16 operands multiply exactly; float32 operands at full
+  precision). rep must be 0 on the rows of channels not chosen; the column of an empty page may hold anything
+  (junk, NaN): the dot keeps it to that page's scores, which `_block_partials` masks."""
+  return jnp.dot(q_GR, rep_RB, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _block_partials(dot_GB, inv_tau_G, n_B, p_ok_B):
+  """One page block's scaled scores s = dot / tau [G, block] (MASK_VALUE on empty pages) and its softmax
+  partials: m [G] the max over the block's non-empty pages, l [G] the sum over them of n[p] * exp(s - m)."""
+  s = jnp.where(p_ok_B[None, :], dot_GB * inv_tau_G[:, None], MASK_VALUE)
   m = s.max(axis=-1)
   e = jnp.where(p_ok_B[None, :], jnp.exp(s - m[:, None]), 0.0)
   return s, m, (e * n_B[None, :].astype(jnp.float32)).sum(axis=-1)
@@ -193,7 +196,7 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
     rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
     # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]
     _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, store_from + i,
-                          *_block_partials(q_r, rep, inv_tau, n, p_ok, prec))
+                          *_block_partials(_score_dot(q_r, rep, prec), inv_tau, n, p_ok))
     return carry
 
   lax.fori_loop(0, num_blocks, page_block, 0)
@@ -345,14 +348,20 @@ def _hsa_scores_gather_kernel(
     blocks_per_program: int,
     page_size: int,
     num_pages: int,
+    topr: int,
     dot_dtype,
     load_mask: str,
 ):
-  q, row_ok = load_query_group(q_ref)  # [Gp, Rp], pad rows 0
+  # The chosen slots as power-of-two pieces of the top-r rounded up to 16 (67 -> 64 + 16), not all Rp slots
+  # (67 -> 128): one [size, block_p] tile and dot per piece, the dots summed.
+  pieces = pow2_pieces(topr, MIN_DOT_DIM) if SCORE_PIECES else ((0, ch_ref.shape[0]),)
+  per_piece = []
+  for start, size in pieces:
+    cols = pl.ds(start, size)
+    q, row_ok = load_query_group(q_ref, cols)  # [Gp, size], pad rows 0
+    use = use_max_ref[cols]
+    per_piece.append((q, ch_ref[cols], use > 0, use == 0))
   inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
-  ch = ch_ref[...]
-  use_max = use_max_ref[...] > 0
-  use_min = use_max_ref[...] == 0
   length = jnp.clip(length_ref[...], 0, num_pages * page_size)
   first_block = pl.program_id(2) * blocks_per_program
   prec = dot_precision(dot_dtype)
@@ -370,9 +379,12 @@ def _hsa_scores_gather_kernel(
     # With "rows", the pages past the length inside the array are loaded, junk and all: the dot keeps each
     # page's column to itself, and `_block_partials` masks the score of every such page.
     ld_ok = p_ok if load_mask == "pages" else page < num_pages
-    rep = _chosen_rows(kt_min_ref, kt_max_ref, ch, page, use_max, use_min, ld_ok, dot_dtype)
-    _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, i,
-                          *_block_partials(q, rep, inv_tau, n, p_ok, prec))
+    dot = None
+    for q, ch, use_max, use_min in per_piece:
+      rep = _chosen_rows(kt_min_ref, kt_max_ref, ch, page, use_max, use_min, ld_ok, dot_dtype)
+      piece_dot = _score_dot(q, rep, prec)
+      dot = piece_dot if dot is None else dot + piece_dot
+    _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, i, *_block_partials(dot, inv_tau, n, p_ok))
     return carry
 
   lax.fori_loop(0, blocks_per_program, page_block, 0)
@@ -400,6 +412,8 @@ PAGE_BLOCK_WARPS_STAGES = (2, 1)
 # row_channels' warps: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, 2 from there (scatter, us:
 # 64 rows 4 warps 2.53, 2 warps 4.00; 256 rows 3.58 / 4.34; 864 rows 8.79 / 8.56; 3128 rows 27.0 / 23.0).
 ROW_CHANNELS_TWO_WARPS_MIN_ROWS = 512
+# A/B flag (experiment): the gather kernel scores the top-r in power-of-two pieces rather than all Rp slots.
+SCORE_PIECES = True
 # Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
 _GATHER_TILE_ELEMS = 4096
 
@@ -505,7 +519,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       choice = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret)
     check_choice(choice, B, K, G, topr, dot_dtype)
     q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = choice
-    kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp,
+    kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp, topr=topr,
                                page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
     return call(
         kernel,

@@ -28,7 +28,8 @@ from jax.experimental.pallas import triton as pltriton
 from rocketkv_jax.kernels.checks import check_page_count
 from rocketkv_jax.kernels.hsa_scores import normalize_partials
 from rocketkv_jax.kernels.topk_select import best_units_take, order_key
-from rocketkv_jax.kernels.triton_util import MASK_VALUE, masked_scatter, next_pow2, page_slots, row_blocks
+from rocketkv_jax.kernels.triton_util import (MASK_VALUE, masked_scatter, next_pow2, page_slots, pow2_pieces,
+                                              row_blocks)
 
 # A row's page scores live in registers: up to this many pages per row (4096 pages of 3 slots is a
 # 12k-token cache, above RocketKV's capacity at t = 2048).
@@ -90,11 +91,7 @@ def row_chunks(num_pages: int) -> tuple[tuple[int, int], ...]:
   next_pow2 lanes (1024), so every vector op of the selection runs on about half the lanes. H200, 32k, t=256,
   us per layer of hsa_page_topk at its default warps (tune_hsa, results/stage2_h200_2026-12-02c): 64 rows
   5.99 against 6.11 for one vector, 256 rows 6.39 / 6.66, 864 rows 9.23 / 10.69, 3128 rows 21.8 / 26.1."""
-  n, out = -(-num_pages // 32) * 32, []
-  for bit in reversed(range(n.bit_length())):
-    if n & (1 << bit):
-      out.append((sum(size for _, size in out), 1 << bit))
-  return tuple(out)
+  return pow2_pieces(num_pages, 32)
 
 
 def _write_top_slots(keys, cnts, chunks, length, idx_ref, *, k: int, page_size: int, interpret: bool):

@@ -24,6 +24,17 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def pow2_pieces(n: int, unit: int) -> tuple[tuple[int, int], ...]:
+  """n rounded up to a multiple of `unit` (a power of two), as consecutive power-of-two pieces, largest
+  first: (start, size) each (n=539, unit=32: (0, 512), (512, 32); n=67, unit=16: (0, 64), (64, 16))."""
+  total, out, start = cdiv(n, unit) * unit, [], 0
+  for bit in reversed(range(total.bit_length())):
+    if total & (1 << bit):
+      out.append((start, 1 << bit))
+      start += 1 << bit
+  return tuple(out)
+
+
 def row_blocks(arrays) -> list:
   """BlockSpecs of a (B, K) grid taking each array's (b, k) row whole (arrays: anything with a .shape of at
   least 2 dims, [B, K, ...])."""
@@ -41,13 +52,14 @@ def page_slots(length, page, page_size: int):
   return jnp.clip(length - page * page_size, 0, page_size)
 
 
-def load_query_group(q_ref):
-  """The group's G query rows [G, H], padded to Gp >= 16 rows for Triton's dot (pads are 0), and the
-  [Gp] mask of real rows."""
+def load_query_group(q_ref, cols=None):
+  """The group's G query rows [G, H] (or their columns `cols`, a pl.ds), padded to Gp >= 16 rows for
+  Triton's dot (pads are 0), and the [Gp] mask of real rows."""
   G, _ = q_ref.shape
   Gp = max(MIN_DOT_DIM, next_pow2(G))
   row_ok = jnp.arange(Gp) < G
-  return pltriton.load(q_ref.at[pl.ds(0, Gp), :], mask=row_ok[:, None], other=0), row_ok
+  cols = slice(None) if cols is None else cols
+  return pltriton.load(q_ref.at[pl.ds(0, Gp), cols], mask=row_ok[:, None], other=0), row_ok
 
 
 def masked_scatter(ref, idx, value, mask, *, interpret: bool) -> None:

@@ -88,6 +88,24 @@ def test_other_load_masks_interpret(load_mask):
         split_pages=False, layout="gather", load_mask=load_mask)
 
 
+@pytest.mark.parametrize("R", [17, 40, 67, 100])
+def test_gather_scores_chosen_rows_in_pieces_interpret(R):
+  """The gather kernel scores the top-r rounded up to 16 as power-of-two pieces (40: 32 + 16, 67: 64 + 16,
+  100: 64 + 32 + 16), one dot each: a piece dropped or misplaced changes the scores."""
+  c = dict(B=1, K=2, G=3, H=128, S=70, dtype=jnp.bfloat16)
+  check(c, seed=9, page_size=2, R=R, kt_dtype=jnp.bfloat16, interpret=True, block_p=16, split_pages=True,
+        layout="gather", load_mask="rows", aligned=True)
+
+
+def test_pow2_pieces():
+  from rocketkv_jax.kernels.triton_util import pow2_pieces
+  assert pow2_pieces(67, 16) == ((0, 64), (64, 16))
+  assert pow2_pieces(100, 16) == ((0, 64), (64, 32), (96, 16))
+  assert pow2_pieces(539, 32) == ((0, 512), (512, 32))
+  assert pow2_pieces(64, 16) == ((0, 64),)
+  assert pow2_pieces(1, 16) == ((0, 16),)
+
+
 def check_row_channels(q, topr, dot_dtype, interpret, **tuning):
   got = row_channels(q, topr, dot_dtype, interpret=interpret, **tuning)
   want = row_channels_reference(q, topr, dot_dtype)
