@@ -354,9 +354,8 @@ def _hsa_scores_gather_kernel(
 ):
   # The chosen slots as power-of-two pieces of the top-r rounded up to 16 (67 -> 64 + 16), not all Rp slots
   # (67 -> 128): one [size, block_p] tile and dot per piece, the dots summed.
-  pieces = pow2_pieces(topr, MIN_DOT_DIM) if SCORE_PIECES else ((0, ch_ref.shape[0]),)
   per_piece = []
-  for start, size in pieces:
+  for start, size in pow2_pieces(topr, MIN_DOT_DIM):
     cols = pl.ds(start, size)
     q, row_ok = load_query_group(q_ref, cols)  # [Gp, size], pad rows 0
     use = use_max_ref[cols]
@@ -412,8 +411,6 @@ PAGE_BLOCK_WARPS_STAGES = (2, 1)
 # row_channels' warps: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, 2 from there (scatter, us:
 # 64 rows 4 warps 2.53, 2 warps 4.00; 256 rows 3.58 / 4.34; 864 rows 8.79 / 8.56; 3128 rows 27.0 / 23.0).
 ROW_CHANNELS_TWO_WARPS_MIN_ROWS = 512
-# A/B flag (experiment): the gather kernel scores the top-r in power-of-two pieces rather than all Rp slots.
-SCORE_PIECES = True
 # Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
 _GATHER_TILE_ELEMS = 4096
 
@@ -480,7 +477,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
     # ranking in the kernel, [Rp, block_p] when gathering the chosen rows).
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
-    tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // Rp
+    tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // pow2_pieces(topr, MIN_DOT_DIM)[0][1]
     block_p = min(max(32, tile), max(32, next_pow2(want)))
   if split_pages is None:
     split_pages = not (layout == "gather" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
