@@ -12,7 +12,7 @@ row's page blocks). Two layouts; `layout="auto"` picks by row count (B * K):
   kernel (`row_channels`: the same ranks, each chosen channel stored at its slot; its reference in XLA is
   `row_channels_reference`: lax.top_k, same ties), and each scoring program gets the group's query on the
   chosen channels [G, Rp], their row indices and signs, and 1 / tau: no per-program ranking, and a compact
-  [Rp, block_p] gather of the chosen rows.
+  gather of the chosen rows, top-r rounded up to 16 rows in power-of-two pieces ([64 + 16, block_p] at 67).
 
 Either way each chosen row is read from the min or the max page summary only (by that sign): R * block_p
 values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
@@ -353,7 +353,9 @@ def _hsa_scores_gather_kernel(
     load_mask: str,
 ):
   # The chosen slots as power-of-two pieces of the top-r rounded up to 16 (67 -> 64 + 16), not all Rp slots
-  # (67 -> 128): one [size, block_p] tile and dot per piece, the dots summed.
+  # (67 -> 128): one [size, block_p] tile and dot per piece, the dots summed. H200, decode step A/B in one
+  # process against the Rp-row tile (block_p 32 both): 64k t=256 (top-r 65) batch 418 19.16 -> 18.80 ms,
+  # batch 8 5.08 / 5.09; 32k t=1024 (top-r 67) batch 32 8.20 -> 8.02 (results/stage2_h200_2026-12-02h).
   per_piece = []
   for start, size in pow2_pieces(topr, MIN_DOT_DIM):
     cols = pl.ds(start, size)
@@ -370,7 +372,7 @@ def _hsa_scores_gather_kernel(
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, page_size)
     p_ok = (n > 0) & (page < num_pages)
-    # Only the Rp chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
+    # Only the chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
     # load_mask "pages": only the valid pages of them; "rows": every page inside the array (junk pages too,
     # see below), a mask constant along the pages, so that Triton vectorises the loads when a KT row is a
     # multiple of 16 bytes (`kt_num_pages` pads every cache's rows so). H200, 391 x 8 rows: 539 pages (odd
@@ -411,7 +413,12 @@ PAGE_BLOCK_WARPS_STAGES = (2, 1)
 # row_channels' warps: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, 2 from there (scatter, us:
 # 64 rows 4 warps 2.53, 2 warps 4.00; 256 rows 3.58 / 4.34; 864 rows 8.79 / 8.56; 3128 rows 27.0 / 23.0).
 ROW_CHANNELS_TWO_WARPS_MIN_ROWS = 512
-# Elements of a gather-layout program's [Rp, block_p] tile (block_p = 64 at Rp = 64).
+# Elements of a gather-layout program's [largest piece, block_p] tile: block_p = 64 when the top-r rounds to
+# 64 rows or to 64 + 16. H200, decode step A/Bs in one process, ms (results/stage2_h200_2026-12-02h), the
+# pieces on throughout: 32k t=256 (one piece of 64), tile of 2048 / 4096 / 8192 elements (block_p 32 / 64 /
+# 128): batch 391 17.05 / 16.39-16.46 / 16.87, batch 8 5.12 / 5.11-5.16 / 5.18; 64k t=256 (64 + 16), block_p 32 /
+# 64: batch 418 18.75-18.81 / 17.98-18.01 (64 then came from the 4096 elements / the largest piece, 32 from the
+# 128 padded slots); 32k t=1024 (64 + 16) batch 32, block_p 32 / 64: 8.01 / 7.64.
 _GATHER_TILE_ELEMS = 4096
 
 
@@ -475,7 +482,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   Rp = chosen_slots(topr)
   if block_p is None:
     # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
-    # ranking in the kernel, [Rp, block_p] when gathering the chosen rows).
+    # ranking in the kernel, [largest piece, block_p] when gathering the chosen rows).
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
     tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // pow2_pieces(topr, MIN_DOT_DIM)[0][1]
     block_p = min(max(32, tile), max(32, next_pow2(want)))
