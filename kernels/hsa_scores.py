@@ -398,6 +398,8 @@ def _hsa_scores_gather_kernel(
 #   B=1: rank 5.35, gather 4.77 (2.48 + 2.29: a second launch); B=8: rank 16.1, gather 6.7; B=32: rank 46.4,
 #   gather 13.4. Earlier (stage2_h200_2026-12-01): B=108: rank 121, gather 78 (page blocks) / 84 (rows);
 #   B=391: rank 375, gather 251 (page blocks) / 223 (rows).
+# Rechecked with the vectorised loads and the pieces, decode step A/B (results/stage2_h200_2026-12-02h): rows /
+# page blocks, 32k batch 391 16.38 / 17.14 ms, 128k batch 489 19.23 / 20.85 ms.
 GATHER_MIN_ROWS = 16
 GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
 # (num_warps, num_stages) of the gather layout, one program per row / per page block. 32k, t=256,
