@@ -230,6 +230,17 @@ def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_pages", [True, False])
+def test_gather_scores_chosen_rows_in_pieces_gpu(split_pages):
+  """Compiled: top-r 67 (64 + 16, the 32k t=1024 and 64k t=256 decode shapes) and 100 (64 + 32 + 16)."""
+  needs_gpu()
+  c = dict(B=3, K=8, G=4, H=128, S=2053, dtype=jnp.bfloat16)
+  for R, kt_dtype in ((67, jnp.bfloat16), (100, jnp.float8_e5m2)):
+    check(c, seed=11, page_size=4, R=R, kt_dtype=kt_dtype, interpret=False, layout="gather", aligned=True,
+          split_pages=split_pages)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("c,kt_dtype", [pytest.param(c.values[0], KT_DTYPES[i % 3],
                                                      id=f"{c.id}-{jnp.dtype(KT_DTYPES[i % 3]).name}")
                                         for i, c in enumerate(GPU_CASES)])
