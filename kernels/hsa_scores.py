@@ -348,7 +348,7 @@ def _hsa_scores_gather_kernel(
     blocks_per_program: int,
     page_size: int,
     num_pages: int,
-    topr: int,
+    pieces: tuple,
     dot_dtype,
     load_mask: str,
 ):
@@ -357,7 +357,7 @@ def _hsa_scores_gather_kernel(
   # process against the Rp-row tile (block_p 32 both): 64k t=256 (top-r 65) batch 418 19.16 -> 18.80 ms,
   # batch 8 5.08 / 5.09; 32k t=1024 (top-r 67) batch 32 8.20 -> 8.02 (results/stage2_h200_2026-12-02h).
   per_piece = []
-  for start, size in pow2_pieces(topr, MIN_DOT_DIM):
+  for start, size in pieces:
     cols = pl.ds(start, size)
     q, row_ok = load_query_group(q_ref, cols)  # [Gp, size], pad rows 0
     use = use_max_ref[cols]
@@ -482,11 +482,12 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   if load_mask not in ("pages", "rows"):
     raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
   Rp = chosen_slots(topr)
+  pieces = pow2_pieces(topr, MIN_DOT_DIM)  # the gather layout's (start, rows) of each tile, largest first
   if block_p is None:
     # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
     # ranking in the kernel, [largest piece, block_p] when gathering the chosen rows).
     want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
-    tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // pow2_pieces(topr, MIN_DOT_DIM)[0][1]
+    tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // pieces[0][1]
     block_p = min(max(32, tile), max(32, next_pow2(want)))
   if split_pages is None:
     split_pages = not (layout == "gather" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
@@ -525,7 +526,7 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       choice = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret)
     check_choice(choice, B, K, G, topr, dot_dtype)
     q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = choice
-    kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp, topr=topr,
+    kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp, pieces=pieces,
                                page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
     return call(
         kernel,

@@ -10,6 +10,7 @@ from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, ragged_lengths
 from rocketkv_jax.kernels.checks import kt_num_pages
 from rocketkv_jax.kernels.hsa_scores import (GATHER_MIN_ROWS, hsa_page_scores, hsa_page_scores_reference,
                                              row_channels, row_channels_reference)
+from rocketkv_jax.kernels.triton_util import pow2_pieces
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
 
@@ -98,7 +99,6 @@ def test_gather_scores_chosen_rows_in_pieces_interpret(R):
 
 
 def test_pow2_pieces():
-  from rocketkv_jax.kernels.triton_util import pow2_pieces
   assert pow2_pieces(67, 16) == ((0, 64), (64, 16))
   assert pow2_pieces(100, 16) == ((0, 64), (64, 32), (96, 16))
   assert pow2_pieces(539, 32) == ((0, 512), (512, 32))
