@@ -29,7 +29,10 @@ and lowered for the H200, never timed compiled except once: the row grid at B=8 
 t=256) took 38 us per layer on the H200 (2026-12-01), against ~25 us for the two kernels, so it does not pay
 as it stands. The page-block grid (one launch, all SMs, the row's last program selecting) is untimed; its
 cross-program handoff (barrier + one atomic) is the part to check first on the GPU. Command:
-`python3 benchmarks/kernels.py --only select --lengths 32768 --budgets 256 --batches 1,8,32`.
+`python3 benchmarks/kernels.py --only select --lengths 32768 --budgets 256 --batches 1,8,32`. The same
+one-row-program fusion with the gather layout's scoring (the decode path's at the largest batch) was also
+slower, in the decode step: 32k batch 391 16.42 -> 16.49 ms, 128k batch 489 19.30 -> 19.69 (A/B in one process;
+the diff and the results: benchmarks/results/grid_h200_2026-12-03/); not kept.
 """
 from __future__ import annotations
 
