@@ -12,6 +12,13 @@ subprocess per point, since the peak counter cannot be reset.
   python -m benchmarks.decode --out benchmarks/results/decode_h200.jsonl            # default grid
   python -m benchmarks.decode --tiny --contexts 256 --batches 1,2 --steps 4          # CPU smoke test
 
+Mixed lengths (`--mixed 4k,8k,16k,32k,...`: one row per listed context): each row prefilled alone at the paper's
+plan for its own length (`rocketkv_jax.plan_rows`, the rule `generate` and the engine use), the batch decoded
+under the maxima of the rows' plans; then the same batch size of the longest row's plan alone, timed in the same
+process, so a mixed batch can be held against its longest row:
+
+  python -m benchmarks.decode --methods rocketkv --budgets 256 --mixed 4k,8k,16k,32k,4k,8k,16k,32k
+
 A/B in one process (`--ab MODULE.FLAG=V1,V2`): each point is compiled once per value of a module flag that the
 decode step reads while tracing, and the variants are timed in alternating rounds on the same caches, so the
 comparison does not carry the 0.1-0.3 ms that the same code's step moves between processes on the H200:
@@ -129,7 +136,7 @@ def prefill_caches(model, config, context: int, batch: int, sub_batch: int, seed
   if mesh is not None:
     tokens, lengths = shard_batch(tokens, mesh), shard_batch(lengths, mesh)
   with using(mesh):
-    compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
+    compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config=config).compile()
   times = []
   for _ in range(max(1, reps)):
     caches = None  # the previous run's caches are freed before the next run allocates its own
@@ -256,11 +263,55 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
 
 
+def plan(method, budget, contexts, cfg, impl) -> rk.BatchPlan:
+  """The plans of a batch of prompts of these lengths (`rocketkv_jax.plan_rows`, each row its own length's), for
+  NEW_TOKENS new tokens."""
+  return rk.plan_rows(method, token_budget=budget, prompt_lens=contexts, max_new_tokens=NEW_TOKENS,
+                      head_dim=cfg.head_dim, impl=impl)
+
+
+def prefill_rows(model, batch_plan: rk.BatchPlan, contexts, seed: int):
+  """The caches of a batch whose row i is a random prompt of contexts[i] tokens, each prefilled alone (batch 1,
+  its own plan as data under the batch's config) and assembled with `concat_caches`; one prefill per distinct
+  length (rows of one length share its cache: decode time does not depend on values)."""
+  graphdef, state = nnx.split(model)
+  config, rows = batch_plan.config, batch_plan.rows
+  one = {}
+  for i, n in enumerate(contexts):
+    if n in one:
+      continue
+    tokens = jax.random.randint(jax.random.PRNGKey(seed + n), (1, n), 0, model.config.vocab_size, jnp.int32)
+    row = jax.tree.map(lambda x: x[i:i + 1], rows)
+    _, caches = llama.prefill_jit(graphdef, state, tokens, jnp.array([n], jnp.int32), row, config=config)
+    one[n] = caches
+  return rk.concat_caches([one[n] for n in contexts])
+
+
+def mixed_points(model, cfg, method, budget, contexts, args, bw, wbytes, emit):
+  """The mixed-length batch (`--mixed`) and the same batch size at its longest row's plan alone, each timed like
+  a grid point; the floor of the mixed batch sums each row's own step bytes."""
+  reps = max(1, -(-args.steps // args.chunk))
+  longest = max(contexts)
+  for label, lens in (("mixed", list(contexts)), ("longest alone", [longest] * len(contexts))):
+    bp = plan(method, budget, lens, cfg, args.impl)
+    caches = prefill_rows(model, bp, lens, seed=1)
+    kept = np.asarray(caches[0].length)
+    ms, per_step, _, _ = time_decode(model, bp.config, caches, chunk=args.chunk, reps=reps)
+    end = kept + args.chunk * (reps + 1)  # each row's length after the warm-up and timed steps
+    kv = sum(kv_bytes_needed(c, cfg, int(n), 1) for c, n in zip(bp.row_configs, end))
+    floor = (wbytes + kv) / bw
+    emit(dict(kind="mixed", label=label, method=method, token_budget=budget, contexts=lens, batch=len(lens),
+              config=str(bp.config.cache_spec()), capacity=bp.config.capacity, ms_per_step=round(ms * 1e3, 3),
+              floor_ms=round(floor * 1e3, 3), ratio_to_floor=round(ms / floor, 3),
+              step_ms_min=round(min(per_step) * 1e3, 3), step_ms_max=round(max(per_step) * 1e3, 3),
+              tokens_per_s=round(len(lens) / ms, 1)))
+    del caches
+
+
 def peak_point(cfg, method, budget, context, steps, impl):
   """Batch-1 prefill + `steps` decode steps in this (fresh) process; prints the peak device memory."""
   model = build_model(cfg)
-  config = rk.make_config(method, token_budget=budget, prompt_len=context, max_new_tokens=NEW_TOKENS,
-                          head_dim=cfg.head_dim, impl=impl)
+  config = plan(method, budget, [context], cfg, impl).config
   before = jax.devices()[0].memory_stats() or {}
   caches, _ = prefill_caches(model, config, context, 1, 1, seed=1)
   out = decode_chunk(model, jnp.zeros((1, cfg.vocab_size), jnp.float32), caches, config, n=steps)
@@ -314,6 +365,9 @@ def main(argv=None):
   ap.add_argument("--ab-rounds", type=int, default=4, help="alternating rounds of --ab (timed steps split over them)")
   ap.add_argument("--no-choice-in-append", action="store_true",
                   help="HSA's channel choice by its own kernel, not by the append's (hsa.CHOICE_IN_APPEND off)")
+  ap.add_argument("--mixed", default=None,
+                  help="contexts of one mixed-length batch (one row each), timed against its longest row alone; "
+                       "with it, --contexts and --batches are not run")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
   if args.no_choice_in_append:
@@ -387,13 +441,18 @@ def main(argv=None):
   budgets = [int(b) for b in args.budgets.split(",")]
   contexts = [parse_tokens(c) for c in args.contexts.split(",") if c]
   batches = args.batches.split(",")
+  if args.mixed:
+    for method in methods:
+      for budget in (budgets if rk.get_method(method).budgeted else budgets[:1]):
+        mixed_points(model, cfg, method, budget, [parse_tokens(c) for c in args.mixed.split(",")], args, bw,
+                     wbytes, emit)
+    return
   dense_prefill_s = {}
   for context in contexts:
     for method in methods:
       budgeted = rk.get_method(method).budgeted  # full: the budget changes nothing, run once
       for budget in (budgets if budgeted else budgets[:1]):
-        config = rk.make_config(method, token_budget=budget, prompt_len=context, max_new_tokens=NEW_TOKENS,
-                                head_dim=cfg.head_dim, impl=args.impl)
+        config = plan(method, budget, [context], cfg, args.impl).config
         base = dict(kind="point", method=method, token_budget=budget if budgeted else None,
                     context=context, capacity=config.capacity)
         try:

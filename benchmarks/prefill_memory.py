@@ -62,7 +62,7 @@ def temp_bytes(n_layers: int, context: int, variant: str) -> int:
     config = rk.make_config("rocketkv", token_budget=256, prompt_len=context, max_new_tokens=256, head_dim=128)
     tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-    compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config).compile()
+    compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config=config).compile()
     return compiled.memory_analysis().temp_size_in_bytes
   finally:
     llama.over_token_chunks, llama.prefill_qkv = _MODULE_CHUNKS, _ORIG_QKV

@@ -10,6 +10,10 @@ before the slot (contiguous), or from the KT column itself (`kt_update`). This r
 separate KT kernel, three launch-bound launches per layer on the H200, by one. Given the step's query and top_r
 (`choose_q`, `topr`), each program also makes HSA's channel choice for its row (`hsa_scores.row_channels_body`):
 the stage-2 scoring's choice kernel folded into this launch.
+
+Per-row plans (`page_size_B`, `topr_B`: [B] int32, optional): row b's pages hold ps_b slots (at most the static
+page_size, the loop bound of the "rows" rebuild) and its choice takes r_b channels (at most the static topr,
+which sets the choice's shapes); each program reads its row's values as scalars.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, kt_num_pages
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, check_row_values, kt_num_pages
 from rocketkv_jax.kernels.hsa_scores import (choice_dot_dtype, choice_shapes, row_channels_body,
                                              row_channels_reference, row_channels_warps)
 from rocketkv_jax.kernels.triton_util import next_pow2, row_blocks
@@ -28,26 +32,29 @@ from rocketkv_jax.kernels.triton_util import next_pow2, row_blocks
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
                            *, page_size: int = 1, kt_update: str = "auto", choose_q=None, topr: int = 0,
-                           **unused_tuning):
+                           page_size_B=None, topr_B=None, **unused_tuning):
   """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
-  with its page updated when KT pages are given, plus `append_choice(choose_q, topr, kt dtype)` when `choose_q`
-  is given. A slot outside [0, S) changes nothing. kt_update: see `cache_append`."""
+  with its page updated when KT pages are given, plus `append_choice(choose_q, topr, kt dtype, topr_B)` when
+  `choose_q` is given. A slot outside [0, S) changes nothing. kt_update, page_size_B: see `cache_append`."""
   del unused_tuning
   return (_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                            page_size=page_size, kt_update=kt_update) + append_choice(choose_q, topr, kt_min_BKHP))
+                            page_size=page_size, kt_update=kt_update, page_size_B=page_size_B) +
+          append_choice(choose_q, topr, kt_min_BKHP, topr_B))
 
 
-def append_choice(choose_q, topr: int, kt_min_BKHP) -> tuple:
+def append_choice(choose_q, topr: int, kt_min_BKHP, topr_B=None) -> tuple:
   """HSA's channel choice of the step's query q [B, K, G, H] (`hsa_scores.row_channels_reference`, in the dot
-  dtype of q against the KT pages' dtype); () for choose_q None."""
+  dtype of q against the KT pages' dtype; topr_B: each row's top-r, or None: topr); () for choose_q None."""
   if choose_q is None:
     return ()
-  return row_channels_reference(choose_q, topr, choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype))
+  return row_channels_reference(choose_q, topr, choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype), topr_B)
 
 
 def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size,
-                      kt_update):
+                      kt_update, page_size_B=None):
   kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH, page_size)
+  # [B, 1] against the [B, K] slots: each row's page size (a page past its P pages matches no page below)
+  ps = page_size if page_size_B is None else page_size_B.astype(jnp.int32)[:, None]
   S = k_BKSH.shape[2]
   slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
   in_range_BK = (slot_BK >= 0) & (slot_BK < S)
@@ -58,8 +65,8 @@ def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP
   if kt_min_BKHP is None and kt_max_BKHP is None:
     return k, v
   P = kt_min_BKHP.shape[-1]
-  at_BKP = (jnp.arange(P)[None, None, :] == (slot_BK // page_size)[..., None]) & in_range_BK[..., None]
-  fresh = ((slot_BK % page_size) == 0)[..., None, None]
+  at_BKP = (jnp.arange(P)[None, None, :] == (slot_BK // ps)[..., None]) & in_range_BK[..., None]
+  fresh = ((slot_BK % ps) == 0)[..., None, None]
   at = at_BKP[:, :, None, :]
   if kt_update == "fold":
     kf = k_new_BKH.astype(jnp.float32)[..., None]  # [B, K, H, 1]
@@ -70,7 +77,7 @@ def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP
   # "rows": the page's rows up to the slot, as the cache now holds them; a value is stored where it differs
   # from the min/max of the rows before the slot (which the page holds already, when it is consistent)
   s = jnp.arange(S)[None, None, :, None]
-  start = (slot_BK // page_size * page_size)[..., None, None]
+  start = (slot_BK // ps * ps)[..., None, None]
   kc = k.astype(jnp.float32)
   kt = []
   for old_BKHP, fill, reduce in ((kt_min_BKHP, jnp.inf, jnp.min), (kt_max_BKHP, -jnp.inf, jnp.max)):
@@ -111,6 +118,8 @@ def _cache_append_kernel(
     kt_min_ref,  # [H, P] (aliased to kt_min_out_ref), or None
     kt_max_ref,  # [H, P] (aliased to kt_max_out_ref), or None
     q_ref,  # [G, H] the step's query (the channel choice), or None
+    page_size_ref,  # [] the row's page size, or None: page_size
+    topr_ref,  # [] the row's top-r (the choice's), or None: topr
     # outputs
     k_out_ref,  # [S, H]
     v_out_ref,  # [S, H]
@@ -140,13 +149,23 @@ def _cache_append_kernel(
   if kt_min_ref is not None:
     # The page's min/max before this token, in float32 (an f8/bf16 page value round-trips it exactly): +inf /
     # -inf on a page that starts at this slot, so the fold below gives k_new there.
-    page = row // page_size  # < P, as P >= cdiv(S, page_size)
-    fresh = (slot % page_size) == 0
+    write_kt = write
+    if page_size_ref is None:
+      ps = page_size
+      page = row // page_size  # < P, as P >= cdiv(S, page_size)
+    else:  # one division per program, of the row's page size
+      ps = page_size_ref[...]
+      P = kt_min_ref.shape[1]
+      page = row // ps
+      write_kt = write & (page < P)  # a slot past the row's P * ps slots has no page: K/V only
+      page = jnp.minimum(page, P - 1)
+    fresh = (slot % ps) == 0
     cols = jnp.zeros((H,), jnp.int32) + page
     if kt_update == "rows":  # the page's rows before the slot (contiguous), not the strided KT column
+      # To the static page_size; j < ps holds wherever `before` does (the slot is inside the row's page).
       j = jnp.arange(max(2, next_pow2(page_size)))
-      before = page * page_size + j < row
-      prev = pltriton.load(k_ref.at[jnp.minimum(page * page_size + j, S - 1)[:, None], chans[None, :]],
+      before = page * ps + j < row
+      prev = pltriton.load(k_ref.at[jnp.minimum(page * ps + j, S - 1)[:, None], chans[None, :]],
                            mask=before[:, None])
       prev = prev.astype(jnp.float32)
       old_min = jnp.min(jnp.where(before[:, None], prev, jnp.inf), axis=0)
@@ -157,7 +176,8 @@ def _cache_append_kernel(
   pltriton.store(k_out_ref.at[rows, chans], k_new.astype(k_out_ref.dtype), mask=write)
   pltriton.store(v_out_ref.at[rows, chans], v_new.astype(v_out_ref.dtype), mask=write)
   if q_ref is not None:
-    row_channels_body(q_ref, q_out_ref, ch_ref, use_max_ref, inv_tau_ref, topr=topr, interpret=interpret)
+    row_channels_body(q_ref, q_out_ref, ch_ref, use_max_ref, inv_tau_ref, topr=topr, interpret=interpret,
+                      topr_ref=topr_ref)
   if kt_min_ref is None:
     return
   # "rows": the key as the cache holds it (with the rows above, the page's min/max over its stored keys)
@@ -170,11 +190,11 @@ def _cache_append_kernel(
                             (old_max, jnp.maximum(old_max, k), kt_max_out_ref)):
     new, old = new.astype(out_ref.dtype), old.astype(out_ref.dtype)
     changed = fresh | (new.astype(jnp.float32) != old.astype(jnp.float32))
-    pltriton.store(out_ref.at[chans, cols], new, mask=write & changed)
+    pltriton.store(out_ref.at[chans, cols], new, mask=write_kt & changed)
 
 
 def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q=None,
-                topr=0):
+                topr=0, page_size_B=None, topr_B=None):
   if k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape:
     raise ValueError(f"k_BKSH.shape={k_BKSH.shape} and v_BKSH.shape={v_BKSH.shape} must be equal (B, K, S, H)")
   B, K, S, H = k_BKSH.shape
@@ -196,10 +216,16 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
     raise ValueError(f"page_size={page_size} must be >= 1")
   if (kt_min_BKHP is None) != (kt_max_BKHP is None):
     raise ValueError("kt_min_BKHP and kt_max_BKHP must be given together (or neither)")
+  check_row_values("page_size_B", page_size_B, B)
+  check_row_values("topr_B", topr_B, B)
   if kt_min_BKHP is not None:
     pages = check_kt_pages(kt_min_BKHP, kt_max_BKHP)
     want = (B, K, H, kt_num_pages(S, page_size))
-    if pages != want:
+    if page_size_B is not None:  # rows of smaller pages use more of them: any P that covers S at page_size
+      if pages[:3] != want[:3] or pages[3] < -(-S // page_size):
+        raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} must be ({B}, {K}, {H}, P) with P >= "
+                         f"ceil(S={S} / page_size={page_size}) (page_size: the largest page size of any row)")
+    elif pages != want:
       raise ValueError(f"kt_min_BKHP.shape={kt_min_BKHP.shape} must be {want}: the pages of S={S} slots "
                        f"at page_size={page_size} (kt_num_pages)")
   if choose_q is not None:
@@ -215,7 +241,7 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
 @functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "kt_update", "topr"])
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
                  page_size: int = 1, interpret: bool = False, num_warps: int | None = None, kt_update: str = "auto",
-                 choose_q=None, topr: int = 0):
+                 choose_q=None, topr: int = 0, page_size_B=None, topr_B=None):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
   slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
   pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts
@@ -223,6 +249,14 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   [B, K, G, H]; KT pages required) and topr, followed by HSA's channel choice of each row (q_BKGR, ch_BKR,
   use_max_BKR, inv_tau_BKG: `hsa_scores.row_channels`' outputs, which the scoring takes as `choice=`).
   num_warps None: 1, or with choose_q `row_channels`' (`hsa_scores.row_channels_warps`).
+
+  page_size_B: None (every row's page size is page_size) or [B] int32, row b's page size ps_b in [1, page_size]
+  (page_size the largest: the "rows" rebuild loops to it, masked): its slot s goes to page s // ps_b, fresh
+  when s % ps_b == 0; a slot whose page is past the P KT pages (s >= P * ps_b; the caller keeps lengths
+  below) writes K/V and no page. The KT arrays may then have any P >= ceil(S / page_size). topr_B: None (topr
+  for every row) or [B] int32, row b's top-r r_b in [1, topr] for the choice (`row_channels_reference`'s
+  topr_B: ranks from r_b on are pads); used with choose_q only. A row's outputs are what the row gives alone
+  with page_size = ps_b and topr = r_b.
 
   A slot outside [0, S) changes nothing at all, neither K/V nor KT (as `write_slot`'s mode="drop"): this is
   how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages
@@ -243,7 +277,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
   _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q,
-              topr)
+              topr, page_size_B, topr_B)
   kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH, page_size)
   B, K = k_BKSH.shape[:2]
   if num_warps is None:
@@ -264,6 +298,11 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   if choose_q is not None:
     inputs += zip([choose_q], row_blocks([choose_q]))
     choice = choice_shapes(B, K, choose_q.shape[2], topr, choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype))
+  # The per-row values that are used (a page size with pages, a top-r with the choice): one scalar per program.
+  row_spec = pl.BlockSpec((None,), lambda b, k: (b,))
+  row_ps = pages and page_size_B is not None
+  row_topr = bool(choice) and topr_B is not None
+  inputs += [(x.astype(jnp.int32), row_spec) for x, used in ((page_size_B, row_ps), (topr_B, row_topr)) if used]
   kernel = functools.partial(_cache_append_kernel, page_size=page_size, kt_update=kt_update, topr=topr,
                              interpret=interpret)
 
@@ -272,6 +311,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
     ins = take(5) + (take(2) if pages else [None, None])
     ins += take(1) if choice else [None]
+    ins += (take(1) if row_ps else [None]) + (take(1) if row_topr else [None])
     outs = take(2) + (take(2) if pages else [None, None])
     outs += take(4) if choice else [None] * 4
     kernel(*ins, *outs)

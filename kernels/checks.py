@@ -18,12 +18,30 @@ def kt_num_pages(num_slots: int, page_size: int) -> int:
   return -(-pages // KT_PAGE_ALIGN) * KT_PAGE_ALIGN
 
 
-def check_page_count(P: int, num_slots: int, page_size: int) -> None:
+def check_page_count(P: int, num_slots: int, page_size: int, *, row_page_sizes: bool = False) -> None:
   """ValueError unless a selection's P pages cover `num_slots` slots: ceil(num_slots / page_size), or up to
-  `kt_num_pages` (a cache's KT rows, padded with pages that hold no slot)."""
+  `kt_num_pages` (a cache's KT rows, padded with pages that hold no slot). row_page_sizes (each row has its own
+  page size, at most page_size): any P from ceil(num_slots / page_size) up, since a row of smaller pages uses
+  more of them (its pages past its valid slots hold no slot)."""
+  if row_page_sizes:
+    if P < -(-num_slots // page_size):
+      raise ValueError(f"P={P} pages must be at least ceil(num_slots={num_slots} / page_size={page_size}) "
+                       f"(page_size: the largest page size of any row)")
+    return
   if not -(-num_slots // page_size) <= P <= kt_num_pages(num_slots, page_size):
     raise ValueError(f"P={P} pages must be ceil(num_slots={num_slots} / page_size={page_size}), or up to "
                      f"kt_num_pages={kt_num_pages(num_slots, page_size)} (KT pages padded with empty ones)")
+
+
+def check_row_values(name: str, x_B, B: int) -> None:
+  """ValueError unless x_B, a per-row value (`page_size_B`, `topr_B`), is None or a [B] integer array. Its
+  values are data and are not checked: each must lie in the range its docstring gives."""
+  if x_B is None:
+    return
+  if tuple(x_B.shape) != (B,):
+    raise ValueError(f"{name}.shape={tuple(x_B.shape)} must be ({B},)")
+  if not jnp.issubdtype(x_B.dtype, jnp.integer):
+    raise ValueError(f"{name}.dtype={x_B.dtype} must be an integer dtype")
 
 
 def check_dtype(name: str, dtype, allowed) -> None:

@@ -19,6 +19,11 @@ values per program. It writes each head's scaled page scores s/tau and a partial
 weighted sum) over its pages (`hsa_page_partials`). `hsa_page_scores` normalises them in XLA (per head over
 all pages, then the group mean); the decode path hands them to `page_topk.hsa_page_topk` instead, which
 normalises and selects in one kernel.
+
+Per-row plans: `page_size_B` and `topr_B` ([B] int32, optional) give each row its own page size (at most the
+static `page_size`) and top-r (at most the static `topr`, which sets the shapes). Each program reads its row's
+values as scalars; row b's page p covers slots [p * ps_b, (p + 1) * ps_b), and its channels past r_b are pads
+that load nothing. A row's result is what the row gives alone with static page_size = ps_b and topr = r_b.
 """
 from __future__ import annotations
 
@@ -30,9 +35,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages
+from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, check_row_values
 from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
-                                              masked_scatter, next_pow2, page_slots, pow2_pieces, row_blocks)
+                                              masked_scatter, next_pow2, page_slots, pow2_pieces, row_blocks,
+                                              with_absent_refs)
 
 _TARGET_PROGRAMS = 2 * 132
 # Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
@@ -50,20 +56,25 @@ def _temperature(qr_GR, qf_GH):
 
 
 def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
-                              **unused_tuning):
+                              page_size_B=None, topr_B=None, **unused_tuning):
   """Group-mean softmax page probabilities (float32); -inf for pages with no valid slot. The group's
-  channels are lax.top_k of sum_g |q_g| (stable: ties toward the lower channel)."""
+  channels are lax.top_k of sum_g |q_g| (stable: ties toward the lower channel). page_size_B, topr_B: each
+  row's page size and top-r (`hsa_page_partials`); None: page_size and topr for every row."""
   del unused_tuning
   P = kt_min_BKHP.shape[-1]
 
-  def one(q_GH, kmin_HP, kmax_HP, length):
+  def one(q_GH, kmin_HP, kmax_HP, length, ps, r):
     qf = q_GH.astype(jnp.float32)
     _, ch_R = lax.top_k(jnp.abs(qf).sum(0), topr)
     qr = qf[:, ch_R]  # [G, R]
+    rep_max, rep_min = kmax_HP[ch_R].astype(jnp.float32), kmin_HP[ch_R].astype(jnp.float32)  # [R, P]
+    if r is not None:  # the row's top-r: the ranks past it are pads, out of the scores and of tau
+      rank_ok = jnp.arange(topr) < r
+      qr = jnp.where(rank_ok[None, :], qr, 0.0)
+      rep_max, rep_min = (jnp.where(rank_ok[:, None], x, 0.0) for x in (rep_max, rep_min))
     sigma = qr.sum(0) > 0  # [R]; zero counts as negative
-    rep = jnp.where(sigma[:, None], kmax_HP[ch_R].astype(jnp.float32),
-                    kmin_HP[ch_R].astype(jnp.float32))  # [R, P]
-    n = page_slots(length, jnp.arange(P), page_size)
+    rep = jnp.where(sigma[:, None], rep_max, rep_min)  # [R, P]
+    n = page_slots(length, jnp.arange(P), page_size if ps is None else ps)
     ok = n > 0
     rep = jnp.where(ok[None, :], rep, 0.0)  # empty pages may hold junk
     s = jnp.einsum("GR,RP->GP", qr, rep, precision=lax.Precision.HIGHEST)
@@ -75,7 +86,8 @@ def hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, top
     prob = e / (e * n[None, :]).sum(-1, keepdims=True)
     return jnp.where(ok, prob.mean(0), -jnp.inf)
 
-  return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
+  rows = (length_B, page_size_B, topr_B)  # per row (None: the static value, captured above)
+  return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, None, None)))(q_BKGH, kt_min_BKHP, kt_max_BKHP, *rows)
 
 
 # Channels per step of `_choose_channels`' rank loop: each step compares all H channels with RANK_CHUNK of them
@@ -97,12 +109,13 @@ def _abs_group_sum(q_ref, cols):
   return a
 
 
-def _choose_channels(q_ref, q_GH, topr: int):
+def _choose_channels(q_ref, q_GH, topr):
   """(use_max, use_min) [H] bool and a slot [H] int32 per channel: the group's top-r channels of sum_g |q_g|,
   ties toward the lower channel, split by the sign of the group's summed query (q_GH: the group's rows as
   loaded, pad rows 0; zero counts as negative). The slot is the channel's rank: the channels that beat it,
   counted RANK_CHUNK channels at a time ([H, RANK_CHUNK] compares per step of an H / RANK_CHUNK-step loop), so
-  the chosen channels' slots are 0..r-1."""
+  the chosen channels' slots are 0..r-1. topr: an int, or the row's top-r as a scalar (the ranks are all
+  computed either way; only the cut moves)."""
   H = q_ref.shape[1]
   chunk = min(H, RANK_CHUNK)
   a_i = _abs_group_sum(q_ref, pl.ds(0, H))[:, None]  # [H, 1]
@@ -162,28 +175,29 @@ def _store_block_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l
 
 def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, *, first_block,
                       num_blocks: int, store_from, topr: int, block_p: int, page_size: int, num_pages: int,
-                      dot_dtype):
+                      dot_dtype, page_size_ref=None, topr_ref=None):
   """The "rank" layout's work for one program: choose the group's channels (q_ref [G, H]), then score page
   blocks [first_block, first_block + num_blocks) of the row, block first_block + i's (s, m, l) stored at
   column store_from + i of s_ref / m_ref / l_ref (`_store_block_partials`). `_hsa_scores_kernel` stores its
   blocks from 0 (its outputs are blocked per program); `hsa_select` stores them at the row's absolute
-  positions."""
+  positions. page_size_ref, topr_ref ([] int32, or None: the static page_size / topr): the row's own."""
   H = q_ref.shape[1]
+  ps = page_size if page_size_ref is None else page_size_ref[...]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
   q = q_in.astype(jnp.float32)
-  use_max, use_min, _ = _choose_channels(q_ref, q, topr)
+  use_max, use_min, _ = _choose_channels(q_ref, q, topr if topr_ref is None else topr_ref[...])
   chosen = use_max | use_min
   # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
   q_r = jnp.where(chosen[None, :], q, 0.0)
   inv_tau = 1.0 / _temperature(q_r, q)  # [Gp]
   q_r = q_r.astype(dot_dtype)
   prec = dot_precision(dot_dtype)
-  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
+  length = jnp.clip(length_ref[...], 0, num_pages * ps)
 
   def page_block(i, carry):
     p0 = (first_block + i) * block_p
     page = p0 + jnp.arange(block_p)
-    n = page_slots(length, page, page_size)
+    n = page_slots(length, page, ps)
     p_ok = (n > 0) & (page < num_pages)
     # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all, and
     # no page past P is; masked lanes are dropped by the wheres. (Not `_chosen_rows`: with it this layout's
@@ -208,6 +222,8 @@ def _hsa_scores_kernel(
     kt_min_ref,  # [H, P]
     kt_max_ref,  # [H, P]
     length_ref,  # []
+    page_size_ref,  # [] the row's page size, or None: page_size
+    topr_ref,  # [] the row's top-r, or None: topr
     # outputs
     s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
     m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
@@ -218,7 +234,7 @@ def _hsa_scores_kernel(
 ):
   rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref,
                     first_block=pl.program_id(2) * blocks_per_program, num_blocks=blocks_per_program,
-                    store_from=0, **kw)
+                    store_from=0, page_size_ref=page_size_ref, topr_ref=topr_ref, **kw)
 
 
 def choice_dot_dtype(q_dtype, kt_dtype):
@@ -246,17 +262,23 @@ def row_channels_warps(rows: int) -> int:
   return 4 if rows < ROW_CHANNELS_TWO_WARPS_MIN_ROWS else 2
 
 
-def row_channels_reference(q_BKGH, topr: int, dot_dtype):
+def row_channels_reference(q_BKGH, topr: int, dot_dtype, topr_B=None):
   """The gather layout's per-row preparation, once per (b, k) row, in XLA: the group's top-r channels of
   sum_g |q_g| (lax.top_k: ties toward the lower channel, as the scores' reference), in rank order, padded to
   Rp = max(16, next_pow2(topr)) entries. Returns q_BKGR (the group's query on those channels, in `dot_dtype`,
   0 on pads), ch_BKR int32 (channel index, 0 on pads), use_max_BKR int32 (1: score against kt_max, the
   group's summed query is > 0 there; 0: kt_min; -1: a pad, read from neither) and inv_tau_BKG float32
-  (1 / tau per head)."""
+  (1 / tau per head). topr_B ([B] int32 in [1, topr], or None: topr): row b's top-r; its ranks from r_b on
+  are pads, and tau is of its r_b channels."""
   qf = q_BKGH.astype(jnp.float32)
   _, ch = lax.top_k(jnp.abs(qf).sum(axis=2), topr)  # [B, K, R]
   qr = jnp.take_along_axis(qf, ch[:, :, None, :], axis=-1)  # [B, K, G, R]
   use_max = (qr.sum(axis=2) > 0).astype(jnp.int32)
+  if topr_B is not None:
+    rank_ok = (jnp.arange(topr)[None, :] < topr_B[:, None])[:, None, :]  # [B, 1, R]
+    qr = jnp.where(rank_ok[:, :, None, :], qr, 0.0)
+    ch = jnp.where(rank_ok, ch, 0)
+    use_max = jnp.where(rank_ok, use_max, -1)
   inv_tau = 1.0 / _temperature(qr, qf)
   pad = chosen_slots(topr) - topr
   if pad:
@@ -276,20 +298,22 @@ def row_channels_body(
     *,
     topr: int,
     interpret: bool,
+    topr_ref=None,  # [] the row's top-r (at most topr), or None: topr
 ):
   """The row_channels kernel's body for one (b, k) row (also run inside `cache_append`'s kernel)."""
   H = q_ref.shape[1]
   Rp = ch_ref.shape[0]
+  r_b = topr if topr_ref is None else topr_ref[...]
   q_in, row_ok = load_query_group(q_ref)  # [Gp, H], pad rows 0
   Gp = row_ok.shape[0]
   q = q_in.astype(jnp.float32)
-  use_max_H, use_min_H, slot = _choose_channels(q_ref, q, topr)
+  use_max_H, use_min_H, slot = _choose_channels(q_ref, q, r_b)
   # Each chosen channel is written to its slot (< topr; the slots are distinct), the pads (>= topr) apart:
   # disjoint stores. (A one-hot [H, Rp] compaction, three reductions and a dot, was 2.5-3.5x slower on the
   # H200: 64 rows 7.39 against 2.53 us, 3128 rows 71.7 against 23.0; results/stage2_h200_2026-12-02c.)
   chosen = use_max_H | use_min_H
   r = jnp.arange(Rp, dtype=jnp.int32)
-  pad = r >= topr
+  pad = r >= r_b
   pltriton.store(ch_ref.at[pl.ds(0, Rp)], jnp.zeros((Rp,), jnp.int32), mask=pad)
   pltriton.store(use_max_ref.at[pl.ds(0, Rp)], jnp.full((Rp,), -1, jnp.int32), mask=pad)
   masked_scatter(ch_ref, slot, jnp.arange(H, dtype=jnp.int32), chosen, interpret=interpret)
@@ -303,25 +327,37 @@ def row_channels_body(
 
 
 @functools.partial(jax.jit, static_argnames=["topr", "dot_dtype", "interpret", "num_warps"])
-def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int | None = None):
+def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int | None = None,
+                 topr_B=None):
   """`row_channels_reference` as one small Pallas kernel, a program per (b, k) row: the in-kernel ranks of
   the rank layout, each chosen channel stored at its slot. The same outputs (inv_tau up to float32 summation
   order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it (faster at every row
-  count timed: see ROW_CHANNELS_TWO_WARPS_MIN_ROWS). num_warps None: `row_channels_warps`."""
+  count timed: see ROW_CHANNELS_TWO_WARPS_MIN_ROWS). num_warps None: `row_channels_warps`. topr_B: as the
+  reference's (each program loads its row's value)."""
   B, K, G, H = q_BKGH.shape
+  check_row_values("topr_B", topr_B, B)
   if num_warps is None:
     num_warps = row_channels_warps(B * K)
   shapes = choice_shapes(B, K, G, topr, dot_dtype)
+  inputs, in_specs = [q_BKGH], row_blocks([q_BKGH])
+  if topr_B is not None:
+    inputs.append(topr_B.astype(jnp.int32))
+    in_specs.append(pl.BlockSpec((None,), lambda b, k: (b,)))
+
+  def body(q_ref, *refs):
+    topr_ref, outs = (refs[0], refs[1:]) if topr_B is not None else (None, refs)
+    row_channels_body(q_ref, *outs, topr=topr, interpret=interpret, topr_ref=topr_ref)
+
   return tuple(pl.pallas_call(
-      functools.partial(row_channels_body, topr=topr, interpret=interpret),
+      body,
       grid=(B, K),
-      in_specs=row_blocks([q_BKGH]),
+      in_specs=in_specs,
       out_specs=row_blocks(shapes),
       out_shape=shapes,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="rocketkv_hsa_row_channels",
-  )(q_BKGH))
+  )(*inputs))
 
 
 def check_choice(choice, B: int, K: int, G: int, topr: int, dot_dtype) -> None:
@@ -341,6 +377,7 @@ def _hsa_scores_gather_kernel(
     kt_min_ref,  # [H, P]
     kt_max_ref,  # [H, P]
     length_ref,  # []
+    page_size_ref,  # [] the row's page size, or None: page_size (its top-r is in the choice: pads past it)
     # outputs: as _hsa_scores_kernel
     s_ref, m_ref, l_ref,
     *,
@@ -363,14 +400,15 @@ def _hsa_scores_gather_kernel(
     use = use_max_ref[cols]
     per_piece.append((q, ch_ref[cols], use > 0, use == 0))
   inv_tau = pltriton.load(inv_tau_ref.at[pl.ds(0, row_ok.shape[0])], mask=row_ok, other=1.0)
-  length = jnp.clip(length_ref[...], 0, num_pages * page_size)
+  ps = page_size if page_size_ref is None else page_size_ref[...]
+  length = jnp.clip(length_ref[...], 0, num_pages * ps)
   first_block = pl.program_id(2) * blocks_per_program
   prec = dot_precision(dot_dtype)
 
   def page_block(i, carry):
     p0 = (first_block + i) * block_p
     page = p0 + jnp.arange(block_p)
-    n = page_slots(length, page, page_size)
+    n = page_slots(length, page, ps)
     p_ok = (n > 0) & (page < num_pages)
     # Only the chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
     # load_mask "pages": only the valid pages of them; "rows": every page inside the array (junk pages too,
@@ -429,7 +467,7 @@ _GATHER_TILE_ELEMS = 4096
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
                       interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
-                      load_mask: str = "auto", choice=None):
+                      load_mask: str = "auto", choice=None, page_size_B=None, topr_B=None):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
@@ -438,9 +476,17 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
     kt_min_BKHP, kt_max_BKHP: per-page element-wise key min / max, channel-major, P pages (a cache holds
       `checks.kt_num_pages`: ceil(S / page_size) rounded up to 16), dtype f32, bf16 or float8_e5m2 (upcast to
       f32). Pages with no valid slot may hold junk.
-    length_B: int32 valid slots per sequence.
-    topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H].
-    page_size: slots per page.
+    length_B: int32 valid slots per sequence (clipped to the P pages' slots).
+    topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H]; with
+      topr_B, the largest (it sets the shapes).
+    page_size: slots per page; with page_size_B, the largest.
+    page_size_B: None (every row's page size is page_size) or [B] int32, row b's page size ps_b in
+      [1, page_size]: its page p covers slots [p * ps_b, (p + 1) * ps_b), so a row of smaller pages uses more
+      of the P pages (the caller keeps length_b <= P * ps_b).
+    topr_B: None (every row scores topr channels) or [B] int32, row b's top-r r_b in [1, topr]: its channels
+      ranked r_b and later are not read, nor in tau. With a choice given, the choice holds it (made with the
+      same topr_B) and topr_B is not used here.
+    A row's outputs are what the row gives alone with page_size = ps_b and topr = r_b, at the same P.
     split_pages: one program per page block (True), or one program per row looping over its blocks; None:
       page blocks, except the gather layout from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
     layout: "rank" (each program ranks the group's channels itself: nothing runs before the kernel, best when
@@ -471,6 +517,8 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   if page_size < 1:
     raise ValueError(f"page_size={page_size} must be >= 1")
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
+  check_row_values("page_size_B", page_size_B, B)
+  check_row_values("topr_B", topr_B, B)
   if layout == "auto":
     layout = "gather" if B * K >= GATHER_MIN_ROWS or choice is not None else "rank"
   if choice is not None and layout != "gather":
@@ -504,7 +552,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   bpp = 1 if split_pages else num_blocks
   dot_dtype = choice_dot_dtype(q_BKGH.dtype, kt_min_BKHP.dtype)
   kt_spec = pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0))
-  length_spec = pl.BlockSpec((None,), lambda b, k, j: (b,))
+  length_spec = pl.BlockSpec((None,), lambda b, k, j: (b,))  # also each per-row value's: one scalar per program
+  # The per-row values given (None ones are not inputs: the kernel then uses the static value).
+  rows = [x.astype(jnp.int32) for x in (page_size_B, topr_B) if x is not None]
   call = functools.partial(
       pl.pallas_call,
       grid=(B, K, num_blocks // bpp),
@@ -523,49 +573,56 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   length_B = length_B.astype(jnp.int32)  # clipped in the kernels
   if layout == "gather":
     if choice is None:
-      choice = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret)
+      choice = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret, topr_B=topr_B)
     check_choice(choice, B, K, G, topr, dot_dtype)
     q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = choice
     kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp, pieces=pieces,
                                page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
+    rows = rows[:1] if page_size_B is not None else []  # topr_B is in the choice
     return call(
-        kernel,
+        with_absent_refs(kernel, [True] * 7 + [page_size_B is not None] + [True] * 3),
         in_specs=[
             pl.BlockSpec((None, None, G, Rp), lambda b, k, j: (b, k, 0, 0)),
             pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
             pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
             pl.BlockSpec((None, None, G), lambda b, k, j: (b, k, 0)),
             kt_spec, kt_spec, length_spec,
-        ],
+        ] + [length_spec] * len(rows),
         name="rocketkv_hsa_scores_gather",
-    )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B)
+    )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B, *rows)
   kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
                              page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
   return call(
-      kernel,
-      in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)), kt_spec, kt_spec, length_spec],
+      with_absent_refs(kernel, [True] * 4 + [page_size_B is not None, topr_B is not None] + [True] * 3),
+      in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)), kt_spec, kt_spec,
+                length_spec] + [length_spec] * len(rows),
       name="rocketkv_hsa_scores",
-  )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
+  )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *rows)
 
 
-def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int):
+def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, page_size_B=None):
   """The scores of `hsa_page_scores` from its kernel's partials: each head's softmax normaliser over all
-  page blocks, then the group mean; -inf on pages with no valid slot."""
+  page blocks, then the group mean; -inf on pages with no valid slot. page_size_B: each row's page size, or
+  None: page_size."""
   P = s_BKGP.shape[-1]
   m_BKG = m_BKGN.max(axis=-1)
   l_BKG = (l_BKGN * jnp.exp(m_BKGN - m_BKG[..., None])).sum(axis=-1)
   inv_l = jnp.where(l_BKG > 0, 1.0 / jnp.where(l_BKG > 0, l_BKG, 1.0), 0.0)
   prob_BKGP = jnp.exp(s_BKGP - m_BKG[..., None]) * inv_l[..., None]
-  n_BP = page_slots(length_B[:, None], jnp.arange(P)[None, :], page_size)
+  ps = page_size if page_size_B is None else page_size_B[:, None]
+  n_BP = page_slots(length_B[:, None], jnp.arange(P)[None, :], ps)
   return jnp.where(n_BP[:, None, :] > 0, prob_BKGP.mean(axis=2), -jnp.inf)
 
 
-def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int, **tuning):
+def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int, page_size_B=None,
+                    topr_B=None, **tuning):
   """HSA group page scores [B, K, P] float32: mean over the group of each head's softmax over valid
   slots; a probability per page (each of the page's n[p] valid slots gets it; sum_p n[p] * scores[p]
   == 1), -inf on pages with no valid slot. Arguments as `hsa_page_partials`."""
   P = kt_min_BKHP.shape[-1]
   s, m, l = hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
-                              **tuning)
-  length = jnp.clip(length_B.astype(jnp.int32), 0, P * page_size)
-  return normalize_partials(s[..., :P], m, l, length, page_size=page_size)
+                              page_size_B=page_size_B, topr_B=topr_B, **tuning)
+  if page_size_B is not None:
+    page_size_B = page_size_B.astype(jnp.int32)
+  length = jnp.clip(length_B.astype(jnp.int32), 0, P * (page_size if page_size_B is None else page_size_B))
+  return normalize_partials(s[..., :P], m, l, length, page_size=page_size, page_size_B=page_size_B)

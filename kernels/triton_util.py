@@ -42,6 +42,17 @@ def row_blocks(arrays) -> list:
           for x in arrays]
 
 
+def with_absent_refs(kernel, present):
+  """A pallas_call body that runs kernel(*refs) with None in place of the refs not passed: `present` holds one
+  bool per parameter of `kernel` (inputs, then outputs, in order), False where that ref is absent (an optional
+  input left out of the call, such as a per-row value given as None)."""
+  def body(*refs):
+    it = iter(refs)
+    kernel(*[next(it) if p else None for p in present])
+
+  return body
+
+
 def dot_precision(dtype):
   """float32 operands: full precision (no TF32); bf16: the native tensor-core path."""
   return "highest" if jnp.dtype(dtype) == jnp.float32 else None

@@ -11,6 +11,7 @@ import inspect
 import math
 import numbers
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rocketkv_jax import cache_nbytes, get_method, make_config
+from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 
 from .llama import Llama, prefill_jit
 from .sharding import default_impl, shard_batch, using
@@ -26,7 +27,31 @@ from .loop import LoopConfig, LoopOutput, check_loop_args, compile_once, decode_
 from .tokenizer import TextTokenizer
 
 __all__ = ["GenerateResult", "GenerateStats", "Prefilled", "check_sampling", "check_token_ids", "decode_prefilled",
-           "encode_prompts", "finish_reason", "generate", "stop_ids"]
+           "encode_prompts", "finish_reason", "generate", "plan_bucket", "plan_batch", "stop_ids"]
+
+MIN_PLAN_BUCKET = 64  # the smallest prompt-length bucket a batch's static plan is made for
+
+
+def plan_bucket(prompt_len: int, max_new_tokens: int, max_len: int) -> int:
+  """The prompt-length bucket a batch whose longest prompt has `prompt_len` tokens compiles for: the next power of
+  two from 64, at most max_len - max_new_tokens. One compile per bucket (and batch size); the cache is sized for
+  the longest plan of a prompt up to the bucket, at most about twice the batch's own."""
+  b = MIN_PLAN_BUCKET
+  while b < prompt_len:
+    b *= 2
+  return max(prompt_len, min(b, max_len - max_new_tokens))
+
+
+def plan_batch(method: str, prompt_lens: Sequence[int], *, token_budget: int, max_new_tokens: int, head_dim: int,
+               max_len: int, **overrides):
+  """`generate`'s plans (`rocketkv_jax.BatchPlan`): each prompt the paper's plan for its own length
+  (`rocketkv_jax.plan_rows`), run under the static config of its length bucket (`plan_bucket`,
+  `rocketkv_jax.plan_limits`), so a prompt's plan and answer are the same alone and in any batch."""
+  bucket = plan_bucket(max(prompt_lens), max_new_tokens, max_len)
+  static = plan_limits(method, token_budget=token_budget, max_prompt_len=bucket, max_new_tokens=max_new_tokens,
+                       head_dim=head_dim, max_len=max_len, **overrides)
+  return plan_rows(method, token_budget=token_budget, prompt_lens=prompt_lens, max_new_tokens=max_new_tokens,
+                   head_dim=head_dim, max_len=max_len, config=static, **overrides)
 
 
 @dataclasses.dataclass
@@ -146,20 +171,18 @@ class Prefilled:
 def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, method: str = "full",
              token_budget: int = 256, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, chat: bool = False,
-             progress: Callable[[str], None] | None = None, plan_prompt_len: int | None = None,
-             mesh=None, **config_overrides) -> GenerateResult:
+             progress: Callable[[str], None] | None = None, mesh=None, **config_overrides) -> GenerateResult:
   """Generates for a batch of prompts (strings or token-id lists) of different lengths.
 
   method/token_budget pick the KV cache (any method of the core; "full" ignores the budget).
   temperature 0 is greedy; otherwise temperature + top_p sampling from `seed`. Each sequence stops
   at its EOS (the chat end-of-turn token with chat=True) or after max_new_tokens.
 
-  The method's plan (its capacity and, for budgeted methods, what stage 1 keeps and stage 2 attends) depends
-  on (method, token_budget, plan_prompt_len, max_new_tokens, the model's head_dim and max_len, overrides) and
-  never on the prompts of the batch, so a prompt's greedy answer is the same alone or next to any others.
-  plan_prompt_len: the longest prompt the plan is made for (prompts may not exceed it); default the model's
-  max_len - max_new_tokens (every prompt the model can take). A smaller value gives a tighter cache, e.g. the
-  CLI plans one prompt from its own length.
+  Each prompt runs the paper's plan for its own length (ALGORITHM.md §1: S = min(its length + max_new_tokens,
+  max_len); what stage 1 keeps, stage 2's top-r and page size), never its companions', so a prompt's greedy
+  answer is the same alone or next to any others (`plan_batch`). The batch compiles for its length bucket
+  (`plan_bucket`), and its caches are sized from the plans of prompts up to the bucket, not from max_len. A
+  warning (RuntimeWarning) says when the cache holds more than a full cache would.
   config_overrides: fields of the method's config (e.g. impl="xla"); any other keyword is a TypeError that
   lists generate's own parameters and the config's fields.
   Raises ValueError naming the value for a sampling value out of range (`check_sampling`) or a token id outside
@@ -178,17 +201,14 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   T = int(lengths.max())
   if T + max_new_tokens > cfg.max_len:
     raise ValueError(f"prompt of {T} tokens + {max_new_tokens=} exceeds the model's max_len={cfg.max_len}")
-  if plan_prompt_len is None:
-    plan_prompt_len = cfg.max_len - max_new_tokens
-  if T > plan_prompt_len:
-    raise ValueError(f"prompt of {T} tokens exceeds {plan_prompt_len=}")
   tokens = np.zeros((B, T), np.int32)
   for b, x in enumerate(ids):
     tokens[b, :len(x)] = x
   if default_impl(mesh):
     config_overrides.setdefault("impl", default_impl(mesh))
-  config = make_config(method, token_budget=token_budget, prompt_len=plan_prompt_len,
-                       max_new_tokens=max_new_tokens, head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
+  plan = plan_batch(method, lengths.tolist(), token_budget=token_budget, max_new_tokens=max_new_tokens,
+                    head_dim=cfg.head_dim, max_len=cfg.max_len, **config_overrides)
+  config = plan.config
 
   graphdef, state = nnx.split(model)
   tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
@@ -197,10 +217,10 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   t0 = time.perf_counter()
   progress(f"compiling prefill ({B} x {T} tokens, {method})")
   with using(mesh):
-    pre = compile_once(prefill_jit, graphdef, state, tokens_j, lengths_j, config=config)
+    pre = compile_once(prefill_jit, graphdef, state, tokens_j, lengths_j, plan.rows, config=config)
   t1 = time.perf_counter()
   progress(f"prefill {B} x {T} tokens ({method}, budget {token_budget})")
-  logits, caches = pre(state, tokens_j, lengths_j)
+  logits, caches = pre(state, tokens_j, lengths_j, plan.rows)
   jax.block_until_ready((logits, caches))
   prefilled = Prefilled(logits_BV=logits, caches=caches, lengths=lengths.tolist(),
                         prefill_s=time.perf_counter() - t1, compile_s=t1 - t0)
@@ -254,4 +274,9 @@ def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefille
       capacity=int(config.capacity),
       prefill_s=prefilled.prefill_s, decode_s=decode_s, decode_steps=steps,
       tokens_per_s=B * steps / decode_s if decode_s > 0 else 0.0, compile_s=prefilled.compile_s + (t3 - t2))
+  if config.budgeted and kv_bytes > full_kv_bytes * 1.01:
+    warnings.warn(f"{config.method} holds {kv_bytes / full_kv_bytes:.2f}x the KV a full cache would for these "
+                  f"prompts ({kv_bytes / 2**20:.1f} MiB against {full_kv_bytes / 2**20:.1f} MiB): the token budget "
+                  f"({token_budget}) counts the KV pairs a decode step reads, not the cache size; compression pays "
+                  "off when prompts are several times longer than the budget", RuntimeWarning, stacklevel=3)
   return GenerateResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=reasons)

@@ -538,20 +538,21 @@ def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"))
-def prefill_jit(graphdef, state, tokens_BT, lengths_B, config):
+def prefill_jit(graphdef, state, tokens_BT, lengths_B, rows=None, *, config):
   """`prefill` over nnx.split(model): lower and compile it to time compilation apart."""
   model = nnx.merge(graphdef, state)
   lengths_B = lengths_B.astype(jnp.int32)
   return _layers_prefill(
       model, tokens_BT, lengths_B,
-      lambda q, k, v: constrain_cache(prefill_compress(q, k, v, lengths_B, config=config)))
+      lambda q, k, v: constrain_cache(prefill_compress(q, k, v, lengths_B, config=config, rows=rows)))
 
 
-def prefill(model: Llama, tokens_BT, lengths_B, config):
-  """Prefill + per-layer compression. Returns (logits [B, V] of each last valid token, caches)."""
+def prefill(model: Llama, tokens_BT, lengths_B, config, rows=None):
+  """Prefill + per-layer compression. Returns (logits [B, V] of each last valid token, caches). rows: each
+  sequence's own plan (`rocketkv_jax.plan_rows`; config is then the batch's)."""
   graphdef, state = nnx.split(model)
   return prefill_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), jnp.asarray(lengths_B, jnp.int32),
-                     config)
+                     rows, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -627,8 +628,8 @@ def place_rows(buf_BSX, new_BTX, start_B):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "config"))
-def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, start_B, new_len_B, *, cfg,
-                             config):
+def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, start_B, new_len_B, rows=None, *,
+                             cfg, config):
   """One layer of `prefill_extend` (graphdef, state = nnx.split(block); every layer shares one compile).
 
   Returns (the layer's output [B, T, D], its compressed cache over history + new tokens, the new tokens'
@@ -650,11 +651,12 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
   else:  # a few new tokens over a long history: only their rows of the scores
     o = extend_attention(q, k_all, v_all, start_B)
   o, cache = jax.lax.optimization_barrier((o, prefill_compress(q_all, k_all, v_all, start_B + new_len_B,
-                                                               config=config)))
+                                                               config=config, rows=rows)))
   return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), cache, k, v
 
 
-def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config, *, seq_len=None, run_layer=None):
+def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config, *, seq_len=None, run_layer=None,
+                   rows=None):
   """Prefill of new tokens that continue a K/V history, with the method's stage 1 over history + new tokens.
 
   tokens [B, T]: the new tokens, right-padded (new_len valid per row), at positions start + i.
@@ -665,7 +667,8 @@ def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config,
   The result equals `prefill` of the whole sequence (up to float rounding of a different attention
   reduction) when every row has at least `config.prompt_queries` new tokens: the history keeps keys and
   values, not queries. run_layer: a stand-in for `prefill_extend_layer_jit` taking its arguments
-  (graphdef, state, x, hist_k, hist_v, start, new_len) (the engine passes compiled executables).
+  (graphdef, state, x, hist_k, hist_v, start, new_len, rows) (the engine passes compiled executables). rows:
+  each sequence's own plan (`rocketkv_jax.plan_rows`; config is then the batch's).
   Returns (logits [B, V] of each row's last new token, per-layer caches, per-layer (k, v) [B, T, K, H] of
   the new tokens, on the device).
   """
@@ -699,7 +702,7 @@ def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config,
           zeros = jnp.zeros((tokens_BT.shape[0], seq_len, cfg.n_kv_heads, cfg.head_dim), x.dtype)
         hist = (zeros, zeros)
       graphdef, state = nnx.split(blk)
-      x, cache, k, v = run_layer(graphdef, state, x, hist[0], hist[1], start_B, new_len_B)
+      x, cache, k, v = run_layer(graphdef, state, x, hist[0], hist[1], start_B, new_len_B, rows)
       caches.append(cache)
       new_kv.append((k, v))
   last = x[jnp.arange(x.shape[0]), new_len_B - 1]

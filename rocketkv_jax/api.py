@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from rocketkv_jax.cache import KVCache
+from rocketkv_jax.cache import KVCache, RowPlan
 from rocketkv_jax.methods import MethodConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -83,7 +83,7 @@ def _host_lengths(lengths):
   return np.asarray(lengths)
 
 
-def _validate_prefill(q, k, v, lengths, host, config) -> None:
+def _validate_prefill(q, k, v, lengths, host, config, rows=None) -> None:
   _check_config(config)
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [B, T, N, H], [B, T, K, H], [B, T, K, H]; got q.shape={q.shape}, "
@@ -102,6 +102,7 @@ def _validate_prefill(q, k, v, lengths, host, config) -> None:
   if shape != (b,) or not np.issubdtype(dtype, np.integer):
     raise ValueError(f"lengths must be an int array of shape (B,)=({b},); got shape={shape}, dtype={dtype}")
   config.check_prompt(t)
+  config.check_rows(rows, b)
   if host is not None and ((host < 1).any() or (host > t).any()):
     raise ValueError(f"lengths={host.tolist()} must all lie in [1, T={t}]")
 
@@ -133,7 +134,7 @@ def _check_leaves(cache, config) -> tuple[int, int, int, int]:
       raise ValueError(f"cache.{f.name} has been deleted: the cache was donated to an earlier decode_step; pass "
                        "the cache that call returned")
   _check_float("cache.k", cache.k)
-  for name in ("length", "pos", "positions"):
+  for name in ("length", "pos", "positions", "row_topr", "row_page_size"):
     if name in shapes and getattr(cache, name).dtype != jnp.int32:
       raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be int32")
   for name in ("scores", "v_sum"):
@@ -227,8 +228,8 @@ def _checkify_decode(cache, config) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _prefill_jit(q, k, v, lengths, *, config):
-  return config.prefill(q, k, v, lengths)
+def _prefill_jit(q, k, v, lengths, rows, *, config):
+  return config.prefill(q, k, v, lengths, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(0,))
@@ -240,12 +241,14 @@ def _decode_jit(cache, q, k_new, v_new, *, config):
 
 
 def prefill_compress(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-                     config: MethodConfig) -> KVCache:
+                     config: MethodConfig, rows: RowPlan | None = None) -> KVCache:
   """One layer's prompt (post-RoPE projections, right-padded) -> the method's compressed cache.
 
   q: [B, T, N, H]; k, v: [B, T, K, H]; lengths: [B] int32 in [1, T]. Query head n belongs to KV head
   n // (N // K). Stage 1 (or the baseline's eviction) happens here: the cache holds only what the method
   keeps, at the config's static capacity; every sequence of a ragged batch gets what it would get alone.
+  rows: each sequence's own plan (`rocketkv_jax.plan_rows`: config is then the batch's, the maxima of the rows'
+  plans); the cache carries what decode needs of it. None: every sequence runs `config`'s plan.
 
   Raises ValueError (naming the value) for bad shapes, dtypes, a prompt longer than the config allows, and,
   when `lengths` is concrete, lengths outside [1, T] (checked before any cast to int32). With traced lengths
@@ -254,10 +257,10 @@ def prefill_compress(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   """
   host = _host_lengths(lengths)
   q, k, v = (_as_array(x) for x in (q, k, v))
-  _validate_prefill(q, k, v, lengths if host is None else host, host, config)
+  _validate_prefill(q, k, v, lengths if host is None else host, host, config, rows)
   if host is None and _IN_JIT_CHECKS.get():
     _checkify_prefill(lengths, q.shape[1])
-  return _prefill_jit(q, k, v, jnp.asarray(lengths if host is None else host, jnp.int32), config=config)
+  return _prefill_jit(q, k, v, jnp.asarray(lengths if host is None else host, jnp.int32), rows, config=config)
 
 
 def decode_step(cache: KVCache, q: jax.Array, k_new: jax.Array, v_new: jax.Array, *,

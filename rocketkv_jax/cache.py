@@ -41,6 +41,9 @@ class KVCache:
   scores: [B, K, S] float32 accumulated attention (H2O).
   positions: [B, K, S] int32 absolute position of each slot's token (H2O).
   v_sum: [B, K, H] float32 sum of the valid values (SparQ's mean-value correction).
+  row_topr, row_page_size: [B] int32, each sequence's own stage-2 plan (methods whose plan sets them per
+    request, `MethodConfig.row_fields`): the channels it scores and its page size, at most the config's static
+    `topr` / `page_size` (the batch's maxima). A sequence planned alone holds the config's values.
   spec: static (not a leaf): the method and config fields that built the cache; `decode_step` refuses a
     config whose spec differs.
   """
@@ -54,6 +57,8 @@ class KVCache:
   scores: jax.Array | None = None
   positions: jax.Array | None = None
   v_sum: jax.Array | None = None
+  row_topr: jax.Array | None = None
+  row_page_size: jax.Array | None = None
   spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -71,27 +76,40 @@ def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
   return jnp.arange(num_slots)[None, :] < length_B[:, None]
 
 
-def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype) -> tuple[jax.Array, jax.Array]:
-  """Per-page key min/max, channel-major [B, K, H, P] (P = `kt_num_pages`: padded with empty pages); junk slots
-  never enter, empty pages hold 0."""
+def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype, *, num_pages: int | None = None,
+                   page_size_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Per-page key min/max, channel-major [B, K, H, P] (P = num_pages, default `kt_num_pages`: padded with empty
+  pages); junk slots never enter, empty pages hold 0. page_size_B [B]: each sequence's own page size (at most
+  `page_size`): its page p covers slots [p * page_size_B[b], +page_size_B[b])."""
   b, n_kv, s, h = k_BKSH.shape
-  num_pages = kt_num_pages(s, page_size)
-  pad = num_pages * page_size - s
-  kf = jnp.pad(k_BKSH.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
-  valid = slot_valid(length_B, num_pages * page_size)[:, None, :, None]
-  kf = kf.reshape(b, n_kv, num_pages, page_size, h)
-  valid = valid.reshape(b, 1, num_pages, page_size, 1)
-  k_min = jnp.min(jnp.where(valid, kf, jnp.inf), axis=3)
-  k_max = jnp.max(jnp.where(valid, kf, -jnp.inf), axis=3)
-  page_used = valid.any(axis=3)
+  if num_pages is None:
+    num_pages = kt_num_pages(s, page_size)
+  if page_size_B is None:
+    page_size_B = jnp.full((b,), page_size, jnp.int32)
+  # Segment min / max of the valid slots by page; junk slots go to a page past the end, which is dropped.
+  page_size_B = page_size_B.astype(jnp.int32)
+  page_BS = jnp.arange(s)[None, :] // page_size_B[:, None]
+  page_BS = jnp.where(slot_valid(length_B, s) & (page_BS < num_pages), page_BS, num_pages)
+  kf = k_BKSH.astype(jnp.float32)
+
+  def segment(op, fill):
+    def one(k_KSH, page_S):
+      out = jnp.full((n_kv, num_pages + 1, h), fill, jnp.float32)
+      return getattr(out.at[:, page_S, :], op)(k_KSH)[:, :num_pages]
+    return jax.vmap(one)(kf, page_BS)
+
+  k_min, k_max = segment("min", jnp.inf), segment("max", -jnp.inf)
+  page_used = (jnp.arange(num_pages)[None, :] * page_size_B[:, None] < length_B[:, None])[:, None, :, None]
   k_min = jnp.where(page_used, k_min, 0.0)
   k_max = jnp.where(page_used, k_max, 0.0)
   return (k_min.transpose(0, 1, 3, 2).astype(dtype), k_max.transpose(0, 1, 3, 2).astype(dtype))
 
 
-def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, **extras) -> KVCache:
+def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, **extras) -> KVCache:
   """The cache holding, per KV head, the prompt positions keep[b, k, :count[b]] in slots [0, count) (junk
-  after), at the config's capacity, with KT pages when the method keeps them; `extras` sets other leaves."""
+  after), at the config's capacity, with KT pages when the method keeps them and each sequence's own plan
+  (`rows`, a `RowPlan`; None: every sequence the config's) where the method plans per row; `extras` sets other
+  leaves."""
   capacity = config.capacity
   m = keep_BKM.shape[-1]
   valid = slot_valid(count_B, m)[:, None, :, None]
@@ -103,10 +121,28 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, **extras) -
 
   k = place(k_BTKH)
   length = count_B.astype(jnp.int32)
+  extras.update(config.row_leaves(k.shape[0], rows))
   if config.uses_kt_pages:
-    extras["kt_min"], extras["kt_max"] = build_kt_pages(k, length, config.page_size, config.kt_dtype(k.dtype))
+    extras["kt_min"], extras["kt_max"] = build_kt_pages(
+        k, length, config.page_size, config.kt_dtype(k.dtype), num_pages=config.num_kt_pages,
+        page_size_B=extras.get("row_page_size"))
   return KVCache(k=k, v=place(v_BTKH), length=length, pos=lengths_B.astype(jnp.int32),
                  spec=config.cache_spec(), **extras)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowPlan:
+  """Each sequence's own plan, as data: [B] int32 arrays (None where the method plans no such field per row).
+
+  A batch is compiled for the maxima of its rows' plans (`rocketkv_jax.plan_rows`), and each row runs its own:
+  prompt_budget: prompt tokens stage 1 keeps (window included); topr: channels stage 2 scores; page_size: its
+  HSA / Quest page size. What a row gets never depends on the other rows.
+  """
+
+  prompt_budget: jax.Array | None = None
+  topr: jax.Array | None = None
+  page_size: jax.Array | None = None
 
 
 def concat_caches(caches):

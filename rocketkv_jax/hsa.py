@@ -31,12 +31,13 @@ CHOICE_IN_APPEND = True
 
 def select(config, cache: KVCache, q_BKGH, choice=None):
   """(idx, valid) [B, K, M]: the top-k slots of the step, the new token already appended, ties toward the
-  lower slot; the first min(length, M) entries are valid. choice: the channel choice already made
-  (`ops.cache_append`'s choose_q)."""
+  lower slot; the first min(length, M) entries are valid. Each sequence scores with its own plan: its
+  cache.row_topr channels and cache.row_page_size pages (at most the config's, the batch's maxima). choice: the
+  channel choice already made (`ops.cache_append`'s choose_q)."""
   idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr(config, q_BKGH),
                        page_size=config.page_size, k=config.topk, num_slots=cache.capacity,
                        sink=getattr(config, "hsa_sink_tokens", 0), recent=getattr(config, "hsa_recent_tokens", 0),
-                       impl=config.impl, choice=choice)
+                       impl=config.impl, choice=choice, page_size_B=cache.row_page_size, topr_B=cache.row_topr)
   return idx, ops.prefix_valid(idx, cache.length)
 
 

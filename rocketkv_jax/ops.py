@@ -8,6 +8,11 @@ Each op's semantics is its kernel module's `*_reference` (plain jnp, f32 accumul
 Every wrapper below takes the kernel's arguments with `impl` instead of `interpret`.
 
 Layouts: q [B, K, G, H] (query heads grouped by KV head), k/v [B, K, S, H], KT pages [B, K, H, P].
+
+Per-row stage-2 plans: the HSA ops take `page_size_B` / `topr_B` ([B] int32, or None), row b's page size and
+top-r, at most the static `page_size` / `topr` (the largest, which set loop bounds and shapes). A row's result
+is what it gives alone with page_size = ps_b and topr = r_b; its page p covers slots [p * ps_b, (p + 1) * ps_b)
+of the KT arrays' P pages (the caller keeps length_b <= P * ps_b).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from jax import lax
 
 from rocketkv_jax.kernels import cache_append as cache_append_kernel
 from rocketkv_jax.kernels import dense_decode, hsa_scores, page_topk as page_topk_kernel, qkv_rope as qkv_rope_kernel
-from rocketkv_jax.kernels import rms_norm as rms_norm_kernel, sparse_decode
+from rocketkv_jax.kernels import rms_norm as rms_norm_kernel, sparse_decode, topk_select
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 
@@ -49,17 +54,19 @@ def uses_kernels(impl: str) -> bool:
 
 
 def cache_append_scatter(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                         page_size: int = 1, choose_q=None, topr: int = 0):
+                         page_size: int = 1, choose_q=None, topr: int = 0, page_size_B=None, topr_B=None):
   """`cache_append_reference` as XLA scatters (in place under donation). The reference rewrites every slot
   with a select, reading and writing the whole cache per token and layer; this touches one row each
   (CPU, B=8 K=3 S=8192 H=64 f32, 64 appends in a loop: 0.13 ms per append against 0.0005 ms).
-  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). choose_q: as the
-  reference's (the channel choice after the outputs)."""
+  A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). choose_q, page_size_B,
+  topr_B: as the reference's (the channel choice after the outputs)."""
   return (_scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                          page_size=page_size) + cache_append_kernel.append_choice(choose_q, topr, kt_min_BKHP))
+                          page_size=page_size, page_size_B=page_size_B) +
+          cache_append_kernel.append_choice(choose_q, topr, kt_min_BKHP, topr_B))
 
 
-def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size):
+def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size,
+                    page_size_B=None):
   S = k_BKSH.shape[2]
   slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
   slot_BK = jnp.where((slot_BK < 0) | (slot_BK >= S), S, slot_BK).astype(jnp.int32)
@@ -75,8 +82,9 @@ def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, 
   if kt_min_BKHP is None:
     return kv
   P = kt_min_BKHP.shape[-1]
-  page_BK = jnp.where(slot_BK < S, slot_BK // page_size, P)
-  fresh = (slot_BK % page_size == 0)[..., None]  # [B, K, 1]: the page starts at this slot
+  ps = page_size if page_size_B is None else page_size_B.astype(jnp.int32)[:, None]  # [B, 1]: each row's own
+  page_BK = jnp.where(slot_BK < S, slot_BK // ps, P)  # past P (a row's slot past its pages): dropped below
+  fresh = (slot_BK % ps == 0)[..., None]  # [B, K, 1]: the page starts at this slot
   kf = lax.optimization_barrier(k_new_BKH).astype(jnp.float32)
   at = jnp.minimum(page_BK, P - 1)
   new_min = jnp.where(fresh, kf, jnp.minimum(kt_min_BKHP[b, k, :, at].astype(jnp.float32), kf))
@@ -85,9 +93,13 @@ def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, 
                kt_max_BKHP.at[b, k, :, page_BK].set(new_max.astype(kt_max_BKHP.dtype), mode="drop"))
 
 
-def page_topk_best_pages(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int):
+def page_topk_best_pages(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, page_size_B=None):
   """`page_topk_reference` expanding only the best ceil(k / page_size) + 1 pages to slots (valid slots are
-  a prefix, so at most one chosen page is partial); the same idx [B, K, M], ascending then 0s."""
+  a prefix, so at most one chosen page is partial); the same idx [B, K, M], ascending then 0s. page_size_B:
+  each row's page size (`page_topk_reference`'s), then the best min(k, S) + 1 pages (pages of 1 slot at worst)."""
+  if page_size_B is not None:
+    return _best_pages_per_row(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                               page_size_B=page_size_B.astype(jnp.int32))
   num_pages = scores_BKP.shape[-1]
   m = min(k, num_slots)
   length_B = jnp.clip(length_B.astype(jnp.int32), 0, num_slots)
@@ -108,50 +120,88 @@ def page_topk_best_pages(scores_BKP, length_B, *, page_size: int, k: int, num_sl
   return jnp.where(taken, idx, 0).astype(jnp.int32)
 
 
-def _page_topk_xla(scores_BKP, length_B, *, page_size, k, num_slots):
+def _best_pages_per_row(scores_BKP, length_B, *, page_size, k, num_slots, page_size_B):
+  """`page_topk_best_pages` with each row's page size: candidates are the best min(m + 1, P) pages' slots at
+  the static page_size, those past a row's page size (or its length) invalid. The candidates are ranked by
+  int32 keys below every valid score's (`topk_select.order_key`), so a valid slot scoring -inf still comes
+  before an invalid one whatever its place among the candidates."""
+  B, K, num_pages = scores_BKP.shape
+  m = min(k, num_slots)
+  length_B = page_topk_kernel.row_length(length_B.astype(jnp.int32), num_slots, num_pages, page_size_B)
+  page_valid = jnp.arange(num_pages)[None, :] * page_size_B[:, None] < length_B[:, None]
+  scores = jnp.where(page_valid[:, None, :], scores_BKP.astype(jnp.float32), -jnp.inf)
+  _, pages = lax.top_k(scores, min(num_pages, m + 1))
+  pages = jnp.sort(pages, axis=-1)  # candidates in ascending slot order keep the lower-slot tie-break
+  cand_keys = topk_select.order_key(jnp.take_along_axis(scores, pages, axis=-1))
+  j = jnp.arange(page_size)
+  slots = (pages[..., None] * page_size_B[:, None, None, None] + j).reshape(B, K, -1)
+  in_range = ((j < page_size_B[:, None, None])[:, :, None, :] &
+              (pages[..., None] * page_size_B[:, None, None, None] + j < length_B[:, None, None, None]))
+  cand = jnp.where(in_range.reshape(B, K, -1), jnp.repeat(cand_keys, page_size, axis=-1), jnp.iinfo(jnp.int32).min)
+  _, at = lax.top_k(cand, min(m, cand.shape[-1]))
+  idx = jnp.take_along_axis(slots, at, axis=-1)
+  idx = jnp.pad(idx, ((0, 0), (0, 0), (0, m - idx.shape[-1])))
+  taken = jnp.arange(m)[None, None, :] < length_B[:, None, None]
+  idx = jnp.sort(jnp.where(taken, idx, num_slots), axis=-1)
+  return jnp.where(taken, idx, 0).astype(jnp.int32)
+
+
+def _page_topk_xla(scores_BKP, length_B, *, page_size, k, num_slots, page_size_B=None):
   if num_slots <= DIRECT_TOPK_MAX_SLOTS:
     return page_topk_kernel.page_topk_reference(scores_BKP, length_B, page_size=page_size, k=k,
-                                                num_slots=num_slots)
-  return page_topk_best_pages(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots)
+                                                num_slots=num_slots, page_size_B=page_size_B)
+  return page_topk_best_pages(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                              page_size_B=page_size_B)
 
 
-def _page_topk_pallas(scores_BKP, length_B, *, page_size, k, num_slots, interpret):
+def _page_topk_pallas(scores_BKP, length_B, *, page_size, k, num_slots, interpret, page_size_B=None):
   if scores_BKP.shape[-1] > page_topk_kernel.MAX_PAGES:  # a row's pages no longer fit in registers
-    return _page_topk_xla(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots)
+    return _page_topk_xla(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                          page_size_B=page_size_B)
   return page_topk_kernel.page_topk(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
-                                    interpret=interpret)
+                                    interpret=interpret, page_size_B=page_size_B)
 
 
-def _select_pages_xla(scores_BKP, length_B, *, page_size, k, num_slots, sink, recent):
-  """The XLA selection from HSA's page probabilities: the forced pages raised, then `page_topk`."""
-  scores_BKP = page_topk_kernel.force_pages(scores_BKP, jnp.clip(length_B.astype(jnp.int32), 0, num_slots),
-                                            page_size=page_size, sink=sink, recent=recent)
-  return _page_topk_xla(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots)
+def _select_pages_xla(scores_BKP, length_B, *, page_size, k, num_slots, sink, recent, page_size_B=None):
+  """The XLA selection from HSA's page probabilities: the forced pages raised, then `page_topk`. With
+  page_size_B, each row's pages are all P of scores_BKP (the KT arrays')."""
+  if page_size_B is not None:
+    page_size_B = page_size_B.astype(jnp.int32)
+  length = page_topk_kernel.row_length(length_B.astype(jnp.int32), num_slots, scores_BKP.shape[-1], page_size_B)
+  scores_BKP = page_topk_kernel.force_pages(scores_BKP, length, page_size=page_size, sink=sink, recent=recent,
+                                            page_size_B=page_size_B)
+  return _page_topk_xla(scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots,
+                        page_size_B=page_size_B)
 
 
 def _hsa_select_xla(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent,
-                    choice=None):
+                    choice=None, page_size_B=None, topr_B=None):
   del choice  # the reference chooses the channels itself (the same choice)
   scores = hsa_scores.hsa_page_scores_reference(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr,
-                                                page_size=page_size)
+                                                page_size=page_size, page_size_B=page_size_B, topr_B=topr_B)
   return _select_pages_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, sink=sink,
-                           recent=recent)
+                           recent=recent, page_size_B=page_size_B)
 
 
 def _hsa_select_pallas(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, sink, recent,
-                       interpret, choice=None):
+                       interpret, choice=None, page_size_B=None, topr_B=None):
   """Two kernels back to back and nothing between them: the scoring kernel's partials go straight to a
   selection kernel that normalises, raises the forced pages and picks. Above the selection kernel's page
-  limit, the scores are normalised in XLA and selected in XLA."""
+  limit, the scores are normalised in XLA and selected in XLA. With page_size_B the selection takes all the
+  KT arrays' P pages (a row of smaller pages uses pages past ceil(num_slots / page_size))."""
   args = (q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B)
-  if kt_min_BKHP.shape[-1] <= page_topk_kernel.MAX_PAGES:
+  rows = dict(page_size_B=page_size_B, topr_B=topr_B)
+  P = kt_min_BKHP.shape[-1]
+  if P <= page_topk_kernel.MAX_PAGES:
     s, m, l = hsa_scores.hsa_page_partials(*args, topr=topr, page_size=page_size, interpret=interpret,
-                                           choice=choice)
+                                           choice=choice, **rows)
+    pages = {} if page_size_B is None else dict(page_size_B=page_size_B, num_pages=P)
     return page_topk_kernel.hsa_page_topk(s, m, l, length_B, page_size=page_size, k=k, num_slots=num_slots,
-                                          sink=sink, recent=recent, interpret=interpret)
-  scores = hsa_scores.hsa_page_scores(*args, topr=topr, page_size=page_size, interpret=interpret, choice=choice)
+                                          sink=sink, recent=recent, interpret=interpret, **pages)
+  scores = hsa_scores.hsa_page_scores(*args, topr=topr, page_size=page_size, interpret=interpret, choice=choice,
+                                      **rows)
   return _select_pages_xla(scores, length_B, page_size=page_size, k=k, num_slots=num_slots, sink=sink,
-                           recent=recent)
+                           recent=recent, page_size_B=page_size_B)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -196,32 +246,41 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl)
   return call("sparse_decode_attention", q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, impl=impl)
 
 
-def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl):
+def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl, page_size_B=None):
   """The k best valid slots when each slot scores its page: idx [B, K, M] ascending, then 0s (M = min(k, S);
-  the first min(length, M) entries are valid); ties toward the lower slot."""
-  return call("page_topk", scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl)
+  the first min(length, M) entries are valid); ties toward the lower slot. page_size_B: None, or [B] int32, row
+  b's page size in [1, page_size] (then any P >= ceil(S / page_size) pages; a row's valid slots are clipped to
+  its P * ps_b)."""
+  rows = {} if page_size_B is None else dict(page_size_B=page_size_B)
+  return call("page_topk", scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl, **rows)
 
 
 def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl, sink=0,
-               recent=0, choice=None):
+               recent=0, choice=None, page_size_B=None, topr_B=None):
   """`page_topk` of HSA's group page probabilities (`hsa_scores.hsa_page_scores_reference`): idx [B, K, M] as
   page_topk. sink, recent: the pages holding the first `sink` slots and the last `recent` valid slots are
   always taken, inside k (RocketKV's hsa_sink_tokens / hsa_recent_tokens, this project's extension). choice:
-  the channel choice already made (`cache_append`'s choose_q), which the kernels use as it is."""
+  the channel choice already made (`cache_append`'s choose_q, with the same topr_B), which the kernels use as it
+  is. page_size_B, topr_B: None, or [B] int32, row b's page size in [1, page_size] and top-r in [1, topr] (the
+  static values the largest); with page_size_B the selection takes all the KT arrays' P pages."""
+  rows = {name: x for name, x in (("page_size_B", page_size_B), ("topr_B", topr_B)) if x is not None}
   return call("hsa_select", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size, k=k,
-              num_slots=num_slots, sink=sink, recent=recent, impl=impl, choice=choice)
+              num_slots=num_slots, sink=sink, recent=recent, impl=impl, choice=choice, **rows)
 
 
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
-                 impl, choose_q=None, topr=0):
+                 impl, choose_q=None, topr=0, page_size_B=None, topr_B=None):
   """The new token's K/V rows at `slot` ([B], or [B, K] per KV head), its key folded into its KT page when
   pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing. With choose_q (the
   step's query) and topr, HSA's channel choice of each row follows (`hsa_select`'s choice=; the kernel makes it
   in the same launch). The kernel rebuilds the open page from its K rows when the new key has the cache's dtype
   and the page is small (`cache_append`'s kt_update="auto"); the XLA path folds the key into the page: the
-  same pages whenever each page holds its rows' min/max, as every cache's do."""
+  same pages whenever each page holds its rows' min/max, as every cache's do. page_size_B, topr_B: None, or
+  [B] int32, row b's page size in [1, page_size] (its slot s goes to page s // ps_b) and the choice's top-r in
+  [1, topr] (`cache_append`'s)."""
+  rows = {name: x for name, x in (("page_size_B", page_size_B), ("topr_B", topr_B)) if x is not None}
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
-              page_size=page_size, impl=impl, choose_q=choose_q, topr=topr)
+              page_size=page_size, impl=impl, choose_q=choose_q, topr=topr, **rows)
 
 
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):

@@ -43,32 +43,45 @@ def snapkv_scores(q_BTNH: jax.Array, k_BTKH: jax.Array, lengths_B: jax.Array, *,
 
 
 def snapkv_keep(q_BTNH, k_BTKH, lengths_B, *, prompt_budget: int, window_size: int, kernel_size: int,
-                sink_tokens: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Prompt positions each KV head keeps: keep [B, K, prompt_budget] int32 and the kept count [B].
+                sink_tokens: int = 0, prompt_budget_B=None) -> tuple[jax.Array, jax.Array]:
+  """Prompt positions each KV head keeps: keep [B, K, min(prompt_budget, T)] int32 and the kept count [B].
 
-  A sequence of L <= prompt_budget tokens keeps all of them (slots [0, L), rest junk). A longer one keeps
-  its top prompt_budget - W prefix tokens by pooled vote (ties toward the lower position; the first
-  `sink_tokens` forced in), in ascending order, then the W window tokens.
+  A sequence of L <= its budget keeps all of them (slots [0, L), rest junk). A longer one keeps its top
+  budget - W prefix tokens by pooled vote (ties toward the lower position; the first `sink_tokens` forced in), in
+  ascending order, then the W window tokens. prompt_budget_B [B] int32: each sequence's own budget (at most
+  `prompt_budget`, the keep width); None: `prompt_budget` for every sequence. A sequence's selection does not
+  depend on the width: its top budget - W are the first of the top prompt_budget - W.
   """
   b, t = q_BTNH.shape[:2]
   n_kv = k_BTKH.shape[2]
   m = min(prompt_budget, t)
   w = window_size
-  if t <= prompt_budget:  # no sequence can exceed the budget: nothing to evict
+  budget_B = jnp.full((b,), prompt_budget, jnp.int32) if prompt_budget_B is None else \
+      jnp.asarray(prompt_budget_B, jnp.int32)
+  count = jnp.minimum(lengths_B, budget_B).astype(jnp.int32)
+  if t <= prompt_budget and prompt_budget_B is None:  # no sequence can exceed the budget: nothing to evict
     keep = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, n_kv, m))
-    return keep, jnp.minimum(lengths_B, m).astype(jnp.int32)
+    return keep, count
   votes = snapkv_scores(q_BTNH, k_BTKH, lengths_B, window_size=w, kernel_size=kernel_size)
   if sink_tokens:
     sink = jnp.arange(t)[None, None, :] < sink_tokens
     votes = jnp.where(sink & jnp.isfinite(votes), jnp.inf, votes)
   prefix_len = lengths_B - w
-  top, _ = topk_tokens(votes, prefix_len, m - w)
-  top = jnp.sort(top, axis=-1)
-  window = (lengths_B - w)[:, None, None] + jnp.arange(w, dtype=jnp.int32)
-  snap = jnp.concatenate([top, jnp.broadcast_to(window, (b, n_kv, w))], axis=-1)
-  evict = (lengths_B > prompt_budget)[:, None, None]
-  keep = jnp.where(evict, snap, jnp.arange(m, dtype=jnp.int32))
-  return keep.astype(jnp.int32), jnp.minimum(lengths_B, m).astype(jnp.int32)
+  top, _ = topk_tokens(votes, prefix_len, max(m - w, 0))  # [B, K, m - W], best first
+  # Each sequence's own top budget - W, in ascending position order (the rest pushed past them, then dropped).
+  n_top_B = budget_B - w
+  j = jnp.arange(top.shape[-1], dtype=jnp.int32)
+  top = jnp.sort(jnp.where(j[None, None, :] < n_top_B[:, None, None], top, t), axis=-1)
+  # Slot j holds: the j-th kept prefix token below n_top, then the window, then junk (0).
+  j = jnp.arange(m, dtype=jnp.int32)[None, None, :]
+  n_top = n_top_B[:, None, None]
+  window = (lengths_B - w)[:, None, None] + (j - n_top)
+  from_top = jnp.take_along_axis(top, jnp.clip(j, 0, max(top.shape[-1] - 1, 0)), axis=-1) if top.shape[-1] \
+      else jnp.zeros_like(j)
+  snap = jnp.where(j < n_top, from_top, jnp.where(j < n_top + w, window, 0))
+  evict = (lengths_B > budget_B)[:, None, None]
+  keep = jnp.where(evict, snap, jnp.broadcast_to(j, snap.shape))
+  return jnp.broadcast_to(keep, (b, n_kv, m)).astype(jnp.int32), count
 
 
 # ----------------------------------------------------------------------------- the methods' stage 1 (snapkv, rocketkv)
@@ -90,17 +103,22 @@ def check_config(c) -> None:
                      f"{c.prompt_budget - c.window_size}")
 
 
-def keep_for(c, q_BTNH, k_BTKH, lengths_B):
-  """(keep [B, K, M], count [B]): the prompt positions stage 1 keeps with config c's knobs."""
-  return snapkv_keep(q_BTNH, k_BTKH, lengths_B.astype(jnp.int32), prompt_budget=c.prompt_budget,
-                     window_size=c.window_size, kernel_size=c.kernel_size, sink_tokens=c.sink_tokens)
+def keep_for(c, q_BTNH, k_BTKH, lengths_B, rows=None):
+  """(keep [B, K, M], count [B]): the prompt positions stage 1 keeps with config c's knobs, each sequence at its
+  own prompt budget where `rows` (a `RowPlan`) gives one (the keep width is then the capacity: a row planned
+  for fewer new tokens keeps more of its prompt)."""
+  budget_B = None if rows is None else rows.prompt_budget
+  width = c.prompt_budget if budget_B is None else c.capacity
+  return snapkv_keep(q_BTNH, k_BTKH, lengths_B.astype(jnp.int32), prompt_budget=width,
+                     window_size=c.window_size, kernel_size=c.kernel_size, sink_tokens=c.sink_tokens,
+                     prompt_budget_B=budget_B)
 
 
-def prefill(c, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
-  keep, count = keep_for(c, q_BTNH, k_BTKH, lengths_B)
-  return kept_cache(c, k_BTKH, v_BTKH, keep, count, lengths_B)
+def prefill(c, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None) -> KVCache:
+  keep, count = keep_for(c, q_BTNH, k_BTKH, lengths_B, rows)
+  return kept_cache(c, k_BTKH, v_BTKH, keep, count, lengths_B, rows)
 
 
-def kept_positions(c, cache, q_BTNH, k_BTKH, lengths_B):
-  keep, _ = keep_for(c, q_BTNH, k_BTKH, lengths_B)
+def kept_positions(c, cache, q_BTNH, k_BTKH, lengths_B, rows=None):
+  keep, _ = keep_for(c, q_BTNH, k_BTKH, lengths_B, rows)
   return jnp.pad(keep, ((0, 0), (0, 0), (0, cache.capacity - keep.shape[-1])))

@@ -46,8 +46,10 @@ from rocketkv_jax.select import attention_probs
 
 
 def make_config(method: str, budget: int, prompt_len: int, max_new: int, model_cfg, **overrides):
-  return rocketkv_jax.make_config(method, token_budget=budget, prompt_len=prompt_len, max_new_tokens=max_new,
-                                  head_dim=model_cfg.head_dim, max_len=model_cfg.max_len, **overrides)
+  """The config of a cell's prompts, by the one planning rule (`rocketkv_jax.plan_rows`): every prompt of a cell
+  has exactly `prompt_len` tokens, so this is each prompt's own plan."""
+  return rocketkv_jax.plan_rows(method, token_budget=budget, prompt_lens=[prompt_len], max_new_tokens=max_new,
+                                head_dim=model_cfg.head_dim, max_len=model_cfg.max_len, **overrides).config
 
 
 # ----------------------------------------------------------------------------- the diagnostic's pieces

@@ -6,8 +6,11 @@ method, edit its module; nothing outside this package tests a method's name.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Sequence
 
 from rocketkv_jax.budget import check_int
+from rocketkv_jax.cache import RowPlan
 from rocketkv_jax.methods.base import MethodConfig, check_budget
 from rocketkv_jax.methods.exact_topk import ExactTopKConfig
 from rocketkv_jax.methods.full import FullConfig
@@ -47,6 +50,86 @@ def make_config(method: str, *, token_budget: int, prompt_len: int, max_new_toke
   return cls.from_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len, **overrides)
 
 
-__all__ = ["REGISTRY", "METHODS", "MethodConfig", "get_method", "make_config", "ExactTopKConfig", "FullConfig",
+@functools.lru_cache(maxsize=200_000)
+def _planned(method: str, token_budget: int, prompt_len: int, max_new_tokens: int, head_dim: int, max_len, overrides):
+  return make_config(method, token_budget=token_budget, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                     head_dim=head_dim, max_len=max_len, **dict(overrides))
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """A batch's plans: `config` (static, what the batch compiles for: the maxima of the rows' plans), `rows` (each
+  row's own plan as data, for `prefill_compress(..., rows=)`) and `row_configs` (each row's config as planned
+  alone)."""
+
+  config: MethodConfig
+  rows: RowPlan
+  row_configs: tuple
+
+
+def plan_rows(method: str, *, token_budget: int, prompt_lens: Sequence[int], max_new_tokens, head_dim: int,
+              max_len: int | None = None, config: MethodConfig | None = None, **overrides) -> BatchPlan:
+  """THE rule by which every caller (generate, the engine and server, the accuracy suite, the benchmarks) plans:
+  each row gets the paper's plan for its own length, `make_config(method, token_budget, prompt_len=its prompt
+  length, max_new_tokens=its own, head_dim, max_len, **overrides)` (ALGORITHM.md §1: S = min(prompt_len +
+  max_new_tokens, max_len)); the batch compiles for their maxima (`MethodConfig.for_rows`), and each row runs its
+  own stage-1 keep count, top-r and page size as data, so what a row gets never depends on its companions.
+
+  max_new_tokens: one int for every row, or one per row. config: a static config to run the rows under
+  (e.g. an engine's `plan_limits`) instead of the rows' maxima; every row's plan must fit in it.
+  Raises ValueError naming the row (index and length) whose plan is invalid, or that does not fit `config`.
+  """
+  lens = [int(n) for n in prompt_lens]
+  news = [max_new_tokens] * len(lens) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+  if not lens or len(news) != len(lens):
+    raise ValueError(f"prompt_lens ({len(lens)}) and max_new_tokens ({len(news)}) must name the same rows, at "
+                     "least one")
+  get_method(method)
+  frozen = tuple(sorted(overrides.items()))
+  configs = []
+  for i, (n, m) in enumerate(zip(lens, news)):
+    try:
+      configs.append(_planned(method, token_budget, n, m, head_dim, max_len, frozen))
+    except ValueError as e:
+      raise ValueError(f"row {i} (prompt of {n} tokens, max_new_tokens={m}): {e}") from None
+  batch = type(configs[0]).for_rows(configs)
+  if config is not None:
+    _check_fits(config, batch, lens)
+    batch = config
+  return BatchPlan(config=batch, rows=batch.row_plan(configs), row_configs=tuple(configs))
+
+
+def _check_fits(config: MethodConfig, batch: MethodConfig, lens) -> None:
+  """ValueError unless the rows' merged plan `batch` fits the static `config` (same options, no larger maxima)."""
+  if type(batch) is not type(config):
+    raise ValueError(f"the rows are planned as {batch.method}, but config is {config.method}")
+  if type(config).for_rows([config, batch]) != config:
+    raise ValueError(f"prompts of {lens} tokens are planned as {batch.cache_spec()} (capacity {batch.capacity}), "
+                     f"which does not fit {config.cache_spec()} (capacity {config.capacity}): plan the config for "
+                     "these lengths (plan_limits)")
+
+
+def plan_limits(method: str, *, token_budget: int, max_prompt_len: int, max_new_tokens: int, head_dim: int,
+                max_len: int | None = None, **overrides) -> MethodConfig:
+  """The static config every request within these limits fits (an engine's slots): the maxima of the plans
+  (`plan_rows`) of every prompt length up to max_prompt_len with up to max_new_tokens new tokens. Requests are
+  then planned from their own lengths, `plan_rows(..., config=this)`."""
+  check_int("max_prompt_len", max_prompt_len)
+  check_int("max_new_tokens", max_new_tokens, 1)
+  cls = get_method(method)
+  frozen = tuple(sorted(overrides.items()))
+  configs = []
+  for n, m in cls.limit_rows(max_prompt_len, max_new_tokens, max_len):
+    try:
+      configs.append(_planned(method, token_budget, n, m, head_dim, max_len, frozen))
+    except ValueError:  # such a request is refused with this error when it comes
+      continue
+  if not configs:  # no request fits: the longest one's error says why
+    _planned(method, token_budget, max_prompt_len, max_new_tokens, head_dim, max_len, frozen)
+  return cls.for_rows(configs)
+
+
+__all__ = ["REGISTRY", "METHODS", "BatchPlan", "MethodConfig", "get_method", "make_config", "plan_limits",
+           "plan_rows", "ExactTopKConfig", "FullConfig",
            "H2OConfig", "HSAConfig", "QuestConfig", "RocketKVConfig", "RocketKVPlusConfig", "SnapKVConfig",
            "SparQConfig", "StreamingLLMConfig"]

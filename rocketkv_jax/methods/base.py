@@ -6,6 +6,8 @@ under jit); its methods are what the rest of the code asks of a method:
   prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache     what it keeps of a layer's prompt (stage 1)
   decode(cache, q_BKGH, k_new_BKH, v_new_BKH) -> (out, cache)  append, select, attend (stage 2)
   capacity, evicts, budgeted, uses_kt_pages                  static facts
+  row_fields, for_rows(configs)                              what each row of a batch plans for itself (data),
+                                                             and the static config a batch of plans compiles for
   step_read_bytes(length, head_dim=, itemsize=)              the bytes a decode step must read (the floor)
   write_slot / attended_slots / kept_positions               what the accuracy diagnostic inspects
   cache_spec()                                               the spec a cache carries (KVCache.spec)
@@ -23,7 +25,7 @@ import numpy as np
 
 from rocketkv_jax import ops
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
-from rocketkv_jax.cache import CacheSpec, KVCache, kept_cache, slot_valid
+from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, kept_cache, slot_valid
 from rocketkv_jax.kernels.checks import kt_num_pages
 
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
@@ -62,8 +64,11 @@ def append_choosing_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, q_BKG
 
 def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
   pages = (cache.kt_min, cache.kt_max) if config.uses_kt_pages else ()
+  if choose:
+    choose["topr_B"] = cache.row_topr
   new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
-                         page_size=config.page_size if pages else 1, impl=config.impl, **choose)
+                         page_size=config.page_size if pages else 1,
+                         page_size_B=cache.row_page_size if pages else None, impl=config.impl, **choose)
   new, choice = (new[:-4], new[-4:]) if choose else (new, None)
   if pages:
     k, v, kt_min, kt_max = new
@@ -88,6 +93,11 @@ class MethodConfig:
   budgeted: ClassVar[bool] = True  # the token budget changes the method (False: full)
   uses_kt_pages: ClassVar[bool] = False  # the cache keeps per-page key min/max (methods that score pages)
   plan_fields: ClassVar[tuple[str, ...]] = ()  # fields `from_budget` takes as inputs of the plan (documentation)
+  # Fields the plan sets from each sequence's own length, run per row as data (`RowPlan`): a batch config holds
+  # their maxima (`for_rows`). Of them, "topr" and "page_size" are also cache leaves (row_topr, row_page_size).
+  row_fields: ClassVar[tuple[str, ...]] = ()
+  # Fields that only size the cache: a batch config holds their maxima (every other field must agree).
+  size_fields: ClassVar[tuple[str, ...]] = ()
   impl: str = "auto"
 
   def __post_init__(self):
@@ -105,13 +115,104 @@ class MethodConfig:
     default values before the one validation (`__post_init__`)."""
     raise NotImplementedError
 
+  @classmethod
+  def for_rows(cls, configs):
+    """The static config a batch of sequences, each planned alone (`configs`, one per row), compiles for: the
+    maxima of `row_fields` and `size_fields` (shapes, loop bounds), every other field as all rows have it.
+    Each row then runs its own plan from its `RowPlan` (`row_plan`). Raises ValueError naming a field on which
+    the rows disagree (a different method or option)."""
+    configs = list(configs)
+    if not configs or any(type(c) is not cls for c in configs):
+      raise ValueError(f"for_rows needs one or more {cls.__name__}s; got {[type(c).__name__ for c in configs]}")
+    if len(set(configs)) == 1:
+      return configs[0]
+    out = {}
+    for f in dataclasses.fields(cls):
+      values = [getattr(c, f.name) for c in configs]
+      if f.name == "kt_pages":  # set by `_batch_of` from every row's page count
+        out[f.name] = None
+      elif f.name in cls.row_fields or f.name in cls.size_fields:
+        out[f.name] = max(values)
+      elif len(set(values)) > 1:
+        raise ValueError(f"the rows' plans disagree on {f.name} ({sorted(set(map(repr, values)))}): only "
+                         f"{cls.row_fields + cls.size_fields} may differ per row for {cls.method}")
+      else:
+        out[f.name] = values[0]
+    return cls._batch_of(configs, out)
+
+  @classmethod
+  def limit_rows(cls, max_prompt_len: int, max_new_tokens: int, max_len: int | None):
+    """(prompt_len, max_new_tokens) pairs whose plans cover every plan a request within these limits can get
+    (`plan_limits` takes their maxima). A method whose only length-dependent field is the capacity, largest at
+    the longest request, needs only that one."""
+    return [(max_prompt_len, max_new_tokens)]
+
+  @classmethod
+  def _batch_of(cls, configs, fields: dict):
+    """The batch config from the merged fields (methods whose capacity is not one field adjust it first). With
+    KT pages: as many pages as the row that needs the most (`kt_pages`; None when that is the batch config's
+    own count)."""
+    config = cls(**fields)
+    if cls.uses_kt_pages:
+      pages = max(c.num_kt_pages for c in configs)
+      config = dataclasses.replace(config, kt_pages=None if pages == config.num_kt_pages else pages)
+    return config
+
+  def row_plan(self, configs) -> RowPlan:
+    """The `RowPlan` of these rows' own configs (NumPy int32 [B]) under this batch config (`for_rows`)."""
+    plan = {name: np.asarray([getattr(c, name) for c in configs], np.int32) for name in self.row_fields}
+    return RowPlan(**plan)
+
+  def check_rows(self, rows: RowPlan | None, batch: int) -> None:
+    """ValueError naming the value unless `rows` is None or a `RowPlan` of this method's row fields, each an int
+    array [batch] whose values (when concrete) lie in [1, the config's value]."""
+    if rows is None:
+      return
+    if not isinstance(rows, RowPlan):
+      raise ValueError(f"rows={type(rows).__name__} must be a RowPlan (rocketkv_jax.plan_rows) or None")
+    for f in dataclasses.fields(RowPlan):
+      x = getattr(rows, f.name)
+      if x is None:
+        continue
+      if f.name not in self.row_fields:
+        raise ValueError(f"rows.{f.name} is set, but {self.method} plans {list(self.row_fields) or 'nothing'} "
+                         "per row")
+      if tuple(getattr(x, "shape", ())) != (batch,) or not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"rows.{f.name} must be an int array of shape ({batch},); got "
+                         f"shape={tuple(getattr(x, 'shape', ()))}, dtype={getattr(x, 'dtype', None)}")
+      if not isinstance(x, jax.core.Tracer):
+        top = self.capacity if f.name == "prompt_budget" else getattr(self, f.name)
+        values = np.asarray(x)
+        if (values < 1).any() or (values > top).any():
+          raise ValueError(f"rows.{f.name}={values.tolist()} must lie in [1, {top}] (the config's "
+                           f"{'capacity' if f.name == 'prompt_budget' else f.name}: the batch's maximum)")
+
+  def row_leaves(self, batch: int, rows: RowPlan | None) -> dict:
+    """The per-row plan leaves a cache of this method holds (row_topr, row_page_size), from `rows` or, where
+    rows gives none, the config's own values for every row."""
+    out = {}
+    for name in ("topr", "page_size"):
+      if name in self.row_fields:
+        given = None if rows is None else getattr(rows, name)
+        out["row_" + name] = (jnp.full((batch,), getattr(self, name), jnp.int32) if given is None
+                              else jnp.asarray(given, jnp.int32))
+    return out
+
+  @property
+  def num_kt_pages(self) -> int:
+    """KT pages per (sequence, KV head) (methods with `uses_kt_pages`): `kt_pages` when a batch of plans set it
+    (rows with smaller pages need more of them), else `kt_num_pages(capacity, page_size)`."""
+    return getattr(self, "kt_pages", None) or kt_num_pages(self.capacity, self.page_size)
+
   def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
     """The shape of every array leaf this method's cache holds (leaves not named here are None)."""
     s = self.capacity
     shapes = dict(k=(batch, n_kv_heads, s, head_dim), v=(batch, n_kv_heads, s, head_dim), length=(batch,),
                   pos=(batch,))
     if self.uses_kt_pages:
-      shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, kt_num_pages(s, self.page_size))
+      shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, self.num_kt_pages)
+    for name in self.row_leaves(batch, None):
+      shapes[name] = (batch,)
     return shapes
 
   @property
@@ -150,10 +251,10 @@ class MethodConfig:
 
   # ------------------------------------------------------------------ prefill
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
-    """Keeps the whole prompt (methods that evict override this)."""
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows: RowPlan | None = None) -> KVCache:
+    """Keeps the whole prompt (methods that evict override this). rows: each sequence's own plan (`RowPlan`)."""
     del q_BTNH
-    return kept_cache(self, k_BTKH, v_BTKH, prefix_keep(k_BTKH, self.capacity), lengths_B, lengths_B)
+    return kept_cache(self, k_BTKH, v_BTKH, prefix_keep(k_BTKH, self.capacity), lengths_B, lengths_B, rows)
 
   def kept_positions(self, cache: KVCache, q_BTNH, k_BTKH, lengths_B):
     """[B, K, S] int32: the absolute position each slot holds right after `prefill` (junk past length)."""
@@ -200,6 +301,7 @@ class MethodConfig:
 class KeepAllConfig(MethodConfig):
   """Methods that keep every token: the cache holds `max_len` tokens (prompt + generated)."""
 
+  size_fields: ClassVar[tuple[str, ...]] = ("max_len",)
   max_len: int
 
   def __post_init__(self):
@@ -209,6 +311,14 @@ class KeepAllConfig(MethodConfig):
   @property
   def capacity(self) -> int:
     return self.max_len
+
+  @classmethod
+  def limit_rows(cls, max_prompt_len, max_new_tokens, max_len):
+    """The plan depends on S = min(prompt_len + max_new_tokens, max_len) alone: one row per S."""
+    if not cls.row_fields:
+      return super().limit_rows(max_prompt_len, max_new_tokens, max_len)
+    s_max = max_prompt_len + max_new_tokens if max_len is None else min(max_len, max_prompt_len + max_new_tokens)
+    return [(s - 1, 1) for s in range(2, s_max + 1)]
 
   def check_prompt(self, prompt_len: int) -> None:
     if prompt_len > self.capacity:

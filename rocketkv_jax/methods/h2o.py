@@ -69,7 +69,7 @@ class H2OConfig(FixedCacheConfig):
   def prompt_queries(self):
     return None  # accumulated attention of every prompt query
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache:
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None) -> KVCache:
     cap, recent = self.capacity, self.recent_tokens
     b, t, n_kv, _ = k_BTKH.shape
     acc_BKT = h2o_prefill_scores(q_BTNH, k_BTKH, lengths_B)
@@ -86,7 +86,7 @@ class H2OConfig(FixedCacheConfig):
     scores = jnp.where(valid, jnp.take_along_axis(acc_BKT, keep, axis=-1), 0.0)
     positions = jnp.where(valid, keep, 0)
     pad = ((0, 0), (0, 0), (0, cap - m))
-    return kept_cache(self, k_BTKH, v_BTKH, keep, count, lengths_B, scores=jnp.pad(scores, pad),
+    return kept_cache(self, k_BTKH, v_BTKH, keep, count, lengths_B, rows, scores=jnp.pad(scores, pad),
                       positions=jnp.pad(positions, pad))
 
   def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):

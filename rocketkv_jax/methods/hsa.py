@@ -35,10 +35,12 @@ class HSAConfig(HSAStage2Mixin, SelectingMixin, KeepAllConfig):
 
   method: ClassVar[str] = "hsa"
   uses_kt_pages: ClassVar[bool] = True
+  row_fields: ClassVar[tuple[str, ...]] = ("topr", "page_size")
   page_size: int
   topr: int
   topk: int
   kt_cache_dtype: str | None = None
+  kt_pages: int | None = None
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):

@@ -19,9 +19,11 @@ class QuestConfig(SelectingMixin, KeepAllConfig):
 
   method: ClassVar[str] = "quest"
   uses_kt_pages: ClassVar[bool] = True
+  row_fields: ClassVar[tuple[str, ...]] = ("page_size",)
   page_size: int
   topk: int
   kt_cache_dtype: str | None = None
+  kt_pages: int | None = None
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
@@ -39,7 +41,7 @@ class QuestConfig(SelectingMixin, KeepAllConfig):
 
   def select(self, cache, q_BKGH):
     idx = ops.page_topk(self.page_scores(cache, q_BKGH), cache.length, page_size=self.page_size, k=self.topk,
-                        num_slots=cache.capacity, impl=self.impl)
+                        num_slots=cache.capacity, impl=self.impl, page_size_B=cache.row_page_size)
     return idx, ops.prefix_valid(idx, cache.length)
 
   def score_read_bytes(self, length, *, head_dim, itemsize):

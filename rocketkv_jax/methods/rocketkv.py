@@ -30,6 +30,9 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   method: ClassVar[str] = "rocketkv"
   uses_kt_pages: ClassVar[bool] = True
   plan_fields: ClassVar[tuple[str, ...]] = ("window_size", "plan_page_size", "plan_topk")
+  row_fields: ClassVar[tuple[str, ...]] = ("prompt_budget", "topr", "page_size")
+  # window_size: min(32, prompt length); a shorter window only ever belongs to a prompt that stage 1 keeps whole
+  size_fields: ClassVar[tuple[str, ...]] = ("max_new_tokens", "window_size")
   prompt_budget: int
   max_new_tokens: int
   topk: int
@@ -43,6 +46,7 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   hsa_recent_tokens: int = 0
   plan_page_size: int | None = None
   plan_topk: int | None = None
+  kt_pages: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
@@ -55,6 +59,24 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   @property
   def capacity(self) -> int:
     return self.prompt_budget + self.max_new_tokens
+
+  @classmethod
+  def limit_rows(cls, max_prompt_len, max_new_tokens, max_len):
+    """The plan depends on the request only through its S (the stage-1 capacity int(S / c**r)), or through
+    min(2 * max_new_tokens, S) where that is larger (ALGORITHM.md §1); its stage 2 depends on the capacity alone.
+    So: one row per S with one new token (capacity int(S / c**r)), one per capacity up to 2 * max_new_tokens
+    (S = that capacity, half of it new), and the longest request (the most new tokens)."""
+    s_max = max_prompt_len + max_new_tokens if max_len is None else min(max_len, max_prompt_len + max_new_tokens)
+    rows = [(s - 1, 1) for s in range(2, s_max + 1)]
+    rows += [(c // 2, c - c // 2) for c in range(2, min(2 * max_new_tokens, s_max) + 1)]
+    return rows + [(max_prompt_len, max_new_tokens)]
+
+  @classmethod
+  def _batch_of(cls, configs, fields):
+    """Slots for the row that needs the most (its prompt budget + its new tokens), not the largest prompt
+    budget plus the most new tokens (rows planned for fewer new tokens keep more of their prompt)."""
+    fields["prompt_budget"] = max(c.capacity for c in configs) - fields["max_new_tokens"]
+    return super()._batch_of(configs, fields)
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, window_size=None,
@@ -92,11 +114,11 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   def prompt_queries(self):
     return self.window_size
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
-    return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B)
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
+    return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
 
-  def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
-    return stage1.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B)
+  def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B, rows=None):
+    return stage1.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B, rows)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

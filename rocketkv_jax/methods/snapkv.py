@@ -17,6 +17,7 @@ class SnapKVConfig(MethodConfig):
   over them plus every generated token. Original settings: window 32, pool kernel 7."""
 
   method: ClassVar[str] = "snapkv"
+  size_fields: ClassVar[tuple[str, ...]] = ("max_new_tokens",)
   prompt_budget: int
   max_new_tokens: int
   window_size: int = DEFAULT_WINDOW
@@ -47,8 +48,8 @@ class SnapKVConfig(MethodConfig):
   def prompt_queries(self):
     return self.window_size
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
-    return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B)
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
+    return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
 
   def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
     return stage1.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B)

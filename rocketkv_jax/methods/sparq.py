@@ -21,6 +21,7 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
   float32 is the sum of the valid values."""
 
   method: ClassVar[str] = "sparq"
+  row_fields: ClassVar[tuple[str, ...]] = ("topr",)
   topr: int
   topk: int
 
@@ -34,8 +35,8 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
   def cache_shapes(self, batch, n_kv_heads, head_dim):
     return dict(super().cache_shapes(batch, n_kv_heads, head_dim), v_sum=(batch, n_kv_heads, head_dim))
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
-    cache = super().prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B)
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
+    cache = super().prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
     v_sum = jnp.where(valid_slots(cache)[:, None, :, None], cache.v.astype(jnp.float32), 0.0).sum(axis=2)
     return dataclasses.replace(cache, v_sum=v_sum)
 
@@ -44,12 +45,14 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
     return super().append(cache, k_new_BKH, v_new_BKH)
 
   def approx_probs(self, cache, q_BKGH):
-    """SparQ's approximate per-head attention [B, K, G, S]: the group's top-r channels (ties toward the lower
-    channel), temperature tau_g = sqrt(H * |q_g[channels]|_1 / |q_g|_1)."""
+    """SparQ's approximate per-head attention [B, K, G, S]: the group's top-r channels (each sequence's
+    cache.row_topr; ties toward the lower channel), temperature tau_g = sqrt(H * |q_g[channels]|_1 / |q_g|_1)."""
     r = min(self.topr, q_BKGH.shape[-1])
     qf = q_BKGH.astype(jnp.float32)
     _, channels_BKR = lax.top_k(jnp.abs(qf).sum(axis=2), r)  # stable: ties keep channel order
     qr = jnp.take_along_axis(qf, channels_BKR[:, :, None, :], axis=-1)  # [B, K, G, R]
+    # each sequence's own top-r (cache.row_topr <= r): its first channels by rank, the rest count for nothing
+    qr = jnp.where((jnp.arange(r) < cache.row_topr[:, None])[:, None, None, :], qr, 0.0)
     k_r = jnp.take_along_axis(cache.k, channels_BKR[:, :, None, :], axis=-1)  # [B, K, S, R]
     s = jnp.einsum("BKGR,BKSR->BKGS", qr, k_r.astype(jnp.float32), precision="highest")
     tau = jnp.sqrt(q_BKGH.shape[-1] * jnp.abs(qr).sum(-1) / jnp.abs(qf).sum(-1))  # [B, K, G]

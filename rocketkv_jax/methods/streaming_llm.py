@@ -28,10 +28,10 @@ class StreamingLLMConfig(FixedCacheConfig):
     sink, ring = self.sink_tokens, self.capacity - self.sink_tokens
     return jnp.where(pos_B < sink, pos_B, sink + (pos_B - sink) % ring).astype(jnp.int32)
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B):
+  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
     del q_BTNH
     keep = self.kept_positions(None, None, k_BTKH, lengths_B)
-    return kept_cache(self, k_BTKH, v_BTKH, keep, jnp.minimum(lengths_B, self.capacity), lengths_B)
+    return kept_cache(self, k_BTKH, v_BTKH, keep, jnp.minimum(lengths_B, self.capacity), lengths_B, rows)
 
   def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
     """Position held by each slot after the prompt: slot = slot_of(position)."""

@@ -245,10 +245,11 @@ def _cmd_generate(args) -> int:
     if args.chat is None and chat:
       log("wrapping the prompt in the model's chat template (--no-chat sends it as raw text)")
     ids = tok.encode(prompt, chat=chat)
-    # one prompt, no companions: plan the cache for this prompt's own length (the tightest cache)
-    res = generate(model, tok, [ids], method=args.method, token_budget=args.token_budget,
-                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, chat=chat, progress=log, plan_prompt_len=max(len(ids), 1))
+    with warnings.catch_warnings():  # the KV report below says it, with the reasons
+      warnings.simplefilter("ignore", RuntimeWarning)
+      res = generate(model, tok, [ids], method=args.method, token_budget=args.token_budget,
+                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                     seed=args.seed, chat=chat, progress=log)
   s, text, reason = res.stats, res.texts[0], res.finish_reasons[0]
   token_ids = res.token_ids[0][:-1] if reason == "stop" else res.token_ids[0]  # the stop id: out of both
   if args.json:
@@ -340,6 +341,7 @@ def _cmd_serve(args) -> int:
   log(f"loading {args.model}")
   model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
   engine = Engine(model, tok, engine_config)
+  log(engine.plan_summary())
   name = args.served_model_name or _model_name(args.model)
   app = create_app(engine, model, tok, ServerConfig(model_name=name, drain_s=args.drain_s, warmup=not args.no_warmup,
                                                     history_dir=args.sessions_dir))

@@ -7,13 +7,16 @@ batched caches while the other slots keep their state, and `generate()` advances
 sampling as arrays, the last token fed and its logits carried to the next call). `step()` = admit queued
 requests into free slots (prefill + insert each), then `generate()`; finished slots are freed at once.
 
-What the plan depends on: ONE method config for the whole engine, made once at start-up by
-`make_config(method, token_budget, prompt_len=max_prompt_tokens, max_new_tokens=max_new_tokens,
-head_dim, max_len=the model's max_len, **method_overrides)`. It never depends on the requests, so every slot
-has the same static shapes (one decode compile) and a request's tokens never depend on the other requests:
-the core gives each row of a batch what it would get alone, rows are sampled with their own key
-(fold_in(key(seed), token index)), and the decode batch is always `max_slots` rows. A request's output is
-therefore a function of (its prompt, its sampling, the engine config, the model) only.
+What the plan depends on: every request runs the paper's plan for its OWN length, the one rule of
+`rocketkv_jax.plan_rows` (as `generate` does): prompt_len = its prompt's tokens, max_new_tokens = its max_tokens
+(a compressed context is planned for the engine's max_new_tokens, since its questions come later). The slots'
+static shapes come from the engine's limits, `plan_limits(method, token_budget, max_prompt_tokens,
+max_new_tokens, head_dim, max_len, **method_overrides)`: the maxima of every plan a request within them can
+get (`Engine.plan_summary()` says what that sizes). A request's plan rides in its cache rows as data, so every
+slot has the same shapes (one decode compile) and a request's tokens never depend on the other requests: the
+core gives each row what it would get alone, rows are sampled with their own key (fold_in(key(seed), token
+index)), and the decode batch is always `max_slots` rows. A request's output is therefore a function of (its
+prompt, its sampling, the engine config, the model) only, and equals `generate`'s for the same prompt.
 
 Compiles: one prefill per bucket of padded prompt length (`prefill_buckets`, default powers of two from 64 up to
 max_prompt_tokens, plus max_prompt_tokens), one insert, and one decode loop per sampling kind in use (every row
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rocketkv_jax import cache_nbytes, get_method, make_config
+from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models.generate import stop_ids as default_stop_ids
 from rocketkv_jax.models.llama import fingerprint, prefill_extend, prefill_extend_layer_jit, prefill_jit
@@ -281,8 +284,9 @@ class Engine:
     overrides = dict(config.method_overrides)
     if default_impl(mesh):
       overrides.setdefault("impl", default_impl(mesh))
-    self.method_config = make_config(config.method, token_budget=config.token_budget,
-                                     prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
+    self._overrides = overrides
+    self.method_config = plan_limits(config.method, token_budget=config.token_budget,
+                                     max_prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
                                      head_dim=cfg.head_dim, max_len=cfg.max_len, **overrides)
     self.stop_ids = default_stop_ids(model, tokenizer, chat=True)
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
@@ -314,6 +318,21 @@ class Engine:
       self.history = HistoryStore(cfg.n_layers, (cfg.n_kv_heads, cfg.head_dim), np.dtype(model.dtype),
                                   max_bytes=config.history_bytes, spill_dir=config.history_spill_dir,
                                   max_disk_bytes=config.history_disk_bytes)
+
+  def plan_summary(self) -> str:
+    """What the slots are sized for (the start-up line of `rocketkv serve`)."""
+    c, cfg = self.method_config, self.config
+    per_slot = cache_nbytes(jax.tree.map(lambda x: x[:1], self._caches))
+    return (f"{cfg.max_slots} slots of {c.capacity} cache slots per KV head and layer ({per_slot / 2**20:.1f} MiB "
+            f"each), the largest plan of a request up to max_prompt_tokens={cfg.max_prompt_tokens} and "
+            f"max_new_tokens={cfg.max_new_tokens}: {c.cache_spec()}; each request runs the plan of its own length")
+
+  def plan(self, n_prompt: int, max_tokens: int):
+    """The `RowPlan` (batch 1) of a request of n_prompt tokens and max_tokens new ones under the engine's
+    config. Raises ValueError naming the value when the paper's plan for that length is invalid."""
+    return plan_rows(self.config.method, token_budget=self.config.token_budget, prompt_lens=[n_prompt],
+                     max_new_tokens=max_tokens, head_dim=self.model.config.head_dim,
+                     max_len=self.model.config.max_len, config=self.method_config, **self._overrides).rows
 
   def _keep_placement(self, logits, caches):
     """The batched logits and caches put back where the engine keeps them (with a mesh, XLA may return a call's
@@ -362,6 +381,8 @@ class Engine:
         raise ValueError(f"a prompt after a compressed context goes where new tokens go: prompt of {len(ids)} "
                          f"tokens + max_tokens={s.max_tokens} exceeds the engine's max_new_tokens="
                          f"{c.max_new_tokens}")
+    else:
+      self.plan(len(ids), s.max_tokens)  # the paper's plan for this length is valid (ValueError names why not)
 
   def submit(self, request: Request) -> None:
     """Validates and queues a request. Raises ValueError (bad request, duplicate id) or QueueFull."""
@@ -447,16 +468,17 @@ class Engine:
     return self._prefill_alone(request)
 
   def _prefill_alone(self, request: Request) -> Prefilled:
-    """A plain prefill at the prompt's bucket (no history read or written)."""
+    """A plain prefill at the prompt's bucket (no history read or written), planned for its own length."""
     n = len(request.prompt_ids)
     T = self.bucket(n)
     tokens = np.zeros((1, T), np.int32)
     tokens[0, :n] = request.prompt_ids
     lengths = np.array([n], np.int32)
     tokens, lengths = self._place(jnp.asarray(tokens)), self._place(jnp.asarray(lengths))
+    rows = self.plan(n, request.sampling.max_tokens)
     exe = self._compiled(("prefill", T), lambda: prefill_jit.lower(
-        self._graphdef, self._state, tokens, lengths, config=self.method_config))
-    logits, caches = exe(self._state, tokens, lengths)
+        self._graphdef, self._state, tokens, lengths, rows, config=self.method_config))
+    logits, caches = exe(self._state, tokens, lengths, rows)
     self._prefilled += n
     return Prefilled(logits, caches, request)
 
@@ -504,7 +526,8 @@ class Engine:
 
     logits, caches, new_kv = prefill_extend(self.model, tokens, np.array([n - r], np.int32),
                                             self.history.view(seg, r, S), np.array([r], np.int32),
-                                            self.method_config, seq_len=S, run_layer=run_layer)
+                                            self.method_config, seq_len=S, run_layer=run_layer,
+                                            rows=self.plan(n, request.sampling.max_tokens))
     for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
       for x in kv:
         x.copy_to_host_async()
@@ -516,9 +539,10 @@ class Engine:
   # ------------------------------------------------------------------ contexts (query-agnostic reuse)
 
   def compress_context(self, prompt_ids) -> Context:
-    """Prefills and compresses a context once (stage 1's window on its own tail: query-agnostic); requests
+    """Prefills and compresses a context once (stage 1's window on its own tail: query-agnostic), planned for
+    its length and the engine's max_new_tokens (its questions and answers come later); requests
     with `context=` then continue copies of its cache. Never stored in or taken from the history."""
-    probe = Request("context", list(prompt_ids), SamplingParams(max_tokens=1))
+    probe = Request("context", list(prompt_ids), SamplingParams(max_tokens=self.config.max_new_tokens))
     self.validate(probe)
     with self._lock:
       logits, caches = self._prefill_alone(probe)

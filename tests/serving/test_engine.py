@@ -128,15 +128,24 @@ def test_continuous_batching_equals_each_request_alone(engine, alone):
 
 
 def test_greedy_engine_equals_generate_with_the_same_plan(model, alone):
-  """The engine runs the one decode loop with the plan generate makes from the same (max_prompt_tokens,
-  max_new_tokens): greedy tokens agree (generate's list ends with its stop id, the engine's does not)."""
-  for i in (0, 2, 5):
+  """The engine plans each request from its own length and max_tokens, the rule generate follows: greedy tokens
+  agree with generate's for the same prompt and max_new_tokens, alone and in a batch of mixed lengths
+  (generate's list ends with its stop id, the engine's does not)."""
+  greedy = [i for i in range(len(LENGTHS)) if SAMPLINGS[i].temperature == 0]
+  for i in greedy:
     res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32,
-                   max_new_tokens=KW["max_new_tokens"], plan_prompt_len=KW["max_prompt_tokens"])
+                   max_new_tokens=SAMPLINGS[i].max_tokens)
     got = res.token_ids[0]
     if got and got[-1] == 2:
       got = got[:-1]
-    assert got[:SAMPLINGS[i].max_tokens] == alone[str(i)]["tokens"], i
+    assert got == alone[str(i)]["tokens"], i
+  # one generate batch of every greedy prompt (lengths 5 to 150, three plans) with the same max_new_tokens
+  n = 13
+  batch = generate(model, Tok(), [prompt(LENGTHS[i], i) for i in greedy], method="rocketkv", token_budget=32,
+                   max_new_tokens=n)
+  for i, got in zip(greedy, batch.token_ids):
+    one = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32, max_new_tokens=n)
+    assert got == one.token_ids[0], i
 
 
 def test_finish_reasons(engine, alone):
