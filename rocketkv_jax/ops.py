@@ -251,8 +251,8 @@ def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl, page_size_
   the first min(length, M) entries are valid); ties toward the lower slot. page_size_B: None, or [B] int32, row
   b's page size in [1, page_size] (then any P >= ceil(S / page_size) pages; a row's valid slots are clipped to
   its P * ps_b)."""
-  rows = {} if page_size_B is None else dict(page_size_B=page_size_B)
-  return call("page_topk", scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl, **rows)
+  return call("page_topk", scores_BKP, length_B, page_size=page_size, k=k, num_slots=num_slots, impl=impl,
+              page_size_B=page_size_B)
 
 
 def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k, num_slots, impl, sink=0,
@@ -263,9 +263,9 @@ def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k
   the channel choice already made (`cache_append`'s choose_q, with the same topr_B), which the kernels use as it
   is. page_size_B, topr_B: None, or [B] int32, row b's page size in [1, page_size] and top-r in [1, topr] (the
   static values the largest); with page_size_B the selection takes all the KT arrays' P pages."""
-  rows = {name: x for name, x in (("page_size_B", page_size_B), ("topr_B", topr_B)) if x is not None}
   return call("hsa_select", q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size, k=k,
-              num_slots=num_slots, sink=sink, recent=recent, impl=impl, choice=choice, **rows)
+              num_slots=num_slots, sink=sink, recent=recent, impl=impl, choice=choice, page_size_B=page_size_B,
+              topr_B=topr_B)
 
 
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
@@ -278,9 +278,8 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
   same pages whenever each page holds its rows' min/max, as every cache's do. page_size_B, topr_B: None, or
   [B] int32, row b's page size in [1, page_size] (its slot s goes to page s // ps_b) and the choice's top-r in
   [1, topr] (`cache_append`'s)."""
-  rows = {name: x for name, x in (("page_size_B", page_size_B), ("topr_B", topr_B)) if x is not None}
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
-              page_size=page_size, impl=impl, choose_q=choose_q, topr=topr, **rows)
+              page_size=page_size, impl=impl, choose_q=choose_q, topr=topr, page_size_B=page_size_B, topr_B=topr_B)
 
 
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):

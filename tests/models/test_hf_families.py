@@ -32,9 +32,9 @@ def test_family_matches_transformers(name):
   assert model.config.qkv_bias == name.startswith("qwen2")
   ref = check_logits(model, name)
   ids = [row.tolist() for row in ref["input_ids"]]
-  res = generate(model, tok, ids, method="full", max_new_tokens=20, plan_prompt_len=24)
+  res = generate(model, tok, ids, method="full", max_new_tokens=20)
   assert [t[:20] for t in res.token_ids] == ref["greedy"].tolist()  # the whole cache: transformers' tokens
-  res = generate(model, tok, ids, method="rocketkv", token_budget=64, max_new_tokens=20, plan_prompt_len=24)
+  res = generate(model, tok, ids, method="rocketkv", token_budget=64, max_new_tokens=20)
   assert [t[0] for t in res.token_ids] == ref["greedy"][:, 0].tolist()  # from the dense prefill's logits
 
 

@@ -77,9 +77,9 @@ def test_covering_budget_equals_full(tiny_model, full_cover, method):
 
 @pytest.mark.parametrize("method", ["full", "rocketkv"])
 def test_ragged_batch_equals_each_alone(tiny_model, method):
-  """generate plans from plan_prompt_len (default: the model's max_len - max_new_tokens), never from the batch's
-  prompts, so a prompt's greedy answer is the same alone or next to prompts of other lengths, also at a budget
-  where stage 1 evicts (the 300-token prompt is longer than rocketkv's prompt budget here)."""
+  """generate plans each prompt from its own length, never from its companions, so a prompt's greedy answer is
+  the same alone or next to prompts of other lengths (other plans: rocketkv's 37 / 12 / 300-token prompts keep
+  37 / 12 / 85 of their tokens, page sizes 2 / 1 / 3), also where stage 1 evicts (the 300-token prompt)."""
   ps = prompts([37, 12, 300], seed=4)
   kw = dict(method=method, token_budget=32, max_new_tokens=10)
   batch = generate(tiny_model, IdTokenizer(), ps, **kw)
@@ -89,7 +89,21 @@ def test_ragged_batch_equals_each_alone(tiny_model, method):
     assert batch.token_ids[i] == alone.token_ids[0], i
     if i < 2:
       assert pair.token_ids[i] == alone.token_ids[0], i
-  assert batch.stats.capacity == alone.stats.capacity
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv", "snapkv", "quest"])
+def test_cache_sized_to_the_prompt(tiny_model, method):
+  """A 45-token prompt's caches hold at most twice what its own plan needs (the batch compiles for its length
+  bucket, 64 tokens), not a plan for the model's max_len."""
+  import rocketkv_jax as rk
+  kw = dict(method=method, token_budget=32, max_new_tokens=20)
+  res = generate(tiny_model, IdTokenizer(), prompts([45], seed=8), **kw)
+  cfg = tiny_model.config
+  own = rk.plan_rows(method, token_budget=32, prompt_lens=[45], max_new_tokens=20, head_dim=cfg.head_dim,
+                     max_len=cfg.max_len).config
+  shapes = own.cache_shapes(1, cfg.n_kv_heads, cfg.head_dim)
+  need = cfg.n_layers * sum(int(np.prod(v)) * 4 for v in shapes.values())  # float32 model: every leaf 4 bytes
+  assert res.stats.kv_bytes <= 2 * need, (res.stats.kv_bytes, need)
 
 
 def test_eos_stops_each_sequence(tiny_model):
@@ -121,12 +135,11 @@ def test_sampling_is_seeded(tiny_model):
 
 def test_stats_report_compression(tiny_model):
   ps = prompts([300], seed=7)
-  # plan for this prompt's length (the default plans for the model's max_len, where full holds 512 slots)
-  full = generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=8, plan_prompt_len=300)
-  rk = generate(tiny_model, IdTokenizer(), ps, method="rocketkv", token_budget=32, max_new_tokens=8,
-                plan_prompt_len=300)
-  assert full.stats.compression == pytest.approx(1.0, rel=0.02)
-  assert rk.stats.kv_bytes < full.stats.kv_bytes and rk.stats.compression > 1.5
+  # the 300-token prompt compiles for its bucket (at most max_len - max_new_tokens = 504 tokens)
+  full = generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=8)
+  rk = generate(tiny_model, IdTokenizer(), ps, method="rocketkv", token_budget=32, max_new_tokens=8)
+  assert full.stats.capacity == 512 and full.stats.compression == pytest.approx(308 / 512, rel=0.02)
+  assert rk.stats.kv_bytes < 0.5 * full.stats.kv_bytes and rk.stats.compression > 1.3
   assert rk.stats.capacity < 308
 
 

@@ -89,7 +89,9 @@ def text_of(ids):
 SAMPLINGS = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3),
              SamplingParams(max_tokens=9), SamplingParams(max_tokens=17, temperature=1.0, top_k=5, seed=11),
              SamplingParams(max_tokens=24, temperature=0.7, seed=5), SamplingParams(max_tokens=13)]
-LENGTHS = [5, 150, 64, 190, 33, 100]  # two above the plan's prompt budget (85): stage 1 evicts
+# each request planned from its own length and max_tokens (t=32): stage 1 keeps 5 / 72 / 49 / 88 / 20 / 63 prompt
+# tokens, so four prompts are evicted from; page sizes 1 and 2, top-r 8 to 16
+LENGTHS = [5, 150, 64, 190, 20, 100]
 
 
 def requests(tag):
@@ -224,7 +226,10 @@ def test_validation_errors(model, engine):
       SamplingParams(**bad)
   for req, match in ((Request("x", []), "prompt_ids"), (Request("x", [5] * 201), "max_prompt_tokens"),
                      (Request("x", [5, 999]), "token ids"), (Request("", [5]), "request_id"),
-                     (Request("x", [5], SamplingParams(max_tokens=25)), "max_new_tokens")):
+                     (Request("x", [5], SamplingParams(max_tokens=25)), "max_new_tokens"),
+                     # the paper's plan for 33 prompt tokens and 24 new ones at t=32 keeps fewer than its window
+                     (Request("x", [5] * 33, SamplingParams(max_tokens=24)),
+                      r"row 0 \(prompt of 33 tokens, max_new_tokens=24\): prompt_budget=25 .* window_size=32")):
     with pytest.raises(ValueError, match=match):
       engine.validate(req)
     with pytest.raises(ValueError, match=match):
