@@ -63,8 +63,8 @@ MEM_LIMIT_BYTES = 120 << 30  # leave headroom on the 139 GiB H200
 
 def rocketkv_config(S: int, t: int, impl: str):
   """The library's RocketKV config for a prompt of S tokens (ALGORITHM.md section 1)."""
-  return rk.make_config("rocketkv", token_budget=t, prompt_len=S, max_new_tokens=MAX_NEW, head_dim=H,
-                        impl=impl)
+  return rk.plan_rows("rocketkv", token_budget=t, prompt_lens=[S], max_new_tokens=MAX_NEW, head_dim=H,
+                      impl=impl).config
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -128,7 +128,7 @@ def random_cache(key, B: int, config) -> KVCache:
   length = jnp.full((B,), cap - LAYER_STEPS - 1, jnp.int32)
   kt_min, kt_max = build_kt_pages(k, length, ps, DT)
   return KVCache(k=k, v=v, length=length, pos=length + 100_000, kt_min=kt_min, kt_max=kt_max,
-                 spec=config.cache_spec())
+                 spec=config.cache_spec(), **config.row_leaves(B, None))
 
 
 # ----------------------------------------------------------------------------- timing

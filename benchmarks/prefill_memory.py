@@ -59,7 +59,7 @@ def temp_bytes(n_layers: int, context: int, variant: str) -> int:
   try:
     model = nnx.eval_shape(lambda: llama.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    config = rk.make_config("rocketkv", token_budget=256, prompt_len=context, max_new_tokens=256, head_dim=128)
+    config = rk.plan_rows("rocketkv", token_budget=256, prompt_lens=[context], max_new_tokens=256, head_dim=128).config
     tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
     compiled = llama.prefill_jit.lower(graphdef, state, tokens, lengths, config=config).compile()

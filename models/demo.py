@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rocketkv_jax import METHODS, make_config
+from rocketkv_jax import METHODS, plan_rows
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 
 from .generate import Prefilled, decode_prefilled, stop_ids
@@ -86,8 +86,8 @@ def run_demo(*, model: str = "smollm2", methods=("full", "rocketkv"), token_budg
   loop = LoopConfig(max_new_tokens=max_new_tokens, stop_ids=stop_ids(llm, tok, chat=True))
   results = {}
   for method in methods:
-    config = make_config(method, token_budget=token_budget, prompt_len=T, max_new_tokens=max_new_tokens,
-                         head_dim=llm.config.head_dim, max_len=llm.config.max_len)
+    config = plan_rows(method, token_budget=token_budget, prompt_lens=[T], max_new_tokens=max_new_tokens,
+                       head_dim=llm.config.head_dim, max_len=llm.config.max_len).config  # the prompt's own plan
     log(f"{method}: compress the prefill KV (budget {token_budget}) and decode")
     prefilled = Prefilled(logits_BV=logits, caches=compress_layers(layer_qkv, lengths, config), lengths=[T],
                           prefill_s=prefill_s, compile_s=t1 - t0)

@@ -117,3 +117,24 @@ def test_row_plan_is_carried_by_the_cache():
   plain = rk.prefill_compress(q, k, v, jnp.asarray(LENS, jnp.int32), config=bp.row_configs[2])
   assert np.asarray(plain.row_page_size).tolist() == [bp.row_configs[2].page_size] * len(LENS)
   assert dataclasses.replace(cache).spec == bp.config.cache_spec()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["rocketkv", "rocketkv_plus", "hsa", "quest"])
+@pytest.mark.parametrize("batch", [4, 64])
+def test_mixed_batch_rows_equal_each_row_alone_compiled(method, batch):
+  """The compiled kernels (both scoring layouts: 4 x 2 rows rank in the kernel, 64 x 2 gather): every row of a
+  mixed-length batch gets the outputs it gets alone under its own length's config."""
+  if not any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("no GPU")
+  lens = (LENS * (batch // len(LENS)))[:batch]
+  q, k, v = _inputs(3, batch, max(lens))
+  steps = _steps(3, batch, 4)
+  bp = rk.plan_rows(method, token_budget=64, prompt_lens=lens, max_new_tokens=NEW, head_dim=H, impl="pallas")
+  cache = rk.prefill_compress(q, k, v, jnp.asarray(lens, jnp.int32), config=bp.config, rows=bp.rows)
+  got = _decode(bp.config, cache, steps)
+  for i in range(len(LENS)):  # one row of each length (alone at batch 1: the rank layout)
+    n, c = lens[i], bp.row_configs[i]
+    one = rk.prefill_compress(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], jnp.array([n], jnp.int32), config=c)
+    want = _decode(c, one, tuple(x[:, i:i + 1] for x in steps))
+    np.testing.assert_allclose(got[i:i + 1], want, rtol=1e-4, atol=1e-4, err_msg=f"{method} row {i} ({n} tokens)")
