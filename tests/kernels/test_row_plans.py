@@ -200,6 +200,8 @@ def xla_select(q, kt_min, kt_max, length, *, topr, page_size, **kw):
   scores = hsa_page_scores_reference(q, kt_min, kt_max, length, topr=topr, page_size=page_size,
                                      page_size_B=kw.get("page_size_B"), topr_B=kw.get("topr_B"))
   return scores, ops.hsa_select(q, kt_min, kt_max, length, topr=topr, page_size=page_size, impl="xla", **kw)
+
+
 FULL = dict(page_size_B=jnp.full((4,), PLAN["page_size"], jnp.int32), topr_B=jnp.full((4,), PLAN["topr"], jnp.int32))
 
 
@@ -263,7 +265,8 @@ def test_hsa_partials_and_page_topk_gather_layout_interpret():
 
 
 def test_hsa_page_topk_kernel_alone_interpret():
-  """The selection kernel against the kernel alone, on the same partials (a row's page size the static one)."""
+  """The selection kernel against the kernel alone, on the same partials (a row's page size the static one);
+  num_pages None selects from all the partials' pages (32 here), the same idx as from the KT's 16."""
   P, ps, _, length = plan_arrays()
   s = normal(np.random.default_rng(13), (4, 2, 3, 32))
   ok = jnp.arange(32)[None, :] * ps[:, None] < length[:, None]
@@ -273,6 +276,7 @@ def test_hsa_page_topk_kernel_alone_interpret():
       -1, keepdims=True)
   kw = dict(k=12, num_slots=PLAN["S"], sink=1, recent=4, interpret=True)
   idx = hsa_page_topk(s, m, l, length, page_size=PLAN["page_size"], page_size_B=ps, num_pages=P, **kw)
+  assert_bits(hsa_page_topk(s, m, l, length, page_size=PLAN["page_size"], page_size_B=ps, **kw), idx)
   for b in (1, 2):  # pages of 2 and 3 (alone, pages of 1 would need 37 pages of partials: the batch has 32)
     psb = PLAN["ps"][b]
     alone = hsa_page_topk(s[b:b + 1], m[b:b + 1], l[b:b + 1], length[b:b + 1], page_size=psb, **kw)

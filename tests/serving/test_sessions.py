@@ -146,7 +146,7 @@ def test_engine_compiles_are_bounded_with_history(model):
   plus insert and decode; prompts in pairs already seen compile nothing."""
   eng = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
   long = ids(250, 7)
-  for n in (30, 100, 120, 250):  # 100 fresh, then 120 and 250 continue it
+  for n in (20, 100, 120, 250):  # 100 fresh, then 120 and 250 continue it
     answer(eng, long[:n], rid=f"r{n}")
   answer(eng, ids(60, 8), rid="other")
   compiles = eng.stats()["compiles"]
