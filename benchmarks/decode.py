@@ -18,6 +18,7 @@ under the maxima of the rows' plans; then the same batch size of the longest row
 process, so a mixed batch can be held against its longest row:
 
   python -m benchmarks.decode --methods rocketkv --budgets 256 --mixed 4k,8k,16k,32k,4k,8k,16k,32k
+  python -m benchmarks.decode --methods rocketkv --budgets 256 --mixed '32k*391' --limits 32k   # an engine's shapes
 
 A/B in one process (`--ab MODULE.FLAG=V1,V2`): each point is compiled once per value of a module flag that the
 decode step reads while tracing, and the variants are timed in alternating rounds on the same caches, so the
@@ -289,11 +290,18 @@ def prefill_rows(model, batch_plan: rk.BatchPlan, contexts, seed: int):
 
 def mixed_points(model, cfg, method, budget, contexts, args, bw, wbytes, emit):
   """The mixed-length batch (`--mixed`) and the same batch size at its longest row's plan alone, each timed like
-  a grid point; the floor of the mixed batch sums each row's own step bytes."""
+  a grid point; the floor of the mixed batch sums each row's own step bytes. With `--limits N`, the mixed batch
+  runs under an engine's static config (`plan_limits`: every request up to N prompt tokens)."""
   reps = max(1, -(-args.steps // args.chunk))
   longest = max(contexts)
   for label, lens in (("mixed", list(contexts)), ("longest alone", [longest] * len(contexts))):
     bp = plan(method, budget, lens, cfg, args.impl)
+    if args.limits and label == "mixed":
+      label = f"mixed, engine limits {args.limits}"
+      bp = rk.plan_rows(method, token_budget=budget, prompt_lens=lens, max_new_tokens=NEW_TOKENS,
+                        head_dim=cfg.head_dim, impl=args.impl, config=rk.plan_limits(
+                            method, token_budget=budget, max_prompt_len=parse_tokens(args.limits),
+                            max_new_tokens=NEW_TOKENS, head_dim=cfg.head_dim, max_len=cfg.max_len, impl=args.impl))
     caches = prefill_rows(model, bp, lens, seed=1)
     kept = np.asarray(caches[0].length)
     ms, per_step, _, _ = time_decode(model, bp.config, caches, chunk=args.chunk, reps=reps)
@@ -368,6 +376,9 @@ def main(argv=None):
   ap.add_argument("--mixed", default=None,
                   help="contexts of one mixed-length batch (one row each), timed against its longest row alone; "
                        "with it, --contexts and --batches are not run")
+  ap.add_argument("--limits", default=None,
+                  help="with --mixed: run the mixed batch under an engine's static config for prompts up to this many "
+                       "tokens (plan_limits)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
   if args.no_choice_in_append:
@@ -444,8 +455,9 @@ def main(argv=None):
   if args.mixed:
     for method in methods:
       for budget in (budgets if rk.get_method(method).budgeted else budgets[:1]):
-        mixed_points(model, cfg, method, budget, [parse_tokens(c) for c in args.mixed.split(",")], args, bw,
-                     wbytes, emit)
+        lens = [parse_tokens(c.partition("*")[0]) for c in args.mixed.split(",")
+                for _ in range(int(c.partition("*")[2] or 1))]  # "32k*8": eight rows of 32k
+        mixed_points(model, cfg, method, budget, lens, args, bw, wbytes, emit)
     return
   dense_prefill_s = {}
   for context in contexts:
