@@ -161,9 +161,15 @@ def summarize(res) -> dict:
           "ci": f"{int(100 * CI_LEVEL)}% percentile bootstrap, {BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED}"}
 
 
+# registered extensions, compared against the method they extend like a variant with overrides
+EXTENSION_OF = {"rocketkv_plus": "rocketkv"}
+
+
 def base_method(spec: str) -> str:
-  """'rocketkv[hsa_recent_tokens=8]' -> 'rocketkv' (runner.parse_methods' spec syntax); a plain name -> itself."""
-  return spec.split("[", 1)[0]
+  """'rocketkv[hsa_recent_tokens=8]' -> 'rocketkv' (runner.parse_methods' spec syntax); a registered extension ->
+  the method it extends ('rocketkv_plus' -> 'rocketkv'); any other plain name -> itself."""
+  name = spec.split("[", 1)[0]
+  return name if name != spec else EXTENSION_OF.get(spec, spec)
 
 
 def _variants(scores: dict, rows: list) -> list[dict]:
