@@ -214,7 +214,25 @@ def tokenizer_from_hf_dir(directory: str, config: dict) -> TextTokenizer:
     add_bos = False
   if tok.post_processor is not None and bos is not None and tok.encode("a").ids[:1] == [bos]:
     add_bos = True  # we call encode(add_special_tokens=False), so add it ourselves
-  template = tcfg.get("chat_template")
+  return TextTokenizer(tokenizer=tok, bos_id=bos, eos_id=eos, add_bos=add_bos,
+                       chat_template=chat_template_of(directory, tcfg))
+
+
+def chat_template_of(directory: str, tokenizer_config: dict) -> str | None:
+  """The chat template where transformers looks for it, first found wins: chat_template.jinja (where current
+  checkpoints keep it), chat_template.json ({"chat_template": ...}), then tokenizer_config.json's
+  "chat_template" (a string, or a list of named templates: the one named "default")."""
+  jinja = os.path.join(directory, "chat_template.jinja")
+  if os.path.isfile(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      return f.read()
+  template = None
+  as_json = os.path.join(directory, "chat_template.json")
+  if os.path.isfile(as_json):
+    with open(as_json, encoding="utf-8") as f:
+      template = json.load(f).get("chat_template")
+  if template is None:
+    template = tokenizer_config.get("chat_template")
   if isinstance(template, list):  # [{"name": ..., "template": ...}]
     template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-  return TextTokenizer(tokenizer=tok, bos_id=bos, eos_id=eos, add_bos=add_bos, chat_template=template)
+  return template

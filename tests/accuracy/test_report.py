@@ -175,3 +175,10 @@ def test_variants_verdicts_and_the_registration_rule():
   lose = _variant_run({("aware", 256): [1.0] * 40, ("agnostic", 128): [0.0] * 40})
   d = variant_verdicts(summarize(lose)["variants"])["rocketkv[x=1]"]
   assert (d["win"], d["loss"], d["rule_met"]) == (1, 1, False)
+
+
+def test_registered_extension_is_compared_with_the_method_it_extends():
+  from benchmarks.accuracy.report import base_method
+  assert base_method("rocketkv_plus") == "rocketkv"  # a registered extension: paired against the paper's method
+  assert base_method("rocketkv_plus[hsa_recent_tokens=4]") == "rocketkv_plus"
+  assert base_method("rocketkv[topr=16]") == "rocketkv" and base_method("snapkv") == "snapkv"

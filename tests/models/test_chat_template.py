@@ -34,3 +34,17 @@ def test_helpers_and_errors():
   with pytest.raises(ChatTemplateError, match="SecurityError"):
     render_chat_template("{{ messages.append(1) }}", MSGS)
   assert len(MSGS) == 2
+
+
+def test_template_found_where_transformers_looks(tmp_path):
+  """chat_template.jinja wins over chat_template.json, which wins over tokenizer_config.json's own."""
+  from rocketkv_jax.models.tokenizer import chat_template_of
+  cfg = {"chat_template": "from tokenizer_config"}
+  assert chat_template_of(str(tmp_path), cfg) == "from tokenizer_config"
+  assert chat_template_of(str(tmp_path), {"chat_template": [{"name": "tool", "template": "t"},
+                                                            {"name": "default", "template": "d"}]}) == "d"
+  (tmp_path / "chat_template.json").write_text('{"chat_template": "from json"}')
+  assert chat_template_of(str(tmp_path), cfg) == "from json"
+  (tmp_path / "chat_template.jinja").write_text("{{ 'from jinja' }}\n")
+  assert chat_template_of(str(tmp_path), cfg) == "{{ 'from jinja' }}\n"
+  assert chat_template_of(str(tmp_path), {}) == "{{ 'from jinja' }}\n"
