@@ -107,20 +107,6 @@ def layer_tensors(cfg: LlamaConfig) -> dict:
   return tensors
 
 
-def _layer_params(cfg: LlamaConfig, get) -> dict:
-  """Every layer's weights in the loader layout ("layers/{i}/{name}", matrices [in, out]) from a GGUF's
-  `get(tensor_name, shape_in_file)` (blk.{i}.*). llama.cpp permutes the Q/K rows of 'llama' files only (not
-  'qwen2'): those are un-permuted here."""
-  params = {}
-  for i in range(cfg.n_layers):
-    for ours, (name, _, shape) in layer_tensors(cfg).items():
-      w = get(f"blk.{i}.{name}", shape)
-      if ours in ("wq", "wk") and cfg.model_type == "llama":
-        w = gguf_unpermute(w, cfg.n_heads if ours == "wq" else cfg.n_kv_heads)
-      params[f"layers/{i}/{ours}"] = w if w.ndim == 1 else w.T
-  return params
-
-
 # The GGUF architectures read: general.architecture -> the model family (its metadata keys are "<arch>.*").
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 DEQUANT_THREADS = 4
@@ -184,34 +170,35 @@ def read_gguf(path: str, log=None):
   except (ValueError, TypeError, ZeroDivisionError) as e:  # a metadata value of the wrong type or range
     raise CheckpointError(f"{path}: bad GGUF metadata: {e}") from e
 
-  want = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
+  # GGUF tensor -> (our name, its shape in the file [out, in]); every matrix but the embedding becomes [in, out]
+  want = {"token_embd.weight": ("embed", (vocab, dim)), "output_norm.weight": ("norm", (dim,))}
   if not cfg.tie_embeddings:
-    want["output.weight"] = (vocab, dim)
+    want["output.weight"] = ("lm_head", (vocab, dim))
   for i in range(cfg.n_layers):
-    for name, _, shape in layer_tensors(cfg).values():
-      want[f"blk.{i}.{name}"] = shape
+    for ours, (name, _, shape) in layer_tensors(cfg).items():
+      want[f"blk.{i}.{name}"] = (f"layers/{i}/{ours}", shape)
   missing = [n for n in want if n not in tensors]
   if missing:
     more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
     raise CheckpointError(f"{path}: tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{more} missing")
 
   def get_one(name):
+    ours, shape = want[name]
     w = _dequant(tensors[name], path)
-    if w.shape != want[name]:
-      raise CheckpointError(f"{path}: tensor {name} has shape {w.shape}, expected {want[name]}")
-    return w
+    if w.shape != shape:
+      raise CheckpointError(f"{path}: tensor {name} has shape {w.shape}, expected {shape}")
+    if w.ndim == 1 or ours == "embed":
+      return w
+    if ours.endswith(("/wq", "/wk")) and cfg.model_type == "llama":  # llama.cpp permutes llama's Q/K rows only
+      w = gguf_unpermute(w, cfg.n_heads if ours.endswith("/wq") else cfg.n_kv_heads)
+    return np.ascontiguousarray(w.T)  # [in, out]
 
-  # numpy's dequantization releases the GIL in its large array operations: a few threads overlap them
+  # numpy's dequantization and copies release the GIL in their large array operations: threads overlap them
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(DEQUANT_THREADS) as pool:
-    host = dict(zip(want, pool.map(get_one, want)))
-  log(f"dequantized {len(host)} tensors ({sum(w.size for w in host.values()) / 1e9:.2f}B values) in "
+    params = {want[name][0]: w for name, w in zip(want, pool.map(get_one, want))}
+  log(f"dequantized {len(params)} tensors ({sum(w.size for w in params.values()) / 1e9:.2f}B values) in "
       f"{time.perf_counter() - t0:.1f}s")
-
-  params = {"embed": host.pop("token_embd.weight"), "norm": host.pop("output_norm.weight")}
-  if not cfg.tie_embeddings:
-    params["lm_head"] = host.pop("output.weight").T
-  params.update(_layer_params(cfg, lambda name, shape: host.pop(name)))
 
   if tokens is None:
     raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.tokens is missing (no tokenizer)")
