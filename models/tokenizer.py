@@ -128,7 +128,9 @@ class TextTokenizer:
     """Ids of `text`; with chat=True, of a one-user-turn chat ending in the assistant prompt."""
     if chat:
       text = self.apply_chat([{"role": "user", "content": text}], system=system)
-    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    # encode_batch releases the GIL while it runs (encode holds it: a multi-MB prompt would stall every other
+    # thread, a server's event loop included)
+    ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
     if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
       ids = [self.bos_id] + ids
     return ids

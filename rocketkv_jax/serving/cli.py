@@ -6,7 +6,8 @@ OpenAI-compatible API. It lives in the serving layer, the top one, since `serve`
   rocketkv demo [--token-budget 256] [--methods full,rocketkv]
   rocketkv serve --model smollm2 --method rocketkv --token-budget 256 --port 8000 --max-slots 8 \
       [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64] \
-      [--history-gb 4] [--sessions-dir DIR]
+      [--history-gb 4] [--history-spill-dir DIR] [--sessions-dir DIR] [--sessions-save-s 60] \
+      [--served-model-name NAME] [--api-key KEY] [--max-body-mb 8] [--allowed-host NAME]
   rocketkv eval --model DIR_OR_HUB_ID --contexts 16k,32k --methods full,rocketkv,snapkv --budgets 256,1024 \
       [--modes aware,agnostic] [--tasks passkey,multikey] [--samples 32] [--fid-samples 4] [--out PREFIX] [--dtype auto]
   rocketkv fetch ALIAS [--cache-dir DIR] [--find-links DIR]     (rocketkv fetch --list: the aliases)
@@ -328,14 +329,20 @@ def _cmd_serve(args) -> int:
                                history_bytes=int(args.history_gb * 2**30), history_spill_dir=args.history_spill_dir,
                                history_disk_bytes=int(args.history_disk_gb * 2**30))
   if args.sessions_dir is not None and not engine_config.history_bytes:
-    raise ValueError("--sessions-dir needs a history: set --history-gb > 0")
-  if args.sessions_dir is not None and os.path.exists(args.sessions_dir) and \
-      not os.path.isfile(os.path.join(args.sessions_dir, "meta.json")):
-    raise ValueError(f"--sessions-dir={args.sessions_dir!r} exists but holds no saved sessions (no meta.json)")
+    raise FlagError("--sessions-dir needs a history: set --history-gb > 0")
+  from .sessions import DirError, SessionsDir, check_writable
   if args.history_spill_dir is not None and os.path.exists(args.history_spill_dir) and \
       not os.path.isdir(args.history_spill_dir):
     raise FlagError(f"--history-spill-dir={args.history_spill_dir!r} exists and is not a folder")
   _check_model_source(args.model)
+  sessions = None
+  try:  # before the model loads: created, writable, and (sessions) locked for this process's life
+    if args.history_spill_dir is not None:
+      check_writable(args.history_spill_dir, "--history-spill-dir")
+    if args.sessions_dir is not None:
+      sessions = SessionsDir(args.sessions_dir, save_every_s=args.sessions_save_s)
+  except DirError as e:
+    raise FlagError(str(e)) from None
   compile_cache_dir(args)
   from rich.logging import RichHandler
   serving_log = logging.getLogger("rocketkv_jax.serving")
@@ -346,9 +353,12 @@ def _cmd_serve(args) -> int:
   model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
   engine = Engine(model, tok, engine_config)
   log(engine.plan_summary())
-  name = args.served_model_name or _model_name(args.model)
+  name = served_model_name(args)
   app = create_app(engine, model, tok, ServerConfig(model_name=name, drain_s=args.drain_s, warmup=not args.no_warmup,
-                                                    history_dir=args.sessions_dir))
+                                                    api_key=api_key(args),
+                                                    max_body_bytes=int(args.max_body_mb * 2**20),
+                                                    allowed_hosts=tuple(args.allowed_host)),
+                   sessions=sessions)
   config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           timeout_graceful_shutdown=args.drain_s + 5)
   server = UvicornServer(config, app.state.runner, drain_s=args.drain_s)
@@ -362,6 +372,19 @@ def _cmd_serve(args) -> int:
     server.run()
   except KeyboardInterrupt:
     pass
+  except SystemExit:  # uvicorn's when the app did not start (sessions refused, ...): reported below, status 1
+    if server.started:
+      raise
+  finally:
+    if engine.history is not None:
+      engine.history.close()  # its spill files: other clients' K/V
+  if not server.started:
+    err.print("error: the server did not start (see the log above)", style="red", markup=False)
+    return 1
+  if sessions is not None and sessions.failed is not None:
+    err.print(f"error: the sessions could not be saved to {sessions.path}: {sessions.failed}", style="red",
+              markup=False)
+    return 1
   log("server stopped")
   return 0
 
@@ -552,6 +575,17 @@ def _interrupt(signum, frame):
   raise KeyboardInterrupt
 
 
+def served_model_name(args) -> str:
+  """The id `serve` answers to: --served-model-name, else --model exactly as given (`org/name` stays
+  `org/name`: a client naming what it asked the server to load finds it)."""
+  return args.served_model_name or args.model
+
+
+def api_key(args) -> str | None:
+  """`serve`'s API key: --api-key, else the environment's ROCKETKV_API_KEY, else none (an open server)."""
+  return args.api_key or os.environ.get("ROCKETKV_API_KEY") or None
+
+
 def _model_name(model: str) -> str:
   """The id clients name: 'smollm2', or a checkpoint's file / folder name."""
   base = os.path.basename(os.path.normpath(model))
@@ -631,7 +665,16 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--steps-per-call", type=count, default=4, help="decode steps per engine call (default 4)")
   s.add_argument("--prefill-buckets", default=None,
                  help="comma-separated prefill lengths compiled at most (default: the engine's choice)")
-  s.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
+  s.add_argument("--served-model-name", default=None,
+                 help="the model id clients use (default: the --model string as given)")
+  s.add_argument("--api-key", default=None,
+                 help="require `Authorization: Bearer KEY` on every route but /health and /version "
+                      "(default: env ROCKETKV_API_KEY, else none)")
+  s.add_argument("--max-body-mb", type=_number(float, low=0, low_open=True), default=8.0,
+                 help="largest request body in MiB; larger ones get 413 (default 8)")
+  s.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                 help="a Host / Origin name accepted besides loopback ones when bound to a loopback address "
+                      "(e.g. a local reverse proxy's; repeatable)")
   s.add_argument("--drain-s", type=_number(float, low=0), default=10.0,
                  help="on shutdown, seconds requests in flight may finish before they are aborted (default 10)")
   s.add_argument("--no-warmup", action="store_true",
@@ -644,7 +687,11 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--history-disk-gb", type=_number(float, low=0), default=16.0,
                  help="disk for spilled history (default 16)")
   s.add_argument("--sessions-dir", default=None,
-                 help="load stored histories from here at start-up and save them here at shutdown (orbax)")
+                 help="load stored histories from here at start-up and save them here periodically and at "
+                      "shutdown (orbax, atomic); created if missing, locked: one server per folder")
+  s.add_argument("--sessions-save-s", type=_number(float, low=0), default=60.0,
+                 help="seconds between saves of --sessions-dir, so a crash loses at most this much (default 60; "
+                      "0 = at shutdown only). A failed save is logged and makes the server exit with status 1")
   s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                  help="uvicorn log level (default info)")
   s.set_defaults(func=_cmd_serve)

@@ -64,6 +64,9 @@ __all__ = ["Context", "Engine", "EngineConfig", "Prefilled", "QueueFull", "Reque
 
 MIN_BUCKET = 64  # the smallest padded prompt length of the default buckets
 MAX_SEED = 2**32 - 1  # seeds are uint32 (jax.random.key)
+MAX_INT32 = 2**31 - 1  # top_k and token counts are int32 on the device
+MIN_TEMPERATURE = 1e-5  # a positive temperature below this is greedy (vLLM's sampling epsilon): float32 overflows
+MAX_TEMPERATURE = 100.0
 
 
 class QueueFull(RuntimeError):
@@ -142,12 +145,20 @@ class EngineConfig:
       object.__setattr__(self, k, v)
 
 
+def _finite(x) -> bool:
+  try:
+    return math.isfinite(x)
+  except OverflowError:  # an int too large for a float
+    return False
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   """How one request samples and stops.
 
-  max_tokens: new tokens at most (finish "length"). temperature: 0 is greedy. top_p in (0, 1] (1 is off),
-  top_k >= 0 (0 is off). seed: in [0, 2**32): token j is sampled with fold_in(key(seed), j), so a request's
+  max_tokens: new tokens at most (finish "length"). temperature: in [0, MAX_TEMPERATURE], 0 is greedy (and so is
+  anything below MIN_TEMPERATURE). top_p in (0, 1] (1 is off), top_k >= 0 (0 is off; `Engine.validate` also
+  bounds it by the vocabulary). seed: in [0, 2**32): token j is sampled with fold_in(key(seed), j), so a request's
   samples are the same whatever runs next to it. stop_ids: token ids that end the answer (on top of the
   model's EOS and end-of-turn); stop_strings: texts that end it (the text is cut before them).
   """
@@ -162,24 +173,29 @@ class SamplingParams:
 
   def __post_init__(self):
     check_int("max_tokens", self.max_tokens, 1)
+    if self.max_tokens > MAX_INT32:
+      raise ValueError(f"max_tokens={self.max_tokens} must be < 2**31")
     for name in ("temperature", "top_p"):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
         raise ValueError(f"{name}={v!r} must be a finite number")
-    if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+    if not 0 <= self.temperature <= MAX_TEMPERATURE:
+      raise ValueError(f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE:g}]")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
     check_int("top_k", self.top_k, 0)
+    if self.top_k > MAX_INT32:
+      raise ValueError(f"top_k={self.top_k} must be < 2**31")
     check_int("seed", self.seed, 0)
     if self.seed > MAX_SEED:
       raise ValueError(f"seed={self.seed} must be < 2**32")
     if isinstance(self.stop_ids, (str, bytes)) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_ids):
-      raise ValueError(f"stop_ids={self.stop_ids!r} must be token ids >= 0")
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_INT32 for i in self.stop_ids):
+      raise ValueError(f"stop_ids={self.stop_ids!r} must be token ids in [0, 2**31)")
     if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
       raise ValueError(f"stop_strings={self.stop_strings!r} must be non-empty strings")
-    object.__setattr__(self, "temperature", float(self.temperature))
+    t = float(self.temperature)
+    object.__setattr__(self, "temperature", 0.0 if t < MIN_TEMPERATURE else t)
     object.__setattr__(self, "top_p", float(self.top_p))
     object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
     object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
@@ -374,6 +390,11 @@ class Engine:
       raise ValueError(f"sampling={s!r} must be SamplingParams")
     if s.max_tokens > c.max_new_tokens:
       raise ValueError(f"max_tokens={s.max_tokens} exceeds the engine's max_new_tokens={c.max_new_tokens}")
+    if s.top_k > vocab:
+      raise ValueError(f"top_k={s.top_k} exceeds the vocabulary size {vocab} (0 is off)")
+    bad = [i for i in s.stop_ids if i >= vocab]
+    if bad:
+      raise ValueError(f"stop_ids {bad[:4]} are not token ids in [0, {vocab})")
     if request.context is not None:
       if not isinstance(request.context, Context):
         raise ValueError(f"context={request.context!r} must be a Context (Engine.compress_context)")

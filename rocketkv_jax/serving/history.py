@@ -14,21 +14,33 @@ answer's tokens are prefilled with the rest of the new turn (dense, exact K/V; t
 render them differently from what was sampled).
 
 Memory: at most `max_bytes` of host memory; past it, the least recently used segments without children
-are dropped (or, with `spill_dir`, moved to disk as memory-mapped files, up to `max_disk_bytes`).
-`save` / `load` write and read every segment with orbax (`saved.py`: stamped, checksummed).
+are dropped (or, with `spill_dir`, moved to disk as memory-mapped files, up to `max_disk_bytes`). Spill files
+hold other clients' K/V: they are private (mode 0600, in a 0700 folder `spill_dir/history-*` locked by this
+process), deleted when their segment is dropped and, with their folder, at `close` or interpreter exit; folders
+left by a dead process (a crash) are removed when the next store opens on the same `spill_dir`.
+`save` / `load` write and read every segment with orbax (`saved.py`: stamped, checksummed); `load` checks
+every field of the segment table against the arrays and refuses a file that does not add up.
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import glob
 import itertools
+import logging
 import os
 import shutil
 import tempfile
 import threading
+import weakref
 
 import numpy as np
 
 from . import saved
+
+log = logging.getLogger("rocketkv_jax.serving")
+_SPILL_LOCK = ".lock"  # in each history-* spill folder, flock'd by its live owner
+_EMPTY = "empty"  # the one array of a saved store without segments
 
 __all__ = ["HistoryStore", "HistoryView", "Segment"]
 
@@ -95,6 +107,37 @@ class HistoryView:
     return tuple(out)
 
 
+def _remove_spill(folder: str, lock_fd: int) -> None:
+  shutil.rmtree(folder, ignore_errors=True)
+  try:
+    os.close(lock_fd)
+  except OSError:
+    pass
+
+
+def _remove_stale_spill(spill_dir: str) -> None:
+  """Removes the history-* folders of `spill_dir` whose owner is gone (their lock file can be taken). A folder
+  without a lock file (an older version's, perhaps still running) is left alone, with a warning."""
+  for folder in glob.glob(os.path.join(spill_dir, "history-*")):
+    lock = os.path.join(folder, _SPILL_LOCK)
+    if not os.path.isfile(lock):
+      log.warning(f"history spill folder {folder} has no lock file (an older server's?): left as it is")
+      continue
+    try:
+      fd = os.open(lock, os.O_RDWR)
+    except OSError:
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # its owner is alive
+      os.close(fd)
+      continue
+    n = len(os.listdir(folder)) - 1
+    shutil.rmtree(folder, ignore_errors=True)
+    os.close(fd)
+    log.info(f"removed {n} history spill files left by a process that is gone ({folder})")
+
+
 class HistoryStore:
   """The host-side K/V of every stored token path (module doc). Thread-safe."""
 
@@ -103,13 +146,20 @@ class HistoryStore:
     self.n_layers, self.kv_shape, self.dtype = n_layers, tuple(kv_shape), np.dtype(dtype)
     self.max_bytes, self.max_disk_bytes = int(max_bytes), int(max_disk_bytes)
     self.spill_dir = None
+    self._spill_lock_fd = None
     if spill_dir is not None:
       os.makedirs(spill_dir, exist_ok=True)
-      self.spill_dir = tempfile.mkdtemp(prefix="history-", dir=spill_dir)
+      _remove_stale_spill(spill_dir)
+      self.spill_dir = tempfile.mkdtemp(prefix="history-", dir=spill_dir)  # mode 0700
+      self._spill_lock_fd = os.open(os.path.join(self.spill_dir, _SPILL_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+      fcntl.flock(self._spill_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      # a clean exit that never called close() still removes the folder; a crash leaves it to the next start
+      self._finalizer = weakref.finalize(self, _remove_spill, self.spill_dir, self._spill_lock_fd)
     self.segments: list[Segment] = []
     self._clock = itertools.count(1)
     self._lock = threading.RLock()
     self.dropped = 0  # segments dropped to stay within the limits
+    self.version = 0  # changes whenever the stored paths do (a saver skips an unchanged store)
 
   # ------------------------------------------------------------------ sizes
 
@@ -193,6 +243,7 @@ class HistoryStore:
       if new.parent is not None:
         new.parent.children += 1
       self.segments.append(new)
+      self.version += 1
       self._shrink(keep=new)
       return new
 
@@ -224,31 +275,51 @@ class HistoryStore:
         break
       self._drop(min(leaves, key=lambda s: s.last_used))
 
-  def _spill(self, seg: Segment) -> None:
+  def _spill_files(self, seg: Segment) -> list[str]:
     base = os.path.join(self.spill_dir, f"seg{id(seg):x}")
+    return [f"{base}-{name}{i}.npy" for name in ("k", "v") for i in range(self.n_layers)]
+
+  def _spill(self, seg: Segment) -> None:
+    files = iter(self._spill_files(seg))
     for name in ("k", "v"):
       arrays = getattr(seg, name)
       for i, x in enumerate(arrays):
-        f = f"{base}-{name}{i}.npy"
-        np.save(f, x)
+        f = next(files)
+        # private from the first byte: os.open's mode, not a chmod after writing (the umask may only narrow it)
+        with os.fdopen(os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+          np.save(out, x)
         arrays[i] = np.load(f, mmap_mode="r")
     seg.on_disk = True
+
+  def _unspill(self, seg: Segment) -> None:
+    """Deletes a dropped segment's files (views still reading them keep their memory maps until done)."""
+    if seg.on_disk and self.spill_dir is not None:
+      for f in self._spill_files(seg):
+        try:
+          os.unlink(f)
+        except FileNotFoundError:
+          pass
 
   def _drop(self, seg: Segment) -> None:
     self.segments.remove(seg)
     if seg.parent is not None:
       seg.parent.children -= 1
+    self._unspill(seg)
     self.dropped += 1
+    self.version += 1
 
   def clear(self) -> None:
     with self._lock:
+      for seg in self.segments:
+        self._unspill(seg)
       self.segments.clear()
+      self.version += 1
 
   def close(self) -> None:
-    """Forgets everything and removes the spill folder."""
+    """Forgets everything and removes the spill folder (with its lock)."""
     self.clear()
     if self.spill_dir is not None:
-      shutil.rmtree(self.spill_dir, ignore_errors=True)
+      self._finalizer()
 
   # ------------------------------------------------------------------ saving
 
@@ -261,28 +332,80 @@ class HistoryStore:
               for i, s in enumerate(segs)}
       meta = dict(segments=[dict(parent=index.get(id(s.parent)) if s.parent is not None else None, start=s.start)
                             for s in segs])
+      tree = tree or {_EMPTY: np.zeros(1, np.int32)}  # orbax saves neither an empty tree nor a 0-size array
     saved.save(path, tree, stamp=stamp, meta=meta)
     return len(segs)
 
   def load(self, path, *, stamp: dict) -> int:
-    """Adds the segments saved at `path` (SavedFileError when it was saved for another model or is damaged);
-    returns how many were added (paths already stored are skipped)."""
+    """Adds the segments saved at `path` (SavedFileError when it was saved for another model, is damaged, or
+    any field of its segment table disagrees with the arrays: the file and the field are named); returns how
+    many were added. Nothing is added unless the whole file checks out."""
     tree, meta = saved.load(path, stamp=stamp)
-    entries = meta.get("segments", [])
-    made: list[Segment | None] = []
+    entries = self._check_table(os.path.join(os.path.abspath(os.fspath(path)), "meta.json"), tree, meta)
+    made: list[Segment] = []
     with self._lock:
-      for i, e in enumerate(entries):
+      for i, (parent, start) in enumerate(entries):
         t = tree[f"s{i}"]
-        parent = made[e["parent"]] if e["parent"] is not None else None
-        k, v = list(t["k"]), list(t["v"])
-        if len(k) != self.n_layers or any(x.shape[1:] != self.kv_shape or x.dtype != self.dtype for x in k + v):
-          raise saved.SavedFileError(f"{path}: segment {i} has {len(k)} layers of {k[0].shape[1:]} "
-                                     f"{k[0].dtype}; this model needs {self.n_layers} of {self.kv_shape} {self.dtype}")
-        seg = Segment(parent=parent, start=int(e["start"]), tokens=np.asarray(t["tokens"], np.int32), k=k, v=v,
+        seg = Segment(parent=made[parent] if parent is not None else None, start=start,
+                      tokens=np.asarray(t["tokens"], np.int32), k=list(t["k"]), v=list(t["v"]),
                       last_used=next(self._clock))
-        if parent is not None:
-          parent.children += 1
+        if seg.parent is not None:
+          seg.parent.children += 1
         self.segments.append(seg)
         made.append(seg)
+      self.version += 1
       self._shrink()
     return len(made)
+
+  def _check_table(self, where: str, tree, meta) -> list[tuple[int | None, int]]:
+    """[(parent index or None, start)] of a loaded file, after checking every field against the arrays."""
+    def bad(field: str, why: str):
+      raise saved.SavedFileError(f"{where}: {field} {why}; refusing the saved sessions")
+
+    if not isinstance(meta, dict) or not isinstance(meta.get("segments"), list):
+      bad("meta.segments", "is missing or not a list")
+    entries = meta["segments"]
+    if not entries and isinstance(tree, dict) and set(tree) == {_EMPTY}:
+      tree = {}
+    if not isinstance(tree, dict) or set(tree) != {f"s{i}" for i in range(len(entries))}:
+      bad("meta.segments", f"lists {len(entries)} segments but the arrays hold "
+                           f"{sorted(tree) if isinstance(tree, dict) else type(tree).__name__}"[:300])
+    out, ends, starts = [], [], []
+    for i, e in enumerate(entries):
+      f = f"meta.segments[{i}]"
+      if not isinstance(e, dict) or set(e) != {"parent", "start"}:
+        bad(f, f"must be an object with keys parent and start, got {e!r}"[:300])
+      parent, start = e["parent"], e["start"]
+      if parent is not None and (type(parent) is not int or not 0 <= parent < i):
+        bad(f"{f}.parent", f"= {parent!r} must be null or the index of an earlier segment (0..{i - 1})")
+      if type(start) is not int:
+        bad(f"{f}.start", f"= {start!r} must be an integer")
+      if parent is None and start != 0:
+        bad(f"{f}.start", f"= {start} must be 0 for a segment without a parent")
+      if parent is not None and not starts[parent] < start <= ends[parent]:
+        bad(f"{f}.start", f"= {start} must be in ({starts[parent]}, {ends[parent]}]: after its parent's start and "
+                          f"within its parent's path")
+      t = tree[f"s{i}"]
+      if not isinstance(t, dict) or set(t) != {"tokens", "k", "v"}:
+        bad(f"arrays s{i}", "must hold tokens, k and v")
+      tokens = t["tokens"]
+      if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype.kind not in "iu" or not len(tokens):
+        bad(f"arrays s{i}.tokens", f"must be a non-empty 1-D integer array, got "
+                                   f"{getattr(tokens, 'shape', None)} {getattr(tokens, 'dtype', type(tokens))}")
+      if tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max:
+        bad(f"arrays s{i}.tokens", "holds token ids outside [0, 2**31)")
+      n = len(tokens)
+      for name in ("k", "v"):
+        xs = t[name]
+        if not isinstance(xs, list) or len(xs) != self.n_layers:
+          bad(f"arrays s{i}.{name}", f"must be {self.n_layers} layers, got "
+                                     f"{len(xs) if isinstance(xs, list) else type(xs).__name__}")
+        for layer, x in enumerate(xs):
+          want = (n,) + self.kv_shape
+          if not isinstance(x, np.ndarray) or x.shape != want or x.dtype != self.dtype:
+            bad(f"arrays s{i}.{name}[{layer}]", f"is {getattr(x, 'shape', None)} {getattr(x, 'dtype', None)}; "
+                                                f"segment {i} has {n} tokens, so this model needs {want} {self.dtype}")
+      out.append((parent, start))
+      starts.append(start)
+      ends.append(start + n)
+    return out

@@ -3,6 +3,7 @@ request's events to its consumer (an asyncio queue of the server, through `loop.
 
 The engine is not thread-safe, so nothing else touches it: submit, abort and shutdown travel to this thread
 through a command queue, and `stats()` reads a snapshot the thread refreshes after every command and step.
+Periodic work that reads the engine's state (saving sessions) runs on this thread too, between steps (`every`).
 """
 
 from __future__ import annotations
@@ -62,8 +63,16 @@ class EngineRunner:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None  # the last step failure
     self._rate = collections.deque()          # (time, tokens_generated), engine thread only
+    self._periodic: list = []                 # [every_s, fn, next due (monotonic)]
 
   # --- any thread -------------------------------------------------------------------------------
+
+  def every(self, seconds: float, fn: Callable[[], object]) -> "EngineRunner":
+    """Calls fn() on the engine thread between steps, every `seconds` (0: never), first `seconds` after start.
+    Register before start(). fn's exceptions are logged; the thread goes on."""
+    if seconds > 0:
+      self._periodic.append([float(seconds), fn, None])
+    return self
 
   def start(self) -> "EngineRunner":
     if self._thread is None:
@@ -133,9 +142,22 @@ class EngineRunner:
           cmd = None
       if stop_reason is None and self._has_work():
         self._step()
+      self._run_periodic()
       self._refresh_stats()
     self._abort_all(stop_reason)
     self._refresh_stats()
+
+  def _run_periodic(self) -> None:
+    now = time.monotonic()
+    for p in self._periodic:
+      if p[2] is None:
+        p[2] = now + p[0]
+      elif now >= p[2]:
+        try:
+          p[1]()
+        except Exception:  # noqa: BLE001
+          log.exception("periodic engine-thread task failed")
+        p[2] = time.monotonic() + p[0]
 
   def _has_work(self) -> bool:
     try:

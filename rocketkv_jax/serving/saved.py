@@ -4,7 +4,9 @@ A saved folder holds `arrays/` (an orbax PyTree checkpoint of NumPy arrays) and 
 version, a stamp (what the arrays belong to: the model's fingerprint, the method's cache spec, dtypes; the
 caller decides), the caller's own metadata and a SHA-256 per array. `load` checks the stamp before reading
 any array and every checksum after, and raises `SavedFileError` naming what differs: a file from another
-model or method, or a damaged or partial one, is never used.
+model or method, or a damaged or partial one, is never used. `save` writes a temporary folder next to `path`,
+fsyncs every file and folder, then renames it into place (over an existing `path`, the old folder is moved
+aside first: `sessions.py` writes new folders and swaps a pointer file instead, which is atomic throughout).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import tempfile
 import jax
 import numpy as np
 
-__all__ = ["FORMAT", "SavedFileError", "load", "save"]
+__all__ = ["FORMAT", "SavedFileError", "fsync_tree", "load", "save"]
 
 FORMAT = "rocketkv-jax/saved/1"
 
@@ -34,9 +36,29 @@ def _flat(tree) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def fsync_tree(root) -> None:
+  """Flushes every file and folder under `root` (and `root` itself) to the disk."""
+  for folder, _, files in os.walk(root):
+    for name in files:
+      fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+    fsync_dir(folder)
+
+
+def fsync_dir(folder) -> None:
+  fd = os.open(folder, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def save(path, tree, *, stamp: dict, meta: dict | None = None) -> None:
   """Writes a pytree of NumPy arrays (dicts and lists) with its stamp and metadata; replaces `path` only once
-  everything is written (a killed save leaves the old folder, or nothing, never half a file)."""
+  everything is written and fsynced (a killed save leaves the old folder, or nothing, never half a file)."""
   path = os.path.abspath(os.fspath(path))
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
@@ -49,9 +71,15 @@ def save(path, tree, *, stamp: dict, meta: dict | None = None) -> None:
                 checksums={k: _digest(v) for k, v in _flat(tree).items()})
     with open(os.path.join(tmp, "meta.json"), "w") as f:
       json.dump(body, f, indent=1, sort_keys=True)
-    if os.path.exists(path):
-      shutil.rmtree(path)
+    fsync_tree(tmp)
+    old = None
+    if os.path.exists(path):  # a folder cannot be renamed over a full one: move the old one aside first
+      old = tempfile.mkdtemp(prefix=".old-", dir=parent)
+      os.replace(path, os.path.join(old, "x"))
     os.replace(tmp, path)
+    fsync_dir(parent)
+    if old is not None:
+      shutil.rmtree(old, ignore_errors=True)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

@@ -1,5 +1,7 @@
 """OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn): `/v1/models`, `/v1/completions`,
-`/v1/chat/completions` (each with `stream: true` as server-sent events), `/health`, `/metrics`.
+`/v1/chat/completions` (each with `stream: true` as server-sent events), `/health`, `/metrics`, and vLLM's
+`/version`, `/tokenize` (`{"prompt": str}` or `{"messages": [...]}` -> `{"tokens", "count", "max_model_len"}`) and
+`/detokenize` (`{"tokens": [...]}` -> `{"prompt": str}`).
 
 Text exists only here and in the engine's detokenizer: a request is parsed and checked, its prompt encoded
 (chat through the tokenizer's chat template), and handed to the engine thread (`runner.py`) as token ids;
@@ -7,8 +9,22 @@ events come back through an asyncio queue per HTTP request.
 
 OpenAI semantics kept: `temperature` and `top_p` default to 1, `n` must be 1, `stop` is a string or a list,
 errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx status (429 when the engine's queue
-is full, 503 while shutting down). Extensions: `top_k` (0 = off). Departure: `seed` defaults to 0, so the
-same request gets the same answer (OpenAI draws a fresh seed); pass a seed to vary samples.
+is full, 503 while shutting down). Extensions: `top_k` (0 or -1 = off, at most the vocabulary size) and
+`stop_token_ids`. Departure: `seed` defaults to 0, so the same request gets the same answer (OpenAI draws a
+fresh seed); pass a seed to vary samples.
+
+Nothing that changes sampling is ignored: every such field (OpenAI's and vLLM's, `UNSUPPORTED`) is accepted only
+at its neutral value, else 400 `unsupported_parameter` naming it; other unknown fields are accepted. Every value
+is range-checked in one place (`SamplingParams` and `Engine.validate`, run when the request is submitted) so a
+bad value fails its own request with a 400, never the engine step shared with others. A body that is not JSON,
+nests too deep or has a wrong type anywhere is a 400; one over `max_body_bytes` a 413; a POST whose Content-Type
+is not `application/json` a 415 (this refuses the browsers' CORS "simple requests"). No CORS headers are sent.
+
+Access: with `api_key` set, every route but `/health` and `/version` needs `Authorization: Bearer KEY` (else 401).
+A request that arrives on a loopback address (a server bound to 127.0.0.1, the default) must name a loopback
+host in `Host` (localhost, 127.0.0.1, [::1], any port, or one of `allowed_hosts`), and its `Origin`, when sent,
+must be one too: else 403 (a defence against DNS rebinding and cross-site requests from a browser).
+Prompts are tokenized in a worker thread, so a large prompt does not stall `/health` or the streams.
 """
 
 from __future__ import annotations
@@ -16,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
+import ipaddress
 import json
 import logging
-import os
 import time
+import urllib.parse
 import uuid
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -39,10 +57,26 @@ DEFAULT_SEED = 0               # see the module docstring
 COMPLETIONS_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 # Fields we accept only at their neutral value (anything else is a 400 naming the field).
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-               "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-               "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"})}
+UNSUPPORTED = {
+    # OpenAI
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]),
+    # vLLM's sampling extensions
+    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+    "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False), "early_stopping": (None, False),
+    "ignore_eos": (None, False), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,), "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "typical_p": (None, 1, 1.0),
+    "echo_prompt": (None, False), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
+}
+MAX_BODY_BYTES = 8 * 2**20
+LOOPBACK_NAMES = ("localhost",)
 
 
 class APIError(Exception):
@@ -66,13 +100,19 @@ class ServerConfig:
   """model_name: the id `/v1/models` lists and requests must name. drain_s: on shutdown, how long requests in
   flight may run to their end before they are aborted. warmup: before accepting requests, run one request
   per prefill bucket so no client waits for a compile (`warm_up`). history_dir: where the engine's prompt
-  histories (sessions) are loaded from at start-up, when there, and saved to at shutdown (needs an engine with
-  history; a file saved for another model is refused at start-up)."""
+  histories (sessions) are loaded from at start-up, when there, and saved to atomically every
+  `--sessions-save-s` seconds (on the engine thread) and at shutdown (needs an engine with history; a file saved
+  for another model, or one whose segment table does not match its arrays, is refused at start-up). api_key: when set, the bearer token every
+  route but /health and /version needs. max_body_bytes: larger request bodies get 413. allowed_hosts: host
+  names accepted in Host / Origin on a loopback connection besides the loopback ones (a local reverse proxy's)."""
 
   model_name: str
   drain_s: float = 10.0
   warmup: bool = False
   history_dir: str | None = None
+  api_key: str | None = None
+  max_body_bytes: int = MAX_BODY_BYTES
+  allowed_hosts: tuple[str, ...] = ()
 
 
 def warm_up(engine, log=None) -> float:
@@ -89,6 +129,14 @@ def warm_up(engine, log=None) -> float:
   if getattr(engine, "history", None) is not None:
     engine.history.clear()
   return time.perf_counter() - t0
+
+
+def _version() -> str:
+  from importlib.metadata import PackageNotFoundError, version
+  try:
+    return version("rocketkv-jax")
+  except PackageNotFoundError:
+    return "unknown"
 
 
 # --- parsing -------------------------------------------------------------------------------------------------
@@ -113,20 +161,117 @@ def _field(body: dict, name: str, kind: str, default):
   return v
 
 
-async def _json_body(request: HttpRequest) -> dict:
-  raw = await request.body()
+def _too_big(max_bytes: int) -> APIError:
+  return APIError(413, f"the request body exceeds {max_bytes} bytes (--max-body-mb)", code="request_too_large")
+
+
+async def _read_body(request: HttpRequest, max_bytes: int) -> bytes:
+  """The body of a JSON POST: 415 unless the Content-Type is application/json, 413 past max_bytes (from
+  Content-Length, before reading, and while reading)."""
+  ctype = request.headers.get("content-type", "")
+  if ctype.split(";")[0].strip().lower() != "application/json":
+    raise APIError(415, f"Content-Type must be application/json, not {ctype!r}", code="unsupported_media_type")
+  length = request.headers.get("content-length")
+  if length is not None:
+    if not length.isdigit():
+      raise APIError(400, f"Content-Length={length!r} is not a byte count", code="invalid_request")
+    if int(length) > max_bytes:
+      raise _too_big(max_bytes)
+  chunks, size = [], 0
+  async for chunk in request.stream():
+    size += len(chunk)
+    if size > max_bytes:
+      raise _too_big(max_bytes)
+    chunks.append(chunk)
+  return b"".join(chunks)
+
+
+def _parse_json(raw: bytes) -> dict:
   try:
     body = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+  except RecursionError:
+    raise APIError(400, "malformed JSON in the request body: nested too deep", code="invalid_json") from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
     raise APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
   if not isinstance(body, dict):
     raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
   return body
 
 
+async def _json_body(request: HttpRequest, max_bytes: int) -> dict:
+  raw = await _read_body(request, max_bytes)
+  return await asyncio.to_thread(_parse_json, raw)
+
+
+def _host_name(host: str) -> str:
+  """`Host` or an origin's host without port or brackets, lower case: '[::1]:80' -> '::1'."""
+  host = host.strip().lower()
+  if host.startswith("["):
+    return host[1:host.find("]")] if "]" in host else host
+  if host.count(":") == 1:
+    host = host.split(":")[0]
+  return host.rstrip(".")
+
+
+def _is_loopback(host: str) -> bool:
+  if host in LOOPBACK_NAMES:
+    return True
+  try:
+    ip = ipaddress.ip_address(host)
+  except ValueError:
+    return False
+  ip = getattr(ip, "ipv4_mapped", None) or ip
+  return ip.is_loopback
+
+
+class _Guard:
+  """ASGI middleware, before routing: on a loopback connection, Host and Origin must be loopback (403); with an
+  API key, every route but /health and /version needs it (401). Pure ASGI: streams and disconnects pass as is."""
+
+  OPEN = ("/health", "/version")
+
+  def __init__(self, app, *, api_key: str | None, allowed_hosts: tuple[str, ...], counters: "_Counters"):
+    self.app, self.counters = app, counters
+    self.api_key = api_key.encode() if api_key else None
+    self.allowed = {_host_name(h) for h in allowed_hosts}
+
+  def _ok_host(self, host: str) -> bool:
+    name = _host_name(host)
+    return _is_loopback(name) or name in self.allowed
+
+  def check(self, scope) -> APIError | None:
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+    server = scope.get("server")
+    if server and _is_loopback(_host_name(str(server[0]))):
+      host = headers.get("host", "")
+      if not self._ok_host(host):
+        return APIError(403, f"Host {host!r} is not allowed: this server is bound to a loopback address "
+                        f"(allow a name with --allowed-host)", type="permission_error", code="host_not_allowed")
+      origin = headers.get("origin")
+      if origin is not None and not self._ok_host(urllib.parse.urlsplit(origin).netloc or origin):
+        return APIError(403, f"Origin {origin!r} is not allowed: cross-site requests are refused",
+                        type="permission_error", code="origin_not_allowed")
+    if self.api_key is not None and scope.get("path") not in self.OPEN:
+      auth = headers.get("authorization", "").encode("latin-1")
+      if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+        return APIError(401, "a valid API key is required: send `Authorization: Bearer KEY`",
+                        type="invalid_request_error", code="invalid_api_key")
+    return None
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http":
+      err = self.check(scope)
+      if err is not None:
+        self.counters.error(err.status)
+        return await err.response()(scope, receive, send)
+    await self.app(scope, receive, send)
+
+
 def _param_of(message: str, prompt_param: str) -> str | None:
   """The request field an engine ValueError names (its messages start with `name=` or mention it)."""
-  for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings", "stop_ids", "stop"):
+  if message.startswith("stop_ids"):
+    return "stop_token_ids"
+  for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings", "stop"):
     if name in message:
       return "stop" if name.startswith("stop") else name
   return prompt_param if "prompt" in message else None
@@ -163,15 +308,19 @@ def _sampling(body: dict, *, default_max_tokens: int, stop_ids: tuple[int, ...],
     max_tokens = _field(body, "max_tokens", "int", default_max_tokens)
   if max_tokens <= 0:
     raise APIError(400, f"max_tokens={max_tokens} must be >= 1", param="max_tokens", code="invalid_value")
-  temperature = float(_field(body, "temperature", "num", 1.0))
-  top_p = float(_field(body, "top_p", "num", 1.0))
+  temperature = _field(body, "temperature", "num", 1.0)
+  top_p = _field(body, "top_p", "num", 1.0)
   top_k = _field(body, "top_k", "int", 0)
   seed = _field(body, "seed", "int", DEFAULT_SEED)
-  if top_k < 0:  # vLLM's -1 = off
+  if top_k == -1:  # vLLM's off
     top_k = 0
+  extra = body.get("stop_token_ids") or []
+  if not isinstance(extra, list) or not all(_is_int(t) for t in extra):
+    raise APIError(400, "stop_token_ids must be a list of token ids", param="stop_token_ids", code="invalid_type")
+  # ranges are checked by SamplingParams here and Engine.validate at submission: one place, not two copies
   try:
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop_ids=stop_ids, stop_strings=_stop(body))
+                          stop_ids=tuple(stop_ids) + tuple(extra), stop_strings=_stop(body))
   except (ValueError, TypeError) as e:
     raise APIError(400, str(e), param=_param_of(str(e), "prompt"), code="invalid_value") from None
 
@@ -211,7 +360,7 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
     raise APIError(400, "messages must be a non-empty list", param="messages", code="invalid_type")
   rendered = []
   for i, m in enumerate(msgs):
-    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in _ROLES:
       raise APIError(400, f"messages[{i}] must be an object with role one of {sorted(_ROLES)}",
                      param=f"messages[{i}]", code="invalid_value")
     content = m.get("content")
@@ -312,9 +461,12 @@ def _metrics_text(stats: dict, counters: _Counters) -> str:
   return "\n".join(lines) + "\n"
 
 
-def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: EngineRunner | None = None) -> FastAPI:
+def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: EngineRunner | None = None,
+               sessions=None) -> FastAPI:
   """The FastAPI app serving `engine` (built over `model` and `tokenizer`). Its lifespan starts the engine
-  thread and, on shutdown, aborts whatever is still in flight and stops the thread."""
+  thread and, on shutdown, aborts whatever is still in flight and stops the thread. Sessions: `sessions`, an
+  opened `sessions.SessionsDir` (the CLI's), else one opened on config.history_dir (locked, loaded at start-up,
+  saved every 60 s on the engine thread and at shutdown, released at shutdown)."""
   runner = runner or EngineRunner(engine)
   counters = _Counters()
   created = int(time.time())
@@ -323,28 +475,45 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   max_new = getattr(eng_cfg, "max_new_tokens", 256)
   stops = {False: model_stop_ids(model, tokenizer, False), True: model_stop_ids(model, tokenizer, True)}
 
-  history_dir = config.history_dir
+  # --- sessions (sessions.py) ---
+  history_dir = sessions.path if sessions is not None else config.history_dir
   if history_dir is not None and getattr(engine, "history", None) is None:
     raise ValueError(f"history_dir={history_dir!r} needs an engine that keeps history (EngineConfig.history_bytes)")
+  own_sessions = sessions is None and history_dir is not None
+  if own_sessions:
+    from .sessions import SessionsDir
+    sessions = SessionsDir(history_dir)
+  if sessions is not None:  # on the engine thread, between steps: never racing the engine's own changes
+    runner.every(sessions.save_every_s, lambda: sessions.save(engine))
+  app_sessions = sessions
+  # --- end sessions ---
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
     if config.warmup:  # before the engine thread starts: this thread is the only one touching the engine
       await asyncio.to_thread(warm_up, engine, log.info)
-    if history_dir is not None and os.path.exists(history_dir):
-      n = await asyncio.to_thread(engine.load_history, history_dir)
-      log.info(f"sessions: loaded {n} stored prompt histories from {history_dir}")
+    if app_sessions is not None:
+      try:
+        n = await asyncio.to_thread(app_sessions.load, engine)
+      except BaseException:  # refused (sessions.py logged why): the app does not start
+        if own_sessions:
+          app_sessions.close()
+        raise
+      log.info(f"sessions: loaded {n} stored prompt histories from {app_sessions.path}")
     runner.start()
     try:
       yield
     finally:
       await asyncio.to_thread(runner.shutdown)
-      if history_dir is not None:
-        n = await asyncio.to_thread(engine.save_history, history_dir)
-        log.info(f"sessions: saved {n} prompt histories to {history_dir}")
+      if app_sessions is not None:  # the engine thread has stopped: nothing else touches the histories
+        await asyncio.to_thread(app_sessions.save, engine)
+        if own_sessions:
+          app_sessions.close()
 
-  app = FastAPI(title="rocketkv-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
+  app = FastAPI(title="rocketkv-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+  app.add_middleware(_Guard, api_key=config.api_key, allowed_hosts=config.allowed_hosts, counters=counters)
   app.state.runner = runner
+  app.state.sessions = app_sessions
   app.state.counters = counters
 
   @app.exception_handler(APIError)
@@ -377,6 +546,8 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     name = body.get("model")
     if name is None:
       raise APIError(400, "model is required", param="model", code="missing_required_parameter")
+    if not isinstance(name, str):
+      raise APIError(400, f"model={name!r} must be a string", param="model", code="invalid_type")
     if name != config.model_name:
       raise APIError(404, f"The model `{name}` does not exist; this server serves `{config.model_name}`",
                      param="model", code="model_not_found")
@@ -435,22 +606,33 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
         q.put_nowait((None, None))  # wake the handler: no more events will come
         return
 
-  async def run(request: HttpRequest, body: dict, *, chat: bool):
+  def parse(body: dict, chat: bool):
+    """(prompts, sampling, stream, include_usage) of a request body; runs in a worker thread (tokenization)."""
     check_model(body)
-    if chat:
-      prompts = [_chat_prompt(body, tokenizer)]
-    else:
-      prompts = _completion_prompts(body, tokenizer)
-    prompt_param = "messages" if chat else "prompt"
-    for ids in prompts:
-      check_prompt(ids, prompt_param)
     sampling = _sampling(body, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
                          stop_ids=stops[chat], chat=chat)
     stream = _field(body, "stream", "bool", False)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
       raise APIError(400, "stream_options must be an object", param="stream_options", code="invalid_type")
-    include_usage = bool(opts.get("include_usage", False))
+    include_usage = _field(opts, "include_usage", "bool", False)
+    prompts = [_chat_prompt(body, tokenizer)] if chat else _completion_prompts(body, tokenizer)
+    for ids in prompts:
+      check_prompt(ids, "messages" if chat else "prompt")
+    return prompts, sampling, stream, include_usage
+
+  async def parse_off_loop(fn, *args):
+    """fn(*args) in a worker thread; a malformed value it trips over is the client's 400, never a 500."""
+    try:
+      return await asyncio.to_thread(fn, *args)
+    except APIError:
+      raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+      raise APIError(400, f"invalid request: {type(e).__name__}: {e}", code="invalid_value") from None
+
+  async def run(request: HttpRequest, body: dict, *, chat: bool):
+    prompts, sampling, stream, include_usage = await parse_off_loop(parse, body, chat)
+    prompt_param = "messages" if chat else "prompt"
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     request_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
     q = await submit_all(request_ids, prompts, sampling, prompt_param)
@@ -560,13 +742,49 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
       card["max_model_len"] = max_prompt + max_new
     return card
 
+  async def body_of(request: HttpRequest) -> dict:
+    return await _json_body(request, config.max_body_bytes)
+
   @app.post("/v1/completions")
   async def completions(request: HttpRequest):
-    return await run(request, await _json_body(request), chat=False)
+    return await run(request, await body_of(request), chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: HttpRequest):
-    return await run(request, await _json_body(request), chat=True)
+    return await run(request, await body_of(request), chat=True)
+
+  def tokenize(body: dict) -> dict:
+    if body.get("model") is not None:
+      check_model(body)
+    if "messages" in body:
+      ids = _chat_prompt(body, tokenizer)
+    elif isinstance(body.get("prompt"), str):
+      ids = tokenizer.encode(body["prompt"])
+    else:
+      raise APIError(400, "send {\"prompt\": str} or {\"messages\": [...]}", param="prompt", code="invalid_type")
+    return {"tokens": ids, "count": len(ids), "max_model_len": model_card().get("max_model_len")}
+
+  def detokenize(body: dict) -> dict:
+    if body.get("model") is not None:
+      check_model(body)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+      raise APIError(400, "tokens must be a list of token ids", param="tokens", code="invalid_type")
+    if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
+      raise APIError(400, f"tokens must lie in [0, {tokenizer.vocab_size})", param="tokens", code="invalid_value")
+    return {"prompt": tokenizer.decode(ids, skip_special=False)}
+
+  @app.post("/tokenize")
+  async def tokenize_route(request: HttpRequest):
+    return await parse_off_loop(tokenize, await body_of(request))
+
+  @app.post("/detokenize")
+  async def detokenize_route(request: HttpRequest):
+    return await parse_off_loop(detokenize, await body_of(request))
+
+  @app.get("/version")
+  async def version():
+    return {"version": _version()}
 
   @app.get("/health")
   async def health():

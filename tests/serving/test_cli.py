@@ -130,6 +130,9 @@ def test_kv_report_without_warning():
     (["serve", "--drain-s", "-1"], "--drain-s: must be >= 0"),
     (["serve", "--prefill-buckets", "a,b"], "comma-separated integers"),
     (["serve", "--max-prompt-tokens", "64", "--prefill-buckets", "128"], "must not exceed max_prompt_tokens"),
+    (["serve", "--sessions-dir", "/dev/null/x"], "--sessions-dir='/dev/null/x': cannot use /dev/null/x"),
+    (["serve", "--history-spill-dir", "/dev/null/x"], "--history-spill-dir='/dev/null/x': cannot use"),
+    (["serve", "--sessions-save-s", "-1"], "--sessions-save-s: must be >= 0"),
 ])
 def test_bad_flags_fail_fast_without_loading_the_model(args, shown, capsys, monkeypatch):
   import rocketkv_jax.models as models
@@ -203,3 +206,99 @@ def test_no_compile_cache_writes_no_cache(tiny_gguf, tmp_path, capsys):
   assert main(["generate", "--model", tiny_gguf, "--max-new-tokens", "2", "--prompt", PROMPT, "--cache",
                str(tmp_path), "--no-compile-cache"]) == 0
   assert not os.path.exists(tmp_path / "xla")
+
+
+def test_a_sessions_dir_in_use_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+  from rocketkv_jax.serving.sessions import SessionsDir
+  import rocketkv_jax.models as models
+  monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+  held = SessionsDir(str(tmp_path / "s"))  # another server's, as far as the lock can tell
+  try:
+    assert main(["serve", "--sessions-dir", str(tmp_path / "s"), "--no-compile-cache"]) == 2
+  finally:
+    held.close()
+  err = capsys.readouterr().err
+  assert f"{tmp_path / 's'} is in use by another server (pid {os.getpid()})" in " ".join(err.split())
+
+
+class _Serve:
+  """A `rocketkv serve` process on the tiny GGUF with --sessions-dir; `up()` waits for its start-up to end."""
+
+  def __init__(self, gguf, folder):
+    import threading
+    self.cmd = [sys.executable, "-m", "rocketkv_jax.serving.cli", "serve", "--model", gguf, "--port", "0",
+                "--no-warmup", "--no-cache", "--no-compile-cache", "--sessions-dir", str(folder),
+                "--max-prompt-tokens", "64", "--max-new-tokens", "8", "--log-level", "info"]
+    self.env = dict(os.environ, COLUMNS="200")
+    self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                 env=self.env)
+    self.lines, self._up = [], threading.Event()
+    self.reader = threading.Thread(target=self._read, daemon=True)
+    self.reader.start()
+
+  def _read(self):
+    for line in self.proc.stderr:
+      self.lines.append(line)
+      if "Application startup complete" in line:
+        self._up.set()
+
+  def up(self) -> bool:
+    t0 = time.monotonic()
+    while not self._up.is_set() and self.proc.poll() is None and time.monotonic() - t0 < 180:
+      time.sleep(0.05)
+    return self._up.is_set()
+
+  def stop(self) -> int:
+    import signal
+    self.proc.send_signal(signal.SIGTERM)
+    return self.wait()
+
+  def wait(self) -> int:
+    try:
+      rc = self.proc.wait(120)
+    finally:
+      if self.proc.poll() is None:
+        self.proc.kill()
+    self.reader.join(10)
+    return rc
+
+  def text(self) -> str:
+    return " ".join("".join(self.lines).split())
+
+
+def test_serve_exits_non_zero_when_the_sessions_cannot_be_saved(tiny_gguf, tmp_path):
+  """A real `rocketkv serve` process: a second one on its sessions folder is refused (status 2, naming the
+  first one's pid); the first one's save at shutdown fails (its pointer file cannot be replaced) and the
+  process exits 1, not 0."""
+  folder = tmp_path / "s"
+  first = _Serve(tiny_gguf, folder)
+  try:
+    assert first.up(), first.text()
+    second = subprocess.run(first.cmd, capture_output=True, text=True, timeout=120, env=first.env)
+    assert second.returncode == 2
+    assert f"in use by another server (pid {first.proc.pid})" in " ".join(second.stderr.split())
+    (folder / "CURRENT").mkdir()  # the save's last step, replacing the pointer, now fails
+  finally:
+    rc = first.stop()
+  assert rc == 1, first.text()
+  assert "FAILED to save" in first.text() and "IsADirectoryError" in first.text()
+  assert "the sessions could not be saved" in first.text()
+
+
+def test_serve_refuses_an_edited_sessions_file_at_start_up(tiny_gguf, tmp_path):
+  """A saved session whose segment table was edited: the next server names the file and the field, does not
+  start, and exits 1."""
+  folder = tmp_path / "s"
+  first = _Serve(tiny_gguf, folder)
+  try:
+    assert first.up(), first.text()
+  finally:
+    assert first.stop() == 0, first.text()
+  meta = folder / (folder / "CURRENT").read_text().strip() / "meta.json"
+  body = json.loads(meta.read_text())
+  body["meta"]["segments"].append(dict(parent=None, start=0))  # a segment with no arrays
+  meta.write_text(json.dumps(body))
+  again = _Serve(tiny_gguf, folder)
+  assert again.wait() == 1, again.text()
+  assert f"{meta}: meta.segments lists 1 segments but the arrays hold" in again.text()
+  assert "the server did not start" in again.text()

@@ -221,12 +221,19 @@ def test_validation_errors(model, engine):
   for bad, match in ((dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
                      (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
                      (dict(seed=-1), "seed"), (dict(seed=2**32), "seed"), (dict(max_tokens=0), "max_tokens"),
-                     (dict(stop_ids=(-2,)), "stop_ids"), (dict(stop_strings=("",)), "stop_strings")):
+                     (dict(stop_ids=(-2,)), "stop_ids"), (dict(stop_strings=("",)), "stop_strings"),
+                     # nothing that would overflow the device's int32 / float32 / uint32 (the server's 400s)
+                     (dict(top_k=10**12), "top_k"), (dict(max_tokens=2**31), "max_tokens"),
+                     (dict(temperature=1e6), "temperature"), (dict(temperature=10**400), "temperature"),
+                     (dict(top_p=10**400), "top_p"), (dict(seed=2**64), "seed"), (dict(stop_ids=(2**40,)), "stop_ids")):
     with pytest.raises(ValueError, match=match):
       SamplingParams(**bad)
+  assert SamplingParams(temperature=1e-9).temperature == 0.0  # below float32's reach: greedy, as vLLM does
   for req, match in ((Request("x", []), "prompt_ids"), (Request("x", [5] * 201), "max_prompt_tokens"),
                      (Request("x", [5, 999]), "token ids"), (Request("", [5]), "request_id"),
                      (Request("x", [5], SamplingParams(max_tokens=25)), "max_new_tokens"),
+                     (Request("x", [5], SamplingParams(max_tokens=3, top_k=10**6)), "top_k=1000000 exceeds"),
+                     (Request("x", [5], SamplingParams(max_tokens=3, stop_ids=(10**6,))), "stop_ids"),
                      # the paper's plan for 33 prompt tokens and 24 new ones at t=32 keeps fewer than its window
                      (Request("x", [5] * 33, SamplingParams(max_tokens=24)),
                       r"row 0 \(prompt of 33 tokens, max_new_tokens=24\): prompt_budget=25 .* window_size=32")):

@@ -41,6 +41,7 @@ class Served:
     from rocketkv_jax.serving import Engine, EngineConfig
     from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
     self.engine = Engine(model, tok, EngineConfig(**engine_kw))
+    self.api_key = (server_kw or {}).get("api_key")
     self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, **(server_kw or {})))
     self.runner = self.app.state.runner
     self.port = _free_port()
@@ -54,18 +55,23 @@ class Served:
       if not self.thread.is_alive() or time.monotonic() - t0 > 60:
         raise RuntimeError("the server did not start")
       time.sleep(0.02)
-    self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
-                                timeout=300)
+    self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.api_key or "none",
+                                max_retries=0, timeout=300)
 
   def stop(self, timeout=120.0) -> None:
     self.server.should_exit = True
     self.thread.join(timeout)
     assert not self.thread.is_alive(), "the server did not stop"
 
+  def headers(self, **extra) -> dict:
+    """A JSON request's headers (with the API key when the server has one), plus `extra`."""
+    h = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+    return h | {k.replace("_", "-"): v for k, v in extra.items()}
+
   def http(self, method, path, body=None, headers=None):
     conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
     try:
-      conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+      conn.request(method, path, body=body, headers=self.headers() if headers is None else headers)
       r = conn.getresponse()
       data = r.read().decode()
       return r.status, data
@@ -256,14 +262,218 @@ def test_unknown_route_gets_openai_error(served):
   assert status == 404 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
+def _error(status, body) -> tuple[int, dict]:
+  err = json.loads(body)["error"]
+  assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+  return status, err
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("min_tokens", 4), ("length_penalty", 0.5),
+                                          ("use_beam_search", True), ("best_of", 2), ("min_p", 0.1),
+                                          ("ignore_eos", True), ("presence_penalty", 0.5)])
+def test_sampling_fields_not_implemented_are_refused(served, field, value):
+  with pytest.raises(openai.BadRequestError) as e:
+    served.client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={field: value})
+  assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == field, e.value.body
+
+
+def test_neutral_values_and_unknown_fields_are_accepted(served, smollm2):
+  _, tok = smollm2
+  c = served.client
+  neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "length_penalty": 1, "use_beam_search": False, "best_of": 1,
+             "top_k": -1, "user": "u", "x_unknown_field": {"a": [1]}}
+  assert _complete(c, PROMPTS[0], 3, stream=False, extra_body=neutral) == _complete(c, PROMPTS[0], 3, stream=False)
+  # stop_token_ids (vLLM's) is implemented: the first greedy token, named as a stop id, ends the answer at once
+  first, _, _ = _complete(c, PROMPTS[0], 1, stream=False)
+  (first_id,) = tok.encode(first)
+  text, finish, usage = _complete(c, PROMPTS[0], 6, stream=False, extra_body={"stop_token_ids": [first_id]})
+  assert finish == "stop" and usage.completion_tokens <= 1 and text == ""
+
+
+def test_a_bad_value_fails_only_its_own_request(served, smollm2):
+  """Out-of-range sampling values get a 400 naming the field, while 3 good requests decoding at the same time
+  finish with the same text as alone (the issue: top_k=10**12 raised inside the shared step, 4 requests got 500)."""
+  _, tok = smollm2
+  good = [(PROMPTS[0], 16, False), (PROMPTS[3], 16, True), (PROMPTS[5], 16, False)]
+  alone = [_complete(served.client, p, n, s) for p, n, s in good]
+  ok = dict(model=MODEL, prompt="hello", max_tokens=2)
+  bad = [({"top_k": 10**12, "temperature": 1}, "top_k"), ({"top_k": tok.vocab_size + 1, "temperature": 1}, "top_k"),
+         ({"top_k": -2}, "top_k"), ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"),
+         ({"max_tokens": 10**30}, "max_tokens"),
+         ({"temperature": 10**400}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+         ({"temperature": 1e6}, "temperature"), ({"top_p": float("nan")}, "top_p"), ({"top_p": 10**400}, "top_p"),
+         ({"stop_token_ids": [10**12]}, "stop_token_ids"), ({"stop_token_ids": [tok.vocab_size]}, "stop_token_ids")]
+  with concurrent.futures.ThreadPoolExecutor(len(good)) as pool:
+    futures = [pool.submit(_complete, served.client, p, n, s) for p, n, s in good]
+    served.wait_metric("rocketkv_active_slots", lambda v: v >= 1)
+    for fields, param in bad:
+      status, err = _error(*served.http("POST", "/v1/completions", json.dumps(dict(ok, **fields))))
+      assert status == 400 and err["param"] == param, (fields, err)
+    assert [f.result(timeout=300) for f in futures] == alone
+  m = served.metrics()
+  assert m["rocketkv_engine_alive"] == 1 and m.get('rocketkv_http_errors_total{status="500"}', 0) == 0
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", DEEP),
+    ("/v1/completions", b'{"model": "smollm2", "prompt": ' + DEEP + b"}"),
+    ("/v1/completions", b'{"model": "smollm2", "max_tokens": ' + b"9" * 5000 + b', "prompt": "a"}'),
+    ("/v1/completions", b'{"model": "smollm2", "prompt": "\xff\xfe"}'),
+    ("/v1/chat/completions", {"messages": [{"role": 5}]}),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/completions", {"prompt": [[1, 2], [3, "x"]]}),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 10**12]]}),
+    ("/v1/completions", {"prompt": "a", "stop": [1]}),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "x"}}),
+    ("/v1/completions", {"prompt": "a", "stream_options": [1]}),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "5"}),
+    ("/v1/completions", {"prompt": "a", "seed": 1.5}),
+    ("/v1/completions", {"prompt": "a", "top_k": True}),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": "x"}),
+    ("/v1/completions", {"prompt": "a", "model": [1]}),
+    ("/tokenize", {"prompt": 5}),
+    ("/tokenize", {"messages": [{"role": {}}]}),
+    ("/detokenize", {"tokens": [1, "a"]}),
+    ("/detokenize", {"tokens": [-1]}),
+    ("/detokenize", {"tokens": [10**9]}),
+])
+def test_malformed_bodies_get_400(served, path, body):
+  if isinstance(body, dict):
+    body = json.dumps({"model": MODEL, **body}) if "model" not in body else json.dumps(body)
+  status, err = _error(*served.http("POST", path, body))
+  assert status == 400, err
+
+
+def test_a_lone_surrogate_is_not_a_server_error(served):
+  status, _ = served.http("POST", "/v1/completions", b'{"model": "smollm2", "prompt": "a\\ud800b", "max_tokens": 1}')
+  assert status in (200, 400)
+
+
+def _raw(port, request: bytes, timeout=30.0) -> tuple[int, dict, bytes]:
+  """Sends raw bytes; (status, headers, body) of the answer."""
+  with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+      chunk = sock.recv(65536)
+      assert chunk, data
+      data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", 0)):
+      chunk = sock.recv(65536)
+      if not chunk:
+        break
+      body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_a_body_over_the_limit_gets_413_at_once(served):
+  t0 = time.monotonic()
+  status, _, body = _raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % (9 * 2**20))
+  assert time.monotonic() - t0 < 5
+  status, err = _error(status, body)
+  assert status == 413 and err["code"] == "request_too_large"
+
+
+def test_health_answers_while_a_large_prompt_is_tokenized(served):
+  """4 MB of prompt text (under the body limit) takes seconds to tokenize: off the event loop, so /health and
+  the rest go on meanwhile; the prompt is then refused as too long."""
+  body = json.dumps(dict(model=MODEL, prompt=STORY * 12_000, max_tokens=1))
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    big = pool.submit(served.http, "POST", "/v1/completions", body)
+    time.sleep(0.3)
+    waits = []
+    while not big.done() and len(waits) < 20:
+      t0 = time.monotonic()
+      assert served.http("GET", "/health")[0] == 200
+      waits.append(time.monotonic() - t0)
+      time.sleep(0.1)
+    status, err = _error(*big.result(timeout=300))
+  assert status == 400 and err["code"] == "context_length_exceeded"
+  assert waits and max(waits) < 1.0, waits
+
+
+def _request(port, method, path, body=None, headers=None):
+  """(status, headers, body) through http.client, which sends the Host header we give, if any."""
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+  try:
+    conn.request(method, path, body=body, headers=headers or {})
+    r = conn.getresponse()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+  finally:
+    conn.close()
+
+
+def test_post_needs_a_json_content_type(served):
+  body = json.dumps(dict(model=MODEL, prompt="hi", max_tokens=1, temperature=0))
+  for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+    status, _, text = _request(served.port, "POST", "/v1/completions", body, {"Content-Type": ctype} if ctype else {})
+    status, err = _error(status, text)
+    assert status == 415 and err["code"] == "unsupported_media_type", ctype
+  status, _, _ = _request(served.port, "POST", "/v1/completions", body,
+                          {"Content-Type": "application/json; charset=utf-8"})
+  assert status == 200
+
+
+def test_loopback_server_refuses_foreign_host_and_origin(served):
+  port = served.port
+  for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "10.0.0.1"):
+    status, _, text = _request(port, "GET", "/v1/models", headers={"Host": host})
+    status, err = _error(status, text)
+    assert status == 403 and err["code"] == "host_not_allowed", host
+  for host in (f"localhost:{port}", "localhost", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+    assert _request(port, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+  for origin in ("http://evil.example", "null", f"http://evil.example:{port}"):
+    status, err = _error(*_request(port, "POST", "/v1/completions", "{}",
+                                   {"Origin": origin, "Content-Type": "application/json"})[::2])
+    assert status == 403 and err["code"] == "origin_not_allowed", origin
+  assert _request(port, "GET", "/v1/models", headers={"Origin": "http://localhost:3000"})[0] == 200
+  # no CORS headers, ever: a preflight is not answered with permission
+  for method, path, headers in (("OPTIONS", "/v1/completions", {"Origin": "http://localhost:3000",
+                                                                "Access-Control-Request-Method": "POST"}),
+                                ("GET", "/v1/models", {"Origin": "http://localhost:3000"})):
+    status, got, _ = _request(port, method, path, headers=headers)
+    assert not any(k.startswith("access-control-") for k in got), got
+
+
+def test_version_tokenize_detokenize(served, smollm2):
+  from importlib.metadata import version
+  _, tok = smollm2
+  status, text = served.http("GET", "/version")
+  assert status == 200 and json.loads(text) == {"version": version("rocketkv-jax")}
+  status, text = served.http("POST", "/tokenize", json.dumps({"model": MODEL, "prompt": PROMPTS[0]}))
+  got = json.loads(text)
+  assert status == 200 and got == {"tokens": tok.encode(PROMPTS[0]), "count": len(tok.encode(PROMPTS[0])),
+                                   "max_model_len": 512 + 16}
+  status, text = served.http("POST", "/tokenize", json.dumps({"messages": [{"role": "user", "content": QUESTIONS[0]}]}))
+  assert status == 200 and json.loads(text)["tokens"] == tok.encode(QUESTIONS[0], chat=True)
+  status, text = served.http("POST", "/detokenize", json.dumps({"tokens": got["tokens"]}))
+  assert status == 200 and json.loads(text) == {"prompt": PROMPTS[0]}
+  status, text = served.http("POST", "/tokenize", json.dumps({"model": "gpt-4", "prompt": "a"}))
+  assert status == 404
+
+
 # --- overload, disconnect, shutdown: one slot, a queue of one -------------------------------------------------------
+
+
+TINY_KEY = "sk-tiny-test-key"
 
 
 @pytest.fixture(scope="module")
 def tiny(smollm2):
+  """One slot, a queue of one, and an API key (so every call here also proves the key is accepted)."""
   model, tok = smollm2
-  s = Served(model, tok, drain_s=0.2, method="rocketkv", token_budget=64, max_slots=1, max_prompt_tokens=128,
-             max_new_tokens=64, steps_per_call=1, max_queue=1)
+  s = Served(model, tok, drain_s=0.2, server_kw=dict(api_key=TINY_KEY), method="rocketkv", token_budget=64,
+             max_slots=1, max_prompt_tokens=128, max_new_tokens=64, steps_per_call=1, max_queue=1)
   try:
     yield s
   finally:
@@ -304,12 +514,29 @@ def test_disconnect_while_waiting_for_a_whole_answer(tiny):
   gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
   conn = http.client.HTTPConnection("127.0.0.1", tiny.port, timeout=60)
   body = json.dumps(dict(model=MODEL, prompt=PROMPTS[3], max_tokens=64, temperature=0))
-  conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+  conn.request("POST", "/v1/completions", body=body, headers=tiny.headers())
   tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
   conn.sock.shutdown(socket.SHUT_RDWR)
   conn.close()
   tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
   assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
+
+
+def test_api_key_guards_all_but_health(tiny):
+  port = tiny.port
+  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TINY_KEY}):
+    for path in ("/v1/models", "/metrics", "/tokenize"):
+      status, err = _error(*_request(port, "GET", path, headers=headers)[::2])
+      assert status == 401 and err["code"] == "invalid_api_key", (path, headers)
+  for path in ("/health", "/version"):
+    assert _request(port, "GET", path)[0] == 200, path
+  ok = {"Authorization": f"Bearer {TINY_KEY}"}
+  assert _request(port, "GET", "/v1/models", headers=ok)[0] == 200
+  assert _request(port, "GET", "/metrics", headers=ok)[0] == 200
+  wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0, timeout=60)
+  with pytest.raises(openai.AuthenticationError):
+    wrong.models.list()
+  assert [m.id for m in tiny.client.models.list().data] == [MODEL]
 
 
 def test_shutdown_aborts_in_flight_cleanly(tiny):

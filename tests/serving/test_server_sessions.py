@@ -68,7 +68,8 @@ def test_sessions_survive_a_restart(smollm2, tmp_path):
       _, usage = turn(first, messages, text)
   finally:
     first.stop()
-  assert os.path.isfile(os.path.join(folder, "meta.json"))
+  with open(os.path.join(folder, "CURRENT")) as f:  # sessions.py's layout: the pointer names the saved folder
+    assert os.path.isfile(os.path.join(folder, f.read().strip(), "meta.json"))
   second = Served(model, tok, server_kw=dict(history_dir=folder), **ENGINE)
   try:
     assert second.engine.stats()["history_segments"] == 2

@@ -4,7 +4,9 @@ answer; the history is a prefix tree (shared prefixes stored once) within its me
 spill); query-agnostic contexts answer many questions from copies of one compressed cache; saving and loading
 (orbax) round-trips and refuses another model, another method or a damaged file."""
 
+import fcntl
 import glob
+import json
 import os
 import warnings
 
@@ -20,6 +22,7 @@ from rocketkv_jax.models.loop import LoopConfig, decode_loop
 from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams
 from rocketkv_jax.serving.history import HistoryStore
 from rocketkv_jax.serving.saved import SavedFileError
+from rocketkv_jax.serving.sessions import DirError, SessionsDir, check_writable
 from tests.models.conftest import tiny_config, tiny_params
 from tests.serving.test_engine import Tok
 
@@ -321,3 +324,180 @@ def test_load_refuses_another_model_method_or_a_damaged_file(model, tmp_path):
   meta.write_text(meta.read_text()[:-20])
   with pytest.raises(SavedFileError, match="meta.json is damaged"):
     eng.load_context(tmp_path / "ctx")
+
+
+# ----------------------------------------------------------------------------- sessions on disk (sessions.py)
+
+STAMP = dict(kind="history", model="test")
+
+
+def _two_segment_store(**kw):
+  store = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20, **kw)
+  store.add(list(range(10)), *_kv(10), reused=0)
+  store.add(list(range(10)) + [50, 51, 52], *_kv(3), reused=10)
+  assert [s.start for s in store.segments] == [0, 10]
+  return store
+
+
+def _edit_table(folder, edit):
+  meta = os.path.join(folder, "meta.json")
+  with open(meta) as f:
+    body = json.load(f)
+  edit(body["meta"]["segments"])
+  with open(meta, "w") as f:
+    json.dump(body, f)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda t: t[1].update(start=999), r"meta\.segments\[1\]\.start = 999 must be in \(0, 10\]"),  # was used as is
+    (lambda t: t[1].update(parent=7), r"meta\.segments\[1\]\.parent = 7 must be null or"),  # was an IndexError
+    (lambda t: t[1].update(start="10"), r"meta\.segments\[1\]\.start = '10' must be an integer"),
+    (lambda t: t.append(dict(parent=None, start=0)), r"meta\.segments lists 3 segments but the arrays hold"),
+    (lambda t: t[0].update(start=3), r"meta\.segments\[0\]\.start = 3 must be 0"),
+])
+def test_load_refuses_an_edited_segment_table_naming_the_file_and_field(tmp_path, edit, field):
+  _two_segment_store().save(tmp_path / "h", stamp=STAMP)
+  _edit_table(str(tmp_path / "h"), edit)
+  fresh = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20)
+  with pytest.raises(SavedFileError, match=field) as e:
+    fresh.load(tmp_path / "h", stamp=STAMP)
+  assert str(tmp_path / "h" / "meta.json") in str(e.value)
+  assert not fresh.segments  # nothing of a bad file is used
+
+
+def test_load_refuses_arrays_that_disagree_with_the_table(tmp_path):
+  store = _two_segment_store()
+  store.segments[1].k[0] = store.segments[1].k[0][:2]  # 2 rows for 3 tokens (checksums are of what is saved)
+  store.save(tmp_path / "h", stamp=STAMP)
+  with pytest.raises(SavedFileError, match=r"arrays s1\.k\[0\] is \(2, 2, 4\) float32; segment 1 has 3 tokens"):
+    HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20).load(tmp_path / "h", stamp=STAMP)
+
+
+def test_spill_files_are_private_removed_when_dropped_and_at_close(tmp_path):
+  one = 2 * 2 * 10 * 2 * 4 * 4
+  spill_dir = tmp_path / "spill"
+  stale = spill_dir / "history-dead"  # a crashed process's: lock file free
+  stale.mkdir(parents=True)
+  (stale / ".lock").write_text("")
+  (stale / "seg1-k0.npy").write_bytes(b"x")
+  alive = spill_dir / "history-alive"  # another live server's: locked
+  alive.mkdir()
+  fd = os.open(alive / ".lock", os.O_RDWR | os.O_CREAT)
+  fcntl.flock(fd, fcntl.LOCK_EX)
+  try:
+    store = HistoryStore(2, (2, 4), np.float32, max_bytes=one, spill_dir=str(spill_dir), max_disk_bytes=one)
+    assert not stale.exists() and alive.exists()
+    store.add(list(range(10)), *_kv(10), reused=0)
+    store.add(list(range(100, 110)), *_kv(10), reused=0)
+    files = glob.glob(os.path.join(store.spill_dir, "*.npy"))
+    assert len(files) == 4 and all(os.stat(f).st_mode & 0o777 == 0o600 for f in files)
+    assert os.stat(store.spill_dir).st_mode & 0o777 == 0o700
+    store.add(list(range(200, 210)), *_kv(10), reused=0)  # the spilled one no longer fits on disk: dropped
+    assert len(glob.glob(os.path.join(store.spill_dir, "*.npy"))) == 4 and store.dropped == 1
+    store.clear()
+    assert not glob.glob(os.path.join(store.spill_dir, "*.npy"))
+    store.close()
+    assert not os.path.exists(store.spill_dir) and alive.exists()
+  finally:
+    os.close(fd)
+
+
+class _HistoryEngine:
+  """What SessionsDir needs of an Engine: a HistoryStore and save_history / load_history."""
+
+  def __init__(self):
+    self.history = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20)
+
+  def save_history(self, path):
+    return self.history.save(path, stamp=STAMP)
+
+  def load_history(self, path):
+    return self.history.load(path, stamp=STAMP)
+
+
+def test_sessions_dir_locks_saves_atomically_and_loads(tmp_path):
+  folder = tmp_path / "sessions"
+  first = SessionsDir(str(folder / "new"))  # created when missing
+  with pytest.raises(DirError, match=rf"--sessions-dir=.*{os.getpid()}"):
+    SessionsDir(str(folder / "new"))  # one server per folder: the other's pid named
+  eng = _HistoryEngine()
+  eng.history.add(list(range(10)), *_kv(10), reused=0)
+  assert first.save(eng) == 1 and first.save(eng) is None  # unchanged: not written again
+  eng.history.add(list(range(20, 30)), *_kv(10), reused=0)
+  assert first.save(eng) == 2
+  names = sorted(os.listdir(folder / "new"))
+  assert names == [".lock", "CURRENT", (folder / "new" / "CURRENT").read_text().strip()]  # the old one removed
+  (folder / "new" / ".saving-killed").mkdir()  # what a killed save leaves
+  first.close()
+  again = SessionsDir(str(folder / "new"))
+  assert not (folder / "new" / ".saving-killed").exists()
+  other = _HistoryEngine()
+  assert again.load(other) == 2
+  again.close()
+  with pytest.raises(DirError, match=r"--sessions-dir='/dev/null/x': cannot use"):
+    SessionsDir("/dev/null/x")
+  with pytest.raises(DirError, match=r"--history-spill-dir="):
+    check_writable("/dev/null/x", "--history-spill-dir")
+
+
+def test_a_failed_save_is_kept_and_logged_not_raised(tmp_path, caplog):
+  s = SessionsDir(str(tmp_path / "s"))
+  eng = _HistoryEngine()
+  eng.history.add(list(range(10)), *_kv(10), reused=0)
+  (tmp_path / "s" / "CURRENT").mkdir()  # the pointer cannot be replaced: the save fails
+  with caplog.at_level("ERROR", logger="rocketkv_jax.serving"):
+    assert s.save(eng) is None
+  assert isinstance(s.failed, OSError) and "FAILED to save" in caplog.text
+  os.rmdir(tmp_path / "s" / "CURRENT")
+  assert s.save(eng) == 1 and s.failed is None
+  s.close()
+
+
+def test_runner_calls_periodic_work_on_the_engine_thread():
+  import threading
+  import time
+
+  from rocketkv_jax.serving.runner import EngineRunner
+
+  class Idle:
+    def has_work(self):
+      return False
+
+    def stats(self):
+      return {}
+
+  seen = []
+  runner = EngineRunner(Idle()).every(0.05, lambda: seen.append(threading.current_thread().name))
+  runner.start()
+  t0 = time.monotonic()
+  while len(seen) < 2 and time.monotonic() - t0 < 10:
+    time.sleep(0.05)
+  runner.shutdown()
+  assert len(seen) >= 2 and set(seen) == {"rocketkv-engine"}
+
+
+def test_an_empty_store_saves_and_loads(tmp_path):
+  HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20).save(tmp_path / "h", stamp=STAMP)
+  assert HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20).load(tmp_path / "h", stamp=STAMP) == 0
+
+
+def test_periodic_saves_keep_the_sessions_of_a_crashed_server(model, tmp_path):
+  """The runner saves on the engine thread between steps; without any shutdown save (a crash), a new engine
+  loads what the last periodic save wrote."""
+  import time
+
+  from rocketkv_jax.serving.runner import EngineRunner
+  eng = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  sessions = SessionsDir(str(tmp_path / "s"), save_every_s=0.1)
+  runner = EngineRunner(eng).every(sessions.save_every_s, lambda: sessions.save(eng)).start()
+  events = []
+  runner.submit(Request("r", ids(70, 60), SamplingParams(max_tokens=4)), events.append).result(60)
+  t0 = time.monotonic()
+  while not any(getattr(e, "finished", False) for e in events) and time.monotonic() - t0 < 60:
+    time.sleep(0.05)
+  time.sleep(1.0)  # several save intervals after the prompt joined the history
+  runner.shutdown()  # no save here: as if the process died
+  sessions.close()
+  assert any(getattr(e, "finished", False) for e in events)
+  fresh = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  assert SessionsDir(str(tmp_path / "s")).load(fresh) == 1
