@@ -124,9 +124,17 @@ def finish_reason(row: Sequence[int], stop: Sequence[int]) -> str:
   return "stop" if row and row[-1] in stop else "length"
 
 
+def sampling_defaults(tokenizer: TextTokenizer, temperature=None, top_p=None) -> tuple:
+  """(temperature, top_p): the values given, else the checkpoint's generation defaults, else greedy (0) and 1."""
+  gen = tokenizer.generation or {}
+  return (gen.get("temperature", 0.0) if temperature is None else temperature,
+          gen.get("top_p", 1.0) if top_p is None else top_p)
+
+
 def stop_ids(model: Llama, tokenizer: TextTokenizer, chat: bool) -> tuple[int, ...]:
   """Ids that end a sequence: the model's EOS, plus the end-of-turn token for chat."""
-  ids = (model.config.eos_id, tokenizer.eos_id, tokenizer.chat_eos_id if chat else None)
+  ids = (model.config.eos_id, tokenizer.eos_id, tokenizer.chat_eos_id if chat else None,
+         *(tokenizer.generation or {}).get("eos_ids", ()))
   return tuple(sorted({i for i in ids if i is not None}))
 
 
@@ -169,14 +177,16 @@ class Prefilled:
 
 
 def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, method: str = "full",
-             token_budget: int = 256, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, chat: bool = False,
+             token_budget: int = 256, max_new_tokens: int = 64, temperature: float | None = None,
+             top_p: float | None = None, seed: int = 0, chat: bool = False,
              progress: Callable[[str], None] | None = None, mesh=None, **config_overrides) -> GenerateResult:
   """Generates for a batch of prompts (strings or token-id lists) of different lengths.
 
   method/token_budget pick the KV cache (any method of the core; "full" ignores the budget).
-  temperature 0 is greedy; otherwise temperature + top_p sampling from `seed`. Each sequence stops
-  at its EOS (the chat end-of-turn token with chat=True) or after max_new_tokens.
+  temperature 0 is greedy; otherwise temperature + top_p sampling from `seed`. Unset (None), they are the
+  checkpoint's own defaults (its generation_config.json, `tokenizer.generation`), else greedy and 1.0. Each
+  sequence stops at its EOS (the chat end-of-turn token with chat=True, the generation config's eos ids) or after
+  max_new_tokens.
 
   Each prompt runs the paper's plan for its own length (ALGORITHM.md §1: S = min(its length + max_new_tokens,
   max_len); what stage 1 keeps, stage 2's top-r and page size), never its companions', so a prompt's greedy
@@ -189,6 +199,7 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   the model's vocabulary.
   """
   _check_overrides(method, config_overrides)
+  temperature, top_p = sampling_defaults(tokenizer, temperature, top_p)
   check_sampling(temperature=temperature, top_p=top_p, seed=seed)
   progress = progress or (lambda msg: None)
   loop = LoopConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -111,6 +111,9 @@ class TextTokenizer:
   eos_id: int | None = None
   add_bos: bool = False
   chat_template: str | None = None
+  # the checkpoint's sampling defaults (generation_config.json: temperature, top_p, top_k, eos_ids), used where a
+  # caller leaves them unset (the server, the CLI, `generate`); None: the checkpoint has none
+  generation: dict | None = None
 
   @property
   def vocab_size(self) -> int:
@@ -171,7 +174,8 @@ class TextTokenizer:
   # Persistence next to converted weights.
   def save(self, directory: str) -> None:
     self.tokenizer.save(os.path.join(directory, "tokenizer.json"))
-    meta = dict(bos_id=self.bos_id, eos_id=self.eos_id, add_bos=self.add_bos, chat_template=self.chat_template)
+    meta = dict(bos_id=self.bos_id, eos_id=self.eos_id, add_bos=self.add_bos, chat_template=self.chat_template,
+                generation=self.generation)
     with open(os.path.join(directory, "tokenizer_meta.json"), "w") as f:
       json.dump(meta, f)
 
@@ -217,7 +221,33 @@ def tokenizer_from_hf_dir(directory: str, config: dict) -> TextTokenizer:
   if tok.post_processor is not None and bos is not None and tok.encode("a").ids[:1] == [bos]:
     add_bos = True  # we call encode(add_special_tokens=False), so add it ourselves
   return TextTokenizer(tokenizer=tok, bos_id=bos, eos_id=eos, add_bos=add_bos,
-                       chat_template=chat_template_of(directory, tcfg))
+                       chat_template=chat_template_of(directory, tcfg), generation=generation_defaults(directory))
+
+
+def generation_defaults(directory: str) -> dict | None:
+  """The sampling defaults of a checkpoint's generation_config.json, as vLLM applies them: temperature, top_p and
+  top_k where the file sets them (do_sample: false -> temperature 0, greedy), and its eos_token_id(s) as extra
+  stop ids. None without the file; a value of the wrong type is a ValueError naming it."""
+  path = os.path.join(directory, "generation_config.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    cfg = json.load(f)
+  out = {}
+  for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+    v = cfg.get(key)
+    if v is None:
+      continue
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+      raise ValueError(f"{path}: {key}={v!r} must be a {'number' if kind is float else 'whole number'}")
+    out[key] = kind(v)
+  if cfg.get("do_sample") is False:
+    out["temperature"] = 0.0
+  eos = cfg.get("eos_token_id")
+  eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+  if isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos) and eos:
+    out["eos_ids"] = sorted(set(eos))
+  return out
 
 
 def chat_template_of(directory: str, tokenizer_config: dict) -> str | None:

@@ -637,10 +637,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "token; 'length': --max-new-tokens reached) and stats. The stop token is in neither text "
                       "nor token_ids; stats.new_tokens counts it. stats.tokens_per_s is null when fewer than 2 "
                       "tokens were generated; compression_ratio is kvpress-style (1 - KV held / full KV)")
-  g.add_argument("--temperature", type=_number(float, low=0), default=0.0,
-                 help="sampling temperature, a finite number >= 0; 0 = greedy (default)")
-  g.add_argument("--top-p", type=_number(float, low=0, high=1, low_open=True), default=1.0,
-                 help="nucleus sampling mass, in (0, 1] (default 1.0)")
+  g.add_argument("--temperature", type=_number(float, low=0), default=None,
+                 help="sampling temperature, a finite number >= 0; 0 = greedy (default: the checkpoint's "
+                      "generation_config.json, else 0)")
+  g.add_argument("--top-p", type=_number(float, low=0, high=1, low_open=True), default=None,
+                 help="nucleus sampling mass, in (0, 1] (default: the checkpoint's generation_config.json, else 1.0)")
   g.add_argument("--seed", type=_number(int, low=0, high=2**32, high_open=True, high_text="2**32"), default=0,
                  help="sampling seed, an int in [0, 2**32) (default 0)")
   g.set_defaults(func=_cmd_generate)

@@ -7,7 +7,8 @@ Text exists only here and in the engine's detokenizer: a request is parsed and c
 (chat through the tokenizer's chat template), and handed to the engine thread (`runner.py`) as token ids;
 events come back through an asyncio queue per HTTP request.
 
-OpenAI semantics kept: `temperature` and `top_p` default to 1, `n` must be 1, `stop` is a string or a list,
+OpenAI semantics kept: `temperature` and `top_p` default to 1 (unless the checkpoint's generation_config.json
+sets them: then its values, as vLLM does), `n` must be 1, `stop` is a string or a list,
 errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx status (429 when the engine's queue
 is full, 503 while shutting down). Extensions: `top_k` (0 or -1 = off, at most the vocabulary size) and
 `stop_token_ids`. Departure: `seed` defaults to 0, so the same request gets the same answer (OpenAI draws a
@@ -301,16 +302,20 @@ def _unsupported(body: dict) -> None:
     raise APIError(400, f"n={n!r} is not supported: only n=1", param="n", code="unsupported_parameter")
 
 
-def _sampling(body: dict, *, default_max_tokens: int, stop_ids: tuple[int, ...], chat: bool) -> SamplingParams:
+def _sampling(body: dict, *, default_max_tokens: int, stop_ids: tuple[int, ...], chat: bool,
+              defaults: dict | None = None) -> SamplingParams:
+  """The request's sampling; a field it leaves out takes the checkpoint's generation default (`defaults`:
+  generation_config.json's temperature / top_p / top_k, as vLLM does), else OpenAI's (1, 1, off)."""
   _unsupported(body)
+  defaults = defaults or {}
   max_tokens = _field(body, "max_completion_tokens", "int", None) if chat else None
   if max_tokens is None:
     max_tokens = _field(body, "max_tokens", "int", default_max_tokens)
   if max_tokens <= 0:
     raise APIError(400, f"max_tokens={max_tokens} must be >= 1", param="max_tokens", code="invalid_value")
-  temperature = _field(body, "temperature", "num", 1.0)
-  top_p = _field(body, "top_p", "num", 1.0)
-  top_k = _field(body, "top_k", "int", 0)
+  temperature = _field(body, "temperature", "num", defaults.get("temperature", 1.0))
+  top_p = _field(body, "top_p", "num", defaults.get("top_p", 1.0))
+  top_k = _field(body, "top_k", "int", defaults.get("top_k", 0))
   seed = _field(body, "seed", "int", DEFAULT_SEED)
   if top_k == -1:  # vLLM's off
     top_k = 0
@@ -610,7 +615,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     """(prompts, sampling, stream, include_usage) of a request body; runs in a worker thread (tokenization)."""
     check_model(body)
     sampling = _sampling(body, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
-                         stop_ids=stops[chat], chat=chat)
+                         stop_ids=stops[chat], chat=chat, defaults=tokenizer.generation)
     stream = _field(body, "stream", "bool", False)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):

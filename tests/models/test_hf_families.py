@@ -86,3 +86,27 @@ def test_unsupported_family_and_dtype_auto(tmp_path):
   (d / "config.json").write_text(json.dumps(dict(cfg, sliding_window=16)))
   model, _ = load(str(d), use_cache=False)
   assert model.config.max_len == 16  # attention over a window: sequences capped there
+
+
+def test_generation_config_defaults(tmp_path):
+  """generation_config.json's sampling values and eos ids become the defaults of generate (and the server, the
+  CLI); values given explicitly win; do_sample: false means greedy."""
+  import json
+  from rocketkv_jax.models.generate import sampling_defaults, stop_ids
+  d = tmp_path / "qwen2"
+  shutil.copytree(os.path.join(DATA, "qwen2_tied"), d)
+  (d / "generation_config.json").write_text(json.dumps(
+      {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "eos_token_id": [7, 9]}))
+  model, tok = load(str(d), use_cache=False)
+  assert tok.generation == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "eos_ids": [7, 9]}
+  assert sampling_defaults(tok) == (0.7, 0.8) and sampling_defaults(tok, 0.0, None) == (0.0, 0.8)
+  assert {7, 9} <= set(stop_ids(model, tok, chat=False))
+  ids = [[1, 2, 3, 4, 5]]
+  sampled = generate(model, tok, ids, max_new_tokens=8, seed=3)
+  assert sampled.token_ids == generate(model, tok, ids, max_new_tokens=8, seed=3, temperature=0.7, top_p=0.8).token_ids
+  (d / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
+  _, tok = load(str(d), use_cache=False)
+  assert tok.generation == {"temperature": 0.0}
+  (d / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+  with pytest.raises(ValueError, match="temperature='hot' must be a number"):
+    load(str(d), use_cache=False)
