@@ -448,6 +448,12 @@ class Engine:
                   history_segments=len(h.segments) if h else 0, prompt_tokens_reused=self._reused,
                   prompt_tokens_prefilled=self._prefilled)
 
+  def reset_counters(self) -> None:
+    """Zeroes the counters `stats()` reports (tokens generated, prompt tokens reused and prefilled): after a
+    warm-up, so /metrics counts client traffic only. Compiled pieces and the history are kept."""
+    with self._lock:
+      self._tokens_generated = self._reused = self._prefilled = 0
+
   def free_slots(self) -> list[int]:
     with self._lock:
       return [i for i, a in enumerate(self._slots) if a is None]

@@ -99,8 +99,8 @@ class APIError(Exception):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
   """model_name: the id `/v1/models` lists and requests must name. drain_s: on shutdown, how long requests in
-  flight may run to their end before they are aborted. warmup: before accepting requests, run one request
-  per prefill bucket so no client waits for a compile (`warm_up`). history_dir: where the engine's prompt
+  flight may run to their end before they are aborted. warmup: before accepting requests, compile every
+  prefill bucket and decode kind so no client waits for a compile (`warm_up`). history_dir: where the engine's prompt
   histories (sessions) are loaded from at start-up, when there, and saved to atomically every
   `--sessions-save-s` seconds (on the engine thread) and at shutdown (needs an engine with history; a file saved
   for another model, or one whose segment table does not match its arrays, is refused at start-up). api_key: when set, the bearer token every
@@ -117,18 +117,33 @@ class ServerConfig:
 
 
 def warm_up(engine, log=None) -> float:
-  """Compiles the engine's pieces before serving: one 1-token request per prefill bucket, each with a prompt
-  of the bucket's length, run to its end. Call before the engine thread starts. Returns the seconds taken."""
+  """Compiles every piece a request can reach before serving, so no client waits for a compile: one 1-token
+  request per prefill bucket (a prompt of the bucket's length: its prefill and the insert), then one request
+  per decode kind (greedy; sampling; sampling with top-p / top-k cuts), each long enough for a decode call. The
+  history it made is cleared and the engine's counters zeroed, so /metrics counts client traffic only. Not
+  compiled ahead: a history's extend prefill (one per history/question length pair, with sessions) and a
+  context's feed lengths (library `contexts`, not served). Call before the engine thread starts. Returns the
+  seconds taken."""
   t0 = time.perf_counter()
-  buckets = getattr(engine.config, "prefill_buckets", None) or (1,)
-  for i, b in enumerate(buckets):  # prompts with distinct first tokens: none reuses another's history
-    engine.submit(Request(request_id=f"warmup-{b}", prompt_ids=[i] * b, sampling=SamplingParams(max_tokens=1)))
+
+  def run(request_id, prompt, sampling, what):
+    engine.submit(Request(request_id=request_id, prompt_ids=prompt, sampling=sampling))
     while engine.has_work():
       engine.step()
     if log:
-      log(f"warm-up: prompt bucket {b} compiled ({time.perf_counter() - t0:.1f}s)")
+      log(f"warm-up: {what} compiled ({time.perf_counter() - t0:.1f}s)")
+
+  buckets = getattr(engine.config, "prefill_buckets", None) or (1,)
+  for i, b in enumerate(buckets):  # prompts with distinct first tokens: none reuses another's history
+    run(f"warmup-{b}", [i] * b, SamplingParams(max_tokens=1), f"prompt bucket {b}")
+  n = getattr(engine.config, "steps_per_call", 1) + 1  # the first token comes from the prefill
+  kinds = (("greedy", SamplingParams(max_tokens=n)), ("sampling", SamplingParams(max_tokens=n, temperature=1.0)),
+           ("top-p / top-k cuts", SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9)))
+  for j, (what, sampling) in enumerate(kinds):
+    run(f"warmup-decode-{j}", [len(buckets) + j] * buckets[0], sampling, f"decode ({what})")
   if getattr(engine, "history", None) is not None:
     engine.history.clear()
+  engine.reset_counters()
   return time.perf_counter() - t0
 
 

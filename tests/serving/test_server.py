@@ -598,3 +598,33 @@ def test_sampling_defaults_come_from_the_generation_config():
   assert (s.temperature, s.top_p, s.top_k) == (0, 0.8, 0)
   s = _sampling({}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=None)
   assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
+
+
+def test_ready_means_compiled(smollm2):
+  """With warm-up, nothing compiles on live traffic: a mixed stream (prompt lengths in every bucket, greedy,
+  sampled, top-p and top-k cut, completions and chat, streaming or not) leaves the compile count where start-up
+  left it, and /metrics starts at zero tokens (warm-up traffic is not counted)."""
+  model, tok = smollm2
+  with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True)) as s:
+    m = s.metrics()
+    compiles = m["rocketkv_compiles_total"]
+    assert compiles > 0 and m["rocketkv_tokens_generated_total"] == 0
+    words = "the quick brown fox jumps over a lazy dog while " * 30
+    jobs = []
+    for i, n_words in enumerate((1, 5, 30, 90, 150)):
+      for j, extra in enumerate(({}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.9},
+                                 {"temperature": 0.8, "top_k": 5})):
+        jobs.append((" ".join(words.split()[:n_words]), dict(extra, seed=i * 4 + j), (i + j) % 2 == 0))
+
+    def run(job):
+      prompt, extra, stream = job
+      r = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=stream, extra_body=extra,
+                                      **({"temperature": extra["temperature"]} if "temperature" in extra else {}))
+      return list(r) if stream else r
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      list(pool.map(run, jobs))
+    _chat(s.client, QUESTIONS[0], 4, stream=True)
+    m = s.metrics()
+    assert m["rocketkv_compiles_total"] == compiles, (compiles, m["rocketkv_compiles_total"])
+    assert m["rocketkv_tokens_generated_total"] > 0
