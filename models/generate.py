@@ -126,7 +126,7 @@ def finish_reason(row: Sequence[int], stop: Sequence[int]) -> str:
 
 def sampling_defaults(tokenizer: TextTokenizer, temperature=None, top_p=None) -> tuple:
   """(temperature, top_p): the values given, else the checkpoint's generation defaults, else greedy (0) and 1."""
-  gen = tokenizer.generation or {}
+  gen = getattr(tokenizer, "generation", None) or {}
   return (gen.get("temperature", 0.0) if temperature is None else temperature,
           gen.get("top_p", 1.0) if top_p is None else top_p)
 
@@ -134,7 +134,7 @@ def sampling_defaults(tokenizer: TextTokenizer, temperature=None, top_p=None) ->
 def stop_ids(model: Llama, tokenizer: TextTokenizer, chat: bool) -> tuple[int, ...]:
   """Ids that end a sequence: the model's EOS, plus the end-of-turn token for chat."""
   ids = (model.config.eos_id, tokenizer.eos_id, tokenizer.chat_eos_id if chat else None,
-         *(tokenizer.generation or {}).get("eos_ids", ()))
+         *(getattr(tokenizer, "generation", None) or {}).get("eos_ids", ()))
   return tuple(sorted({i for i in ids if i is not None}))
 
 

@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import math
 import threading
+import time
 from typing import Sequence
 
 import jax
@@ -235,7 +236,8 @@ class TokenEvent:
   or an incomplete UTF-8 character, is held back until it is known). finish_reason: None while running, else
   "stop" (a stop id or string), "length" (max_tokens) or "abort". prompt_tokens: the prompt's length (with a
   context, context + prompt). completion_tokens: tokens generated so far, a stop id included. cached_tokens:
-  prompt tokens not prefilled for this request (taken from the history or a compressed context).
+  prompt tokens not prefilled for this request (taken from the history or a compressed context). queued_s: how
+  long it waited for a slot.
   """
 
   request_id: str
@@ -246,6 +248,7 @@ class TokenEvent:
   prompt_tokens: int
   completion_tokens: int
   cached_tokens: int = 0
+  queued_s: float = 0.0  # seconds the request waited in the queue before its prefill began
 
 
 class Prefilled(tuple):
@@ -283,6 +286,7 @@ class _Active:
   completion: int = 0     # tokens generated, a stop id included
   sent: str = ""          # text already emitted
   done: bool = False      # finished or aborted: tokens of calls still in flight are dropped
+  queued_s: float = 0.0   # seconds between submit and the start of its prefill
 
 
 class Engine:
@@ -314,6 +318,7 @@ class Engine:
     self._pending: list[TokenEvent] = []  # abort events, emitted by the next step
     self._inflight = None  # (tokens of the last decode call, not read yet; [(row, _Active)] it decoded)
     self._tokens_generated = 0
+    self._arrived: dict[str, float] = {}  # request id -> submit time (monotonic), while queued
     self._key = jax.random.key(0)  # unused by per-row sampling; the loop's signature takes one
     # the batched caches: the shapes of a batch-1 prefill (the same for every bucket), max_slots rows of zeros
     # with length 0
@@ -415,6 +420,7 @@ class Engine:
       if len(self._queue) >= self.config.max_queue:
         raise QueueFull(f"the queue holds max_queue={self.config.max_queue} requests")
       self._queue.append(request)
+      self._arrived[rid] = time.monotonic()
 
   def abort(self, request_id: str) -> bool:
     """Drops a queued or running request (its slot is freed at once); the next step() emits its final event
@@ -423,6 +429,7 @@ class Engine:
       for r in self._queue:
         if r.request_id == request_id:
           self._queue.remove(r)
+          self._arrived.pop(request_id, None)
           self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
           return True
       for i, a in enumerate(self._slots):
@@ -717,7 +724,11 @@ class Engine:
     with self._lock:
       while self._queue and None in self._slots:
         req = self._queue.popleft()
-        self.insert(self.prefill(req), self._slots.index(None))
+        arrived = self._arrived.pop(req.request_id, None)
+        waited = time.monotonic() - arrived if arrived is not None else 0.0
+        slot = self._slots.index(None)
+        self.insert(self.prefill(req), slot)
+        self._slots[slot].queued_s = waited
       return self.generate()
 
   # ------------------------------------------------------------------ host side of a step
@@ -761,4 +772,4 @@ class Engine:
     if not new and not delta and reason is None:
       return None
     return TokenEvent(a.request.request_id, new, delta, reason is not None, reason, prompt_tokens(a.request),
-                      a.completion, a.cached)
+                      a.completion, a.cached, a.queued_s)

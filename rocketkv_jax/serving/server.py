@@ -246,7 +246,7 @@ class _Guard:
 
   OPEN = ("/health", "/version")
 
-  def __init__(self, app, *, api_key: str | None, allowed_hosts: tuple[str, ...], counters: "_Counters"):
+  def __init__(self, app, *, api_key: str | None, allowed_hosts: tuple[str, ...], counters: "_Metrics"):
     self.app, self.counters = app, counters
     self.api_key = api_key.encode() if api_key else None
     self.allowed = {_host_name(h) for h in allowed_hosts}
@@ -434,25 +434,13 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-class _Counters:
-  def __init__(self):
-    self.requests: dict[str, int] = {}   # outcome -> count
-    self.errors: dict[int, int] = {}     # http status -> count
-
-  def done(self, outcome: str) -> None:
-    self.requests[outcome] = self.requests.get(outcome, 0) + 1
-
-  def error(self, status: int) -> None:
-    self.errors[status] = self.errors.get(status, 0) + 1
-
-
 # name: (type, help) for the engine's stats; other numeric stats are exported as untyped gauges.
 _METRICS = {
     "queue_depth": ("gauge", "Requests waiting for a slot."),
     "active_slots": ("gauge", "Slots decoding a request."),
     "max_slots": ("gauge", "Slots of the engine."),
     "in_flight": ("gauge", "Requests held by the engine (queued or decoding)."),
-    "tokens_generated": ("counter", "Tokens generated since start-up."),
+    "tokens_generated": ("counter", "Tokens generated since start-up (warm-up excluded)."),
     "tokens_per_s": ("gauge", "Generated tokens per second over the last 10 s."),
     "kv_bytes_device": ("gauge", "Bytes of KV cache held on the device."),
     "kv_bytes_host": ("gauge", "Bytes of KV history (sessions) held in host memory."),
@@ -460,25 +448,83 @@ _METRICS = {
     "history_segments": ("gauge", "Stored prompt histories (prefix-tree segments)."),
     "prompt_tokens_reused": ("counter", "Prompt tokens taken from the history or a context, not prefilled."),
     "prompt_tokens_prefilled": ("counter", "Prompt tokens prefilled."),
-    "compiles": ("counter", "XLA compilations the engine has run."),
+    "compiles": ("counter", "XLA compilations the engine has run (warm-up included)."),
 }
+# latency histograms' bucket bounds (seconds), as vLLM's
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0)
 
 
-def _metrics_text(stats: dict, counters: _Counters) -> str:
-  lines = []
-  for key, value in stats.items():
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      continue
-    kind, help_ = _METRICS.get(key, ("gauge", f"engine stat {key}."))
-    name = f"rocketkv_{key}" + ("_total" if kind == "counter" and not key.endswith("_total") else "")
-    lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-  lines += ["# HELP rocketkv_engine_alive 1 while the engine thread runs.", "# TYPE rocketkv_engine_alive gauge",
-            f"rocketkv_engine_alive {int(bool(stats.get('alive')))}"]
-  lines += ["# HELP rocketkv_requests_total Finished requests by outcome.", "# TYPE rocketkv_requests_total counter"]
-  lines += [f'rocketkv_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(counters.requests.items())]
-  lines += ["# HELP rocketkv_http_errors_total Error responses by status.", "# TYPE rocketkv_http_errors_total counter"]
-  lines += [f'rocketkv_http_errors_total{{status="{k}"}} {v}' for k, v in sorted(counters.errors.items())]
-  return "\n".join(lines) + "\n"
+class _Metrics:
+  """The server's Prometheus metrics (prometheus_client, one registry per app): request outcomes and HTTP errors
+  (counters), time to first token, time per output token, end-to-end latency and queue time (histograms,
+  labelled by model_name), and the engine's stats read at scrape time."""
+
+  def __init__(self, model_name: str, stats):
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+    self.registry = CollectorRegistry()
+    self.model_name, self._stats = model_name, stats
+    label = ["model_name"]
+    self.requests = Counter("rocketkv_requests", "Finished requests by outcome.", ["outcome"], registry=self.registry)
+    self.errors = Counter("rocketkv_http_errors", "Error responses by status.", ["status"], registry=self.registry)
+    self.ttft = Histogram("rocketkv_time_to_first_token_seconds", "From arrival to the first generated token.",
+                          label, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+    self.tpot = Histogram("rocketkv_time_per_output_token_seconds", "Mean time per output token after the first.",
+                          label, buckets=_TPOT_BUCKETS, registry=self.registry).labels(model_name)
+    self.e2e = Histogram("rocketkv_e2e_request_latency_seconds", "From arrival to the last token.", label,
+                         buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+    self.queue = Histogram("rocketkv_request_queue_time_seconds", "Time a request waited for a slot.", label,
+                           buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+    self.registry.register(self)  # the engine's stats, collected at scrape time
+
+  def done(self, outcome: str) -> None:
+    self.requests.labels(outcome).inc()
+
+  def error(self, status: int) -> None:
+    self.errors.labels(str(status)).inc()
+
+  def timer(self):
+    """A per-HTTP-request timer: `seen(i, event)` for every engine event of its i-th prompt."""
+    return _Timer(self)
+
+  def describe(self):
+    return []
+
+  def collect(self):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    stats = self._stats()
+    for key, value in stats.items():
+      if isinstance(value, bool) or not isinstance(value, (int, float)):
+        continue
+      kind, help_ = _METRICS.get(key, ("gauge", f"engine stat {key}."))
+      family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+      yield family(f"rocketkv_{key}", help_, value=value)
+    yield GaugeMetricFamily("rocketkv_engine_alive", "1 while the engine thread runs.",
+                            value=int(bool(stats.get("alive"))))
+
+  def text(self) -> bytes:
+    from prometheus_client import generate_latest
+    return generate_latest(self.registry)
+
+
+class _Timer:
+  def __init__(self, metrics: _Metrics):
+    self.m, self.t0, self.first = metrics, time.monotonic(), {}
+
+  def seen(self, i: int, ev) -> None:
+    now = time.monotonic()
+    if i not in self.first and ev.completion_tokens > 0:
+      self.first[i] = now
+      self.m.ttft.observe(now - self.t0)
+    if ev.finished and ev.finish_reason != "abort":
+      self.m.e2e.observe(now - self.t0)
+      self.m.queue.observe(ev.queued_s)
+      if ev.completion_tokens > 1 and i in self.first:
+        self.m.tpot.observe((now - self.first[i]) / (ev.completion_tokens - 1))
 
 
 def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: EngineRunner | None = None,
@@ -488,7 +534,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   opened `sessions.SessionsDir` (the CLI's), else one opened on config.history_dir (locked, loaded at start-up,
   saved every 60 s on the engine thread and at shutdown, released at shutdown)."""
   runner = runner or EngineRunner(engine)
-  counters = _Counters()
+  counters = _Metrics(config.model_name, runner.stats)
   created = int(time.time())
   eng_cfg = getattr(engine, "config", None)
   max_prompt = getattr(eng_cfg, "max_prompt_tokens", None)
@@ -630,7 +676,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     """(prompts, sampling, stream, include_usage) of a request body; runs in a worker thread (tokenization)."""
     check_model(body)
     sampling = _sampling(body, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
-                         stop_ids=stops[chat], chat=chat, defaults=tokenizer.generation)
+                         stop_ids=stops[chat], chat=chat, defaults=getattr(tokenizer, "generation", None))
     stream = _field(body, "stream", "bool", False)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
@@ -651,6 +697,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
       raise APIError(400, f"invalid request: {type(e).__name__}: {e}", code="invalid_value") from None
 
   async def run(request: HttpRequest, body: dict, *, chat: bool):
+    timer = counters.timer()  # from arrival
     prompts, sampling, stream, include_usage = await parse_off_loop(parse, body, chat)
     prompt_param = "messages" if chat else "prompt"
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -665,13 +712,14 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
         for rid in request_ids:
           if rid not in finished:
             runner.abort(rid)
-      return _EventStream(stream_events(q, request_ids, finished, head, chat, include_usage), on_close=close)
+      return _EventStream(stream_events(q, request_ids, finished, head, chat, include_usage, timer), on_close=close)
     watcher = asyncio.create_task(watch_disconnect(request, q, request_ids, finished))
     texts, reasons = [""] * len(prompts), [None] * len(prompts)
     prompt_tokens = [len(p) for p in prompts]
     completion_tokens, cached = [0] * len(prompts), [0] * len(prompts)
     try:
       async for i, ev in events(q, len(prompts)):
+        timer.seen(i, ev)
         texts[i] += ev.text
         completion_tokens[i] = ev.completion_tokens
         prompt_tokens[i], cached[i] = ev.prompt_tokens, ev.cached_tokens
@@ -702,7 +750,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     return {"id": base, "object": "text_completion", "created": now, "model": config.model_name,
             "choices": choices, "usage": usage}
 
-  async def stream_events(q, request_ids, finished: set, head, chat, include_usage):
+  async def stream_events(q, request_ids, finished: set, head, chat, include_usage, timer):
     n = len(request_ids)
     ended = False
     prompt_tokens, completion_tokens, cached = [0] * n, [0] * n, [0] * n
@@ -719,6 +767,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
       if chat:
         yield _sse(chunk(0, role=True))
       async for i, ev in events(q, n):
+        timer.seen(i, ev)
         prompt_tokens[i], completion_tokens[i], cached[i] = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
         if ev.finished:
           finished.add(request_ids[i])
@@ -816,8 +865,8 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
 
   @app.get("/metrics")
   async def metrics():
-    return PlainTextResponse(_metrics_text(runner.stats(), counters),
-                             media_type="text/plain; version=0.0.4; charset=utf-8")
+    from prometheus_client import CONTENT_TYPE_LATEST
+    return Response(counters.text(), media_type=CONTENT_TYPE_LATEST)
 
   return app
 

@@ -169,6 +169,32 @@ def test_models_health_and_metrics(served):
   assert m["rocketkv_max_slots"] == 4 and m["rocketkv_engine_alive"] == 1
 
 
+def test_metrics_parse_and_latency_histograms(served):
+  """/metrics parses with prometheus_client's parser; a finished request is counted in the TTFT, TPOT, end-to-end
+  and queue-time histograms, labelled with the served model's name."""
+  from prometheus_client.parser import text_string_to_metric_families
+
+  def families():
+    status, text = served.http("GET", "/metrics")
+    assert status == 200
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+  def count(fams, name):
+    return sum(s.value for s in fams[name].samples if s.name == name + "_count" and s.labels == {"model_name": MODEL})
+
+  before = families()
+  for name in ("rocketkv_time_to_first_token_seconds", "rocketkv_time_per_output_token_seconds",
+               "rocketkv_e2e_request_latency_seconds", "rocketkv_request_queue_time_seconds"):
+    assert before[name].type == "histogram", name
+  assert before["rocketkv_tokens_generated"].type == "counter" and before["rocketkv_queue_depth"].type == "gauge"
+  _complete(served.client, PROMPTS[0], 4, stream=True)
+  _complete(served.client, PROMPTS[1], 4, stream=False)
+  after = families()
+  for name in ("rocketkv_time_to_first_token_seconds", "rocketkv_e2e_request_latency_seconds",
+               "rocketkv_request_queue_time_seconds", "rocketkv_time_per_output_token_seconds"):
+    assert count(after, name) == count(before, name) + 2, name
+
+
 def test_completion_and_chat(served, smollm2):
   _, tok = smollm2
   c = served.client
