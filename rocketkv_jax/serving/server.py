@@ -50,7 +50,7 @@ from rocketkv_jax.models.generate import stop_ids as model_stop_ids
 from .engine import QueueFull, Request, SamplingParams
 from .runner import Aborted, EngineRunner, Failed, ShuttingDown
 
-__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "warm_up"]
+__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "request_sampling", "warm_up"]
 
 log = logging.getLogger("rocketkv_jax.serving")
 
@@ -317,7 +317,7 @@ def _unsupported(body: dict) -> None:
     raise APIError(400, f"n={n!r} is not supported: only n=1", param="n", code="unsupported_parameter")
 
 
-def _sampling(body: dict, *, default_max_tokens: int, stop_ids: tuple[int, ...], chat: bool,
+def request_sampling(body: dict, *, default_max_tokens: int, stop_ids: tuple[int, ...], chat: bool,
               defaults: dict | None = None) -> SamplingParams:
   """The request's sampling; a field it leaves out takes the checkpoint's generation default (`defaults`:
   generation_config.json's temperature / top_p / top_k, as vLLM does), else OpenAI's (1, 1, off)."""
@@ -675,7 +675,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   def parse(body: dict, chat: bool):
     """(prompts, sampling, stream, include_usage) of a request body; runs in a worker thread (tokenization)."""
     check_model(body)
-    sampling = _sampling(body, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
+    sampling = request_sampling(body, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
                          stop_ids=stops[chat], chat=chat, defaults=getattr(tokenizer, "generation", None))
     stream = _field(body, "stream", "bool", False)
     opts = body.get("stream_options") or {}

@@ -616,13 +616,13 @@ def test_rocketkv_serve_command(smollm2, tmp_path):
 
 def test_sampling_defaults_come_from_the_generation_config():
   """A field the request leaves out takes the checkpoint's generation default, else OpenAI's; given ones win."""
-  from rocketkv_jax.serving.server import _sampling
+  from rocketkv_jax.serving.server import request_sampling
   gen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-  s = _sampling({}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=gen)
+  s = request_sampling({}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=gen)
   assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.8, 20)
-  s = _sampling({"temperature": 0, "top_k": -1}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=gen)
+  s = request_sampling({"temperature": 0, "top_k": -1}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=gen)
   assert (s.temperature, s.top_p, s.top_k) == (0, 0.8, 0)
-  s = _sampling({}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=None)
+  s = request_sampling({}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=None)
   assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
 
 
