@@ -163,11 +163,14 @@ def _write_marker(e: CatalogEntry, path: str) -> None:
       pass
 
 
-def _sha256_file(path: str) -> str:
+def sha256_file(path: str) -> str:
+  """The sha256 hex digest of a file, read in blocks into one reused buffer."""
   h = hashlib.sha256()
-  with open(path, "rb") as f:
-    while block := f.read(BLOCK):
-      h.update(block)
+  buf = bytearray(BLOCK)
+  view = memoryview(buf)
+  with open(path, "rb", buffering=0) as f:
+    while n := f.readinto(buf):
+      h.update(view[:n])
   return h.hexdigest()
 
 
@@ -197,7 +200,7 @@ def _problem(e: CatalogEntry, path: str, log) -> str | None:
   if _marked(e, path):
     return None
   log(f"verifying {path} (sha256 of {e.size / 2**20:,.0f} MiB, once)")
-  got = _sha256_file(path)
+  got = sha256_file(path)
   if got != e.sha256:
     return f"sha256 {got}, expected {e.sha256} (damaged or replaced)"
   _write_marker(e, path)

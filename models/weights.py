@@ -445,22 +445,11 @@ def _cache_key(path: str, dtype_name: str) -> str:
 MANIFEST = "manifest.json"
 OWNER = "owner.json"
 STALE_TMP_S = 3600.0  # a temp folder untouched this long whose owner cannot be checked is stale
-_HASH_BLOCK = 16 << 20
 _TMP_NAME = re.compile(r"^.+-[0-9a-f]{16}\.tmp(?P<pid>\d+)(?:-[0-9a-f]+)?$")
 
 
 class CacheIntegrityWarning(UserWarning):
   """A converted-weights cache failed its check (damaged, edited, incomplete or unreadable); it is rebuilt."""
-
-
-def _file_digest(path: str) -> str:
-  h = hashlib.sha256()
-  buf = bytearray(_HASH_BLOCK)
-  view = memoryview(buf)
-  with open(path, "rb", buffering=0) as f:
-    while n := f.readinto(buf):
-      h.update(view[:n])
-  return h.hexdigest()
 
 
 def _cache_files(dirname: str) -> list[str]:
@@ -479,7 +468,7 @@ def _digests(dirname: str, rels) -> dict:
   rels = list(rels)
   workers = max(1, min(8, os.cpu_count() or 1, len(rels)))
   with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-    return dict(zip(rels, ex.map(lambda r: _file_digest(os.path.join(dirname, r)), rels)))
+    return dict(zip(rels, ex.map(lambda r: catalog.sha256_file(os.path.join(dirname, r)), rels)))
 
 
 def _write_manifest(dirname: str) -> None:
