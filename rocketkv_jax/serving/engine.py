@@ -60,14 +60,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import saved
 from .history import HistoryStore
 
-__all__ = ["Context", "Engine", "EngineConfig", "Prefilled", "QueueFull", "Request", "SamplingParams", "TokenEvent",
-           "default_buckets", "insert_jit"]
+__all__ = ["Context", "Engine", "EngineConfig", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "Prefilled", "QueueFull", "Request",
+           "SamplingParams", "TokenEvent", "TokenLogprob", "default_buckets", "insert_jit"]
 
 MIN_BUCKET = 64  # the smallest padded prompt length of the default buckets
 MAX_SEED = 2**32 - 1  # seeds are uint32 (jax.random.key)
 MAX_INT32 = 2**31 - 1  # top_k and token counts are int32 on the device
 MIN_TEMPERATURE = 1e-5  # a positive temperature below this is greedy (vLLM's sampling epsilon): float32 overflows
 MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit, vLLM's default)
 
 
 class QueueFull(RuntimeError):
@@ -171,6 +174,20 @@ class SamplingParams:
   seed: int = 0
   stop_ids: tuple[int, ...] = ()
   stop_strings: tuple[str, ...] = ()
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  min_tokens: int = 0
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
+
+  @property
+  def processed(self) -> bool:
+    """Whether the logits are changed before sampling (penalties, bias, min_tokens) or logprobs are returned:
+    such a request decodes in the loop's processing kind."""
+    return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+            or self.min_tokens > 0 or bool(self.logit_bias) or self.logprobs is not None)
 
   def __post_init__(self):
     check_int("max_tokens", self.max_tokens, 1)
@@ -195,6 +212,37 @@ class SamplingParams:
       raise ValueError(f"stop_ids={self.stop_ids!r} must be token ids in [0, 2**31)")
     if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
       raise ValueError(f"stop_strings={self.stop_strings!r} must be non-empty strings")
+    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                            ("repetition_penalty", 0.0, MAX_REPETITION_PENALTY)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+        raise ValueError(f"{name}={v!r} must be a finite number")
+      if not (low < v if name == "repetition_penalty" else low <= v) or not v <= high:
+        raise ValueError(f"{name}={v!r} must be in {'(' if name == 'repetition_penalty' else '['}{low:g}, {high:g}]")
+      object.__setattr__(self, name, float(v))
+    check_int("min_tokens", self.min_tokens, 0)
+    if self.min_tokens > self.max_tokens:
+      raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+    bias = self.logit_bias
+    if isinstance(bias, dict):
+      bias = tuple(bias.items())
+    if isinstance(bias, (str, bytes)) or not isinstance(bias, (tuple, list)) or not all(
+        isinstance(p, (tuple, list)) and len(p) == 2 for p in bias):
+      raise ValueError(f"logit_bias={self.logit_bias!r} must be (token id, bias) pairs")
+    if len(bias) > MAX_LOGIT_BIAS:
+      raise ValueError(f"logit_bias has {len(bias)} entries: at most {MAX_LOGIT_BIAS}")
+    for i, b in bias:
+      if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= MAX_INT32:
+        raise ValueError(f"logit_bias token id {i!r} must be a token id in [0, 2**31)")
+      if isinstance(b, bool) or not isinstance(b, (int, float)) or not _finite(b) or not -100 <= b <= 100:
+        raise ValueError(f"logit_bias[{i}]={b!r} must be a number in [-100, 100]")
+    object.__setattr__(self, "logit_bias", tuple(sorted((int(i), float(b)) for i, b in dict(bias).items())))
+    for name in ("logprobs", "prompt_logprobs"):
+      v = getattr(self, name)
+      if v is not None:
+        check_int(name, v, 0)
+        if v > MAX_LOGPROBS:
+          raise ValueError(f"{name}={v} must be at most {MAX_LOGPROBS}")
     t = float(self.temperature)
     object.__setattr__(self, "temperature", 0.0 if t < MIN_TEMPERATURE else t)
     object.__setattr__(self, "top_p", float(self.top_p))
@@ -225,6 +273,7 @@ class Request:
   prompt_ids: list[int]
   sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
   context: Context | None = None
+  cache_salt: str = ""
 
 
 @dataclasses.dataclass
@@ -249,6 +298,20 @@ class TokenEvent:
   completion_tokens: int
   cached_tokens: int = 0
   queued_s: float = 0.0  # seconds the request waited in the queue before its prefill began
+  logprobs: list[TokenLogprob] | None = None
+  prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """One position's log-probabilities under the model's raw distribution (log_softmax of its logits, before
+  temperature, penalties and bias: vLLM's default `raw_logprobs`). token_id: the token at the position;
+  logprob: its log-probability; top: the k most likely (token id, logprob), most likely first (k = the
+  request's `logprobs` / `prompt_logprobs`)."""
+
+  token_id: int
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()
 
 
 class Prefilled(tuple):
