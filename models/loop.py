@@ -11,6 +11,14 @@ out[b, i - 1] (or forced[b, i - 1] when teacher-forced). A row ends after it emi
 kept); later entries are -1. With stop ids the loop is a while loop that ends once every row has ended; without
 them it always runs max_new_tokens - 1 steps (a loop of static trip count, which XLA runs without reading a
 predicate back per step).
+
+Per-row processing (`RowProcessing`, the engine's requests with penalties, logit bias, min_tokens or logprobs):
+before a row samples, its logits get its logit bias added, its stop ids masked while it has produced fewer than
+min_tokens tokens, then vLLM's penalties (repetition over the prompt's and the output's tokens, then frequency
+and presence over the output's), all per row as arrays, so a value never recompiles. The loop then carries the
+rows' output token counts [B, V]. With `LoopConfig.top_logprobs`, it also returns each sampled token's
+log-probability and the most likely tokens under the model's raw distribution (log_softmax of the logits
+before any processing or temperature), computed in the step that samples the token, not by a second pass.
 """
 from __future__ import annotations
 
@@ -24,8 +32,8 @@ from flax import nnx
 
 from .llama import Llama, decode_body
 
-__all__ = ["LoopConfig", "LoopOutput", "RowSampling", "check_loop_args", "compile_once", "decode_loop",
-           "decode_loop_jit", "sample_rows", "sample_token"]
+__all__ = ["LoopConfig", "LoopOutput", "RowProcessing", "RowSampling", "check_loop_args", "compile_once", "decode_loop",
+           "decode_loop_jit", "process_logits", "sample_rows", "sample_token"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +49,8 @@ class LoopConfig:
   cut_rows: with per-row sampling (`RowSampling`), apply the rows' top-p / top-k cuts; False when no row asks
     for one (the caller knows), which skips sorting the vocabulary each step. The loop has no data-dependent
     branch: on a GPU an XLA conditional reads its predicate back to the host, a sync per step.
+  top_logprobs: None, or k >= 0: also return each sampled token's log-probability and the k most likely tokens'
+    (`LoopOutput.token_logprobs`, `top_ids`, `top_logprobs`), under the raw distribution (module doc).
   """
 
   max_new_tokens: int
@@ -50,6 +60,7 @@ class LoopConfig:
   return_logprobs: bool = False
   carry_logits: bool = False
   cut_rows: bool = True
+  top_logprobs: int | None = None
 
   def __post_init__(self):
     n = self.max_new_tokens
@@ -65,19 +76,30 @@ class LoopConfig:
     if any(i < 0 for i in stop):
       raise ValueError(f"stop_ids={stop} must be token ids >= 0")
     object.__setattr__(self, "stop_ids", tuple(sorted(set(stop))))
+    k = self.top_logprobs
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+      raise ValueError(f"top_logprobs={k!r} must be None or an int >= 0")
 
 
 class LoopOutput(NamedTuple):
   """tokens: [B, max_new_tokens] int32, -1 after a row's stop id. steps: [] int32, decode steps run (model
   calls; the first token needs none). caches: the final per-layer caches. logprobs: [B, max_new_tokens, V]
   float32 with return_logprobs, else None; rows that ended hold their logits' log-probs all the same.
-  logits_BV: with carry_logits, the logits [B, V] after the last token was fed (where the next call starts)."""
+  logits_BV: with carry_logits, the logits [B, V] after the last token was fed (where the next call starts).
+  With LoopConfig.top_logprobs = k: token_logprobs [B, max_new_tokens] float32, each token's log-probability
+  (where a row emitted -1: that of token 0, meaningless); top_ids [B, max_new_tokens, k] int32 and top_logprobs
+  [B, max_new_tokens, k] float32, the k most likely tokens, most likely first. counts: with `RowProcessing`,
+  the rows' output token counts [B, V] after the call (the next call's `RowProcessing.counts`)."""
 
   tokens: jax.Array
   steps: jax.Array
   caches: tuple
   logprobs: jax.Array | None
   logits_BV: jax.Array | None = None
+  token_logprobs: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
+  counts: jax.Array | None = None
 
 
 class RowSampling(NamedTuple):
@@ -94,6 +116,44 @@ class RowSampling(NamedTuple):
   top_k: jax.Array
   seed: jax.Array
   index: jax.Array
+
+
+class RowProcessing(NamedTuple):
+  """Per-row logit processing (module doc), arrays whose values never recompile; V: the vocabulary size.
+
+  presence, frequency: float32 [B], 0 is off; repetition: float32 [B] > 0, 1 is off (vLLM's semantics: a
+  positive logit of a seen token is divided by it, a negative one multiplied). min_tokens: int32 [B]: while a
+  row's token index (`RowSampling.index` + step) is below it, its `stop_ids` cannot be sampled. bias_ids
+  int32 [B, L] with bias float32 [B, L]: added to those logits (ids >= V are padding). stop_ids: int32 [B, S]
+  (ids >= V are padding). counts: int32 [B, V], each row's output tokens so far (the loop adds the tokens it
+  samples). prompt_mask: bool [B, V], the tokens of each row's prompt (repetition penalty only).
+  """
+
+  presence: jax.Array
+  frequency: jax.Array
+  repetition: jax.Array
+  min_tokens: jax.Array
+  bias_ids: jax.Array
+  bias: jax.Array
+  stop_ids: jax.Array
+  counts: jax.Array
+  prompt_mask: jax.Array
+
+
+def process_logits(logits_BV, proc: RowProcessing, counts_BV, index_B):
+  """The logits [B, V] float32 each row samples from after its processing (`RowProcessing`), before
+  temperature. index_B: each row's token index (tokens it produced before this one)."""
+  B = logits_BV.shape[0]
+  b = jnp.arange(B)[:, None]
+  x = logits_BV.astype(jnp.float32)
+  x = x.at[b, proc.bias_ids].add(proc.bias, mode="drop")
+  early = (index_B < proc.min_tokens)[:, None]
+  x = x.at[b, proc.stop_ids].add(jnp.where(early, -jnp.inf, 0.0), mode="drop")
+  seen = proc.prompt_mask | (counts_BV > 0)
+  r = proc.repetition[:, None]
+  x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+  x = x - proc.frequency[:, None] * counts_BV - proc.presence[:, None] * (counts_BV > 0)
+  return x
 
 
 def sample_token(logits_BV, key, temperature: float, top_p: float):
@@ -143,10 +203,10 @@ def sample_rows(logits_BV, rows: RowSampling, offset, *, cut: bool = True):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "loop"), donate_argnames=("caches",))
-def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows=None, *, config,
-                    loop: LoopConfig) -> LoopOutput:
-  """`decode_loop` over nnx.split(model), every argument given (forced_BT, finished_B and rows may be None):
-  lower and compile it to time compilation apart. The caches are donated."""
+def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows=None, process=None, *,
+                    config, loop: LoopConfig) -> LoopOutput:
+  """`decode_loop` over nnx.split(model), every argument given (forced_BT, finished_B, rows and process may be
+  None): lower and compile it to time compilation apart. The caches are donated."""
   model = nnx.merge(graphdef, state)
   B = logits_BV.shape[0]
   n = loop.max_new_tokens
@@ -154,11 +214,15 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
   # with carry_logits, one more step feeds the last token; what it samples (column n) is dropped
   last = n + 1 if loop.carry_logits else n
 
-  def pick(logits, key, done, i):
+  V = logits_BV.shape[-1]
+  K = loop.top_logprobs
+
+  def pick(logits, key, done, i, counts):
     """The next token of each row (-1 where the row has ended) and whether the row ends with it."""
     sub = None
     if rows is not None:
-      tok = sample_rows(logits, rows, i, cut=loop.cut_rows)
+      x = logits if process is None else process_logits(logits, process, counts, rows.index + i)
+      tok = sample_rows(x, rows, i, cut=loop.cut_rows)
     else:
       if loop.temperature > 0:  # greedy needs no key (and no threefry kernel per step)
         key, sub = jax.random.split(key)
@@ -169,24 +233,48 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
   def logprobs(logits):
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
+  def count(counts, tok):
+    """counts with each row's new token added (rows that emitted -1 add nothing)."""
+    if counts is None:
+      return None
+    return counts.at[jnp.arange(B), jnp.where(tok >= 0, tok, V)].add(1, mode="drop")
+
+  def scores(logits, tok, i, extra):
+    """extra's token_logprobs / top_ids / top_logprobs with column i filled (unchanged without top_logprobs)."""
+    if K is None:
+      return extra
+    tlp, tid, tv = extra
+    lp_BV = logprobs(logits)
+    chosen = jnp.take_along_axis(lp_BV, jnp.maximum(tok, 0)[:, None], axis=-1)
+    top_v, top_i = jax.lax.top_k(lp_BV, max(K, 1))
+    return (jax.lax.dynamic_update_slice(tlp, chosen, (0, i)),
+            jax.lax.dynamic_update_slice(tid, top_i[:, None, :K].astype(jnp.int32), (0, i, 0)),
+            jax.lax.dynamic_update_slice(tv, top_v[:, None, :K], (0, i, 0)))
+
   done = jnp.zeros((B,), bool) if finished_B is None else finished_B.astype(bool)
-  tok, done, key = pick(logits_BV, key, done, 0)
+  counts = None if process is None else process.counts
+  tok, done, key = pick(logits_BV, key, done, 0, counts)
+  counts = count(counts, tok)
   out = jnp.full((B, last), -1, jnp.int32).at[:, 0].set(tok)
   lp = jnp.zeros((B, last, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logprobs(logits_BV)) \
       if loop.return_logprobs else None
+  extra = None if K is None else (jnp.zeros((B, last), jnp.float32), jnp.zeros((B, last, K), jnp.int32),
+                                  jnp.zeros((B, last, K), jnp.float32))
+  extra = scores(logits_BV, tok, 0, extra)
   carried = logits_BV if loop.carry_logits else None
 
   def body(i, carry):
-    tok, caches, done, out, lp, key, carried = carry
+    tok, caches, done, out, lp, key, carried, counts, extra = carry
     fed = jnp.maximum(tok, 0) if forced_BT is None else forced_BT[:, i - 1]
     logits, caches = decode_body(model, fed, caches, config)
-    tok, done, key = pick(logits, key, done, i)
+    tok, done, key = pick(logits, key, done, i, counts)
     out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
     if lp is not None:
       lp = jax.lax.dynamic_update_slice(lp, logprobs(logits)[:, None], (0, i, 0))
-    return tok, caches, done, out, lp, key, (logits if carried is not None else None)
+    return (tok, caches, done, out, lp, key, (logits if carried is not None else None), count(counts, tok),
+            scores(logits, tok, i, extra))
 
-  carry = (tok, caches, done, out, lp, key, carried)
+  carry = (tok, caches, done, out, lp, key, carried, counts, extra)
   if loop.stop_ids:
     def cond(c):
       i, (_, _, done, *_) = c
@@ -197,11 +285,14 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
   else:
     carry = jax.lax.fori_loop(1, last, body, carry)
     steps = jnp.int32(last - 1)
-  _, caches, _, out, lp, _, carried = carry
+  _, caches, _, out, lp, _, carried, counts, extra = carry
   if loop.carry_logits:
     out = out[:, :n]
     lp = None if lp is None else lp[:, :n]
-  return LoopOutput(tokens=out, steps=steps, caches=caches, logprobs=lp, logits_BV=carried)
+    extra = None if extra is None else tuple(x[:, :n] for x in extra)
+  tlp, tid, tv = (None, None, None) if extra is None else extra
+  return LoopOutput(tokens=out, steps=steps, caches=caches, logprobs=lp, logits_BV=carried, token_logprobs=tlp,
+                    top_ids=tid, top_logprobs=tv, counts=counts)
 
 
 def check_loop_args(logits_BV, caches, config, loop: LoopConfig, forced_BT=None) -> None:
@@ -217,7 +308,7 @@ def check_loop_args(logits_BV, caches, config, loop: LoopConfig, forced_BT=None)
 
 
 def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, key=None, forced_BT=None,
-                finished_B=None, rows: RowSampling | None = None) -> LoopOutput:
+                finished_B=None, rows: RowSampling | None = None, process: RowProcessing | None = None) -> LoopOutput:
   """Runs the loop (module doc) from the prefill's last logits [B, V] and the per-layer caches (donated).
 
   config: the method config the caches were built with. key: the sampling key (jax.random.key(0) when None;
@@ -225,15 +316,18 @@ def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, ke
   forced[:, i - 1] instead of the row's last token (out[:, i] is still the model's own choice; pair with
   return_logprobs to score forced[:, :max_new_tokens] under the model); needs stop_ids=(). finished_B: [B]
   bool rows that have already ended (padding rows of a batch): they emit -1 only. rows: per-row sampling
-  (`RowSampling`); when given it replaces loop.temperature / top_p and `key`.
+  (`RowSampling`); when given it replaces loop.temperature / top_p and `key`. process: per-row logit processing
+  (`RowProcessing`; needs rows): the output's `counts` are the rows' counts after the call.
   """
+  if process is not None and rows is None:
+    raise ValueError("process (RowProcessing) needs rows (RowSampling): processing is per row")
   check_loop_args(logits_BV, caches, config, loop, forced_BT)
   key = jax.random.key(0) if key is None else key
   forced_BT = None if forced_BT is None else jnp.asarray(forced_BT, jnp.int32)
   finished_B = None if finished_B is None else jnp.asarray(finished_B, bool)
   graphdef, state = nnx.split(model)
-  return decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows, config=config,
-                         loop=loop)
+  return decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows, process,
+                         config=config, loop=loop)
 
 
 _COMPILED: dict = {}

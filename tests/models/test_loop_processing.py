@@ -1,0 +1,137 @@
+"""Per-row logit processing and logprobs in the one decode loop (models/loop.py): penalties, logit bias and
+min_tokens against a NumPy step-by-step reference on a tiny random Llama, neutral values change nothing, and
+the returned logprobs are the raw distribution's."""
+
+import numpy as np
+import pytest
+
+from rocketkv_jax import make_config
+from rocketkv_jax.models import LoopConfig, decode, decode_loop, prefill
+from rocketkv_jax.models.loop import RowProcessing, RowSampling
+
+P, V, N = 24, 128, 7  # prompt tokens, vocabulary, new tokens
+
+
+def _start(model, seed=1):
+  toks = np.random.default_rng(seed).integers(3, V, (2, P)).astype(np.int32)
+  config = make_config("full", token_budget=64, prompt_len=P, max_new_tokens=N, head_dim=16, impl="xla")
+  logits, caches = prefill(model, toks, np.array([P, P]), config)
+  return toks, config, logits, caches
+
+
+def _rows(temperature=(0.0, 0.0), seed=(1, 2)):
+  return RowSampling(temperature=np.array(temperature, np.float32), top_p=np.ones(2, np.float32),
+                     top_k=np.zeros(2, np.int32), seed=np.array(seed, np.uint32), index=np.zeros(2, np.int32))
+
+
+def _proc(toks, presence=(0, 0), frequency=(0, 0), repetition=(1, 1), min_tokens=(0, 0), bias=({}, {}),
+          stops=((), ())):
+  L, S = 4, 3
+  bias_ids, bias_v = np.full((2, L), V, np.int32), np.zeros((2, L), np.float32)
+  stop_ids = np.full((2, S), V, np.int32)
+  mask = np.zeros((2, V), bool)
+  for b in range(2):
+    for j, (i, x) in enumerate(bias[b].items()):
+      bias_ids[b, j], bias_v[b, j] = i, x
+    stop_ids[b, :len(stops[b])] = stops[b]
+    mask[b, toks[b]] = True
+  return RowProcessing(presence=np.array(presence, np.float32), frequency=np.array(frequency, np.float32),
+                       repetition=np.array(repetition, np.float32), min_tokens=np.array(min_tokens, np.int32),
+                       bias_ids=bias_ids, bias=bias_v, stop_ids=stop_ids, counts=np.zeros((2, V), np.int32),
+                       prompt_mask=mask)
+
+
+def _reference(model, proc: RowProcessing):
+  """Greedy tokens under processing, one decode step at a time, the processing written out in NumPy."""
+  _, config, logits, caches = _start(model)
+  counts = np.zeros((2, V), np.int64)
+  out = []
+  for i in range(N):
+    x = np.asarray(logits, np.float64).copy()
+    for b in range(2):
+      for j, bias in zip(proc.bias_ids[b], proc.bias[b]):
+        if j < V:
+          x[b, j] += bias
+      if i < proc.min_tokens[b]:
+        for j in proc.stop_ids[b]:
+          if j < V:
+            x[b, j] = -np.inf
+      seen = proc.prompt_mask[b] | (counts[b] > 0)
+      r = proc.repetition[b]
+      x[b] = np.where(seen, np.where(x[b] > 0, x[b] / r, x[b] * r), x[b])
+      x[b] -= proc.frequency[b] * counts[b] + proc.presence[b] * (counts[b] > 0)
+    tok = x.argmax(-1)
+    counts[np.arange(2), tok] += 1
+    out.append(tok)
+    if i < N - 1:
+      logits, caches = decode(model, tok.astype(np.int32), caches, config)
+  return np.stack(out, 1), counts
+
+
+def test_neutral_processing_changes_nothing(tiny_model):
+  toks, config, logits, caches = _start(tiny_model)
+  plain = decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N),
+                      rows=_rows((0.0, 1.0)))
+  toks, config, logits, caches = _start(tiny_model)
+  proc = decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N), rows=_rows((0.0, 1.0)),
+                     process=_proc(toks))
+  np.testing.assert_array_equal(np.asarray(proc.tokens), np.asarray(plain.tokens))
+  counts = np.zeros((2, V), np.int32)
+  for b in range(2):
+    np.add.at(counts[b], np.asarray(plain.tokens)[b], 1)
+  np.testing.assert_array_equal(np.asarray(proc.counts), counts)
+
+
+@pytest.mark.parametrize("case", ["penalties", "bias_and_min_tokens"])
+def test_processing_equals_the_numpy_reference(tiny_model, case):
+  toks, config, logits, caches = _start(tiny_model)
+  greedy = np.asarray(decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N)).tokens)
+  if case == "penalties":  # row 0: repetition; row 1: frequency and a negative presence (the loop takes any
+    # value; the engine bounds them), strong enough that row 1 repeats a token, which greedy here never does
+    kw = dict(repetition=(3.0, 1.0), frequency=(0.0, 0.5), presence=(0.0, -100.0))
+  else:  # row 0 is pushed to token 5; row 1 may not end with its first greedy token before 3 tokens
+    kw = dict(bias=({5: 100.0}, {int(greedy[1, 1]): -3.0}), min_tokens=(0, 3),
+              stops=((), (int(greedy[1, 0]), int(greedy[1, 2]))))
+  toks, config, logits, caches = _start(tiny_model)
+  proc = _proc(toks, **kw)
+  want, counts = _reference(tiny_model, proc)
+  got = decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N), rows=_rows(), process=proc)
+  np.testing.assert_array_equal(np.asarray(got.tokens), want)
+  np.testing.assert_array_equal(np.asarray(got.counts), counts)
+  assert (want != greedy).any(axis=1).all()  # each row's processing changed its answer
+  if case == "bias_and_min_tokens":
+    assert (want[0] == 5).all()
+    assert greedy[1, 0] not in want[1, :3]
+
+
+def test_logprobs_are_the_raw_distribution(tiny_model):
+  """token_logprobs / top ids and logprobs: log_softmax of the model's logits at each step, before processing
+  and temperature; carried logits split a call without changing them."""
+  toks, config, logits, caches = _start(tiny_model)
+  proc = _proc(toks, repetition=(2.0, 1.0))
+  rows = _rows((0.0, 0.7))
+  k = 3
+  out = decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N, return_logprobs=True,
+                                                                     top_logprobs=k), rows=rows, process=proc)
+  lp = np.asarray(out.logprobs)  # [B, N, V]: the teacher's raw log-probs of each step
+  tokens = np.asarray(out.tokens)
+  np.testing.assert_allclose(np.asarray(out.token_logprobs), np.take_along_axis(lp, tokens[..., None], -1)[..., 0],
+                             atol=1e-5)
+  want_ids = np.argsort(-lp, -1)[..., :k]
+  np.testing.assert_array_equal(np.asarray(out.top_ids), want_ids)
+  np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(lp, want_ids, -1), atol=1e-5)
+  assert out.top_ids.shape == (2, N, k)
+  # k = 0: the chosen token's logprob only
+  toks, config, logits, caches = _start(tiny_model)
+  zero = decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N, top_logprobs=0), rows=rows,
+                     process=_proc(toks, repetition=(2.0, 1.0)))
+  assert zero.top_ids.shape == (2, N, 0)
+  np.testing.assert_allclose(np.asarray(zero.token_logprobs), np.asarray(out.token_logprobs), atol=1e-5)
+
+
+def test_processing_needs_rows(tiny_model):
+  toks, config, logits, caches = _start(tiny_model)
+  with pytest.raises(ValueError, match="needs rows"):
+    decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N), process=_proc(toks))
+  with pytest.raises(ValueError, match="top_logprobs=-1"):
+    LoopConfig(max_new_tokens=N, top_logprobs=-1)
