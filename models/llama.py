@@ -45,7 +45,7 @@ __all__ = [
     "prefill_dense", "prefill_dense_jit", "compress_layers", "embed_tokens", "decode_layer", "final_logits",
     "add_norm", "rope_heads", "prefill_qkv", "over_token_chunks", "rope_inv_freq", "apply_rope", "rms_norm",
     "causal_attention", "blocked_causal_attention", "from_params", "fuse_params", "prefill_extend", "fingerprint",
-    "prefill_extend_layer_jit", "extend_attention", "place_rows",
+    "prefill_extend_layer_jit", "extend_attention", "place_rows", "PromptScores", "score_tokens",
 ]
 
 # The checkpoint families this model runs: Llama 2/3.x, Mistral (the same layers) and Qwen2 / Qwen2.5 (q/k/v biases).
@@ -517,9 +517,41 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto"):
 # ----------------------------------------------------------------------------- prefill
 
 
-def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
+# Prompt scoring (`prefill(..., score=k)`) computes logits over chunks of this many tokens: a chunk's float32
+# logits are [B, 1024, V] (0.5 GB at a 128k vocabulary), never the whole prompt's.
+SCORE_CHUNK_TOKENS = 1024
+
+
+class PromptScores(NamedTuple):
+  """Log-probabilities of a prompt's tokens under the model's raw distribution (log_softmax of its logits).
+
+  Entry t scores token t + 1 from the logits at position t (so a prompt of n tokens has n - 1 meaningful
+  entries; the last entry of a row and its padding are meaningless): token_logprobs [B, T] float32,
+  top_ids [B, T, k] int32 and top_logprobs [B, T, k] float32 (the k most likely, most likely first)."""
+
+  token_logprobs: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
+
+
+def score_tokens(model: Llama, x_BTD, tokens_BT, k: int) -> PromptScores:
+  """`PromptScores` from the last layer's residual stream x [B, T, D] (before the final norm), over chunks of
+  SCORE_CHUNK_TOKENS tokens."""
+  B, T, _ = x_BTD.shape
+  nxt = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((B, 1), tokens_BT.dtype)], axis=1)
+  outs = []
+  for i in range(0, T, SCORE_CHUNK_TOKENS):
+    lp = jax.nn.log_softmax(_head(model, x_BTD[:, i:i + SCORE_CHUNK_TOKENS]), axis=-1)
+    chosen = jnp.take_along_axis(lp, nxt[:, i:i + SCORE_CHUNK_TOKENS, None], axis=-1)[..., 0]
+    top_v, top_i = jax.lax.top_k(lp, max(k, 1))
+    outs.append((chosen, top_i[..., :k].astype(jnp.int32), top_v[..., :k]))
+  return PromptScores(*(jnp.concatenate(xs, axis=1) for xs in zip(*outs)))
+
+
+def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto", score: int | None = None):
   """Runs the prompt through every layer; on_layer(i, q, k, v) is called right after the layer's
-  attention, so a compressing callback leaves only one layer's full KV alive."""
+  attention, so a compressing callback leaves only one layer's full KV alive. With score = k, also returns the
+  prompt's `PromptScores`."""
   cfg = model.config
   B, T = tokens_BT.shape
   x = embed_tokens(model, tokens_BT)
@@ -534,25 +566,30 @@ def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto"):
     outs.append(compressed)
     x = over_token_chunks(functools.partial(_finish, blk, cfg), x, o)
   last = x[jnp.arange(B), lengths_B - 1]
+  if score is not None:
+    return _head(model, last), tuple(outs), score_tokens(model, x, tokens_BT, score)
   return _head(model, last), tuple(outs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
-def prefill_jit(graphdef, state, tokens_BT, lengths_B, rows=None, *, config):
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "score"))
+def prefill_jit(graphdef, state, tokens_BT, lengths_B, rows=None, *, config, score: int | None = None):
   """`prefill` over nnx.split(model): lower and compile it to time compilation apart."""
   model = nnx.merge(graphdef, state)
   lengths_B = lengths_B.astype(jnp.int32)
   return _layers_prefill(
       model, tokens_BT, lengths_B,
-      lambda q, k, v: constrain_cache(prefill_compress(q, k, v, lengths_B, config=config, rows=rows)))
+      lambda q, k, v: constrain_cache(prefill_compress(q, k, v, lengths_B, config=config, rows=rows)),
+      score=score)
 
 
-def prefill(model: Llama, tokens_BT, lengths_B, config, rows=None):
-  """Prefill + per-layer compression. Returns (logits [B, V] of each last valid token, caches). rows: each
-  sequence's own plan (`rocketkv_jax.plan_rows`; config is then the batch's)."""
+def prefill(model: Llama, tokens_BT, lengths_B, config, rows=None, score: int | None = None):
+  """Prefill + per-layer compression. Returns (logits [B, V] of each last valid token, caches), and with
+  score = k (static: a second executable) also the prompt's `PromptScores` with the k most likely tokens per
+  position (vLLM's prompt logprobs; costs the logits of every prompt position). rows: each sequence's own plan
+  (`rocketkv_jax.plan_rows`; config is then the batch's)."""
   graphdef, state = nnx.split(model)
   return prefill_jit(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), jnp.asarray(lengths_B, jnp.int32),
-                     rows, config=config)
+                     rows, config=config, score=score)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -135,3 +135,28 @@ def test_processing_needs_rows(tiny_model):
     decode_loop(tiny_model, logits, caches, config, LoopConfig(max_new_tokens=N), process=_proc(toks))
   with pytest.raises(ValueError, match="top_logprobs=-1"):
     LoopConfig(max_new_tokens=N, top_logprobs=-1)
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv"])
+def test_prompt_scores_equal_the_dense_forward(tiny_model, method, monkeypatch):
+  """prefill(score=k): entry t scores token t + 1 under log_softmax of the dense forward's logits at t (every
+  method: the scores come from the dense prefill, before any compression), over several chunks."""
+  from rocketkv_jax.models import forward_full
+  from rocketkv_jax.models import llama
+  monkeypatch.setattr(llama, "SCORE_CHUNK_TOKENS", 10)  # 3 chunks, the last partial
+  toks = np.random.default_rng(3).integers(3, V, (2, P)).astype(np.int32)
+  config = make_config(method, token_budget=64, prompt_len=P, max_new_tokens=N, head_dim=16, impl="xla")
+  lengths = np.array([P, P - 5])
+  logits, _, scores = prefill(tiny_model, toks, lengths, config, score=4)
+  plain, _ = prefill(tiny_model, toks, lengths, config)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), atol=1e-5)
+  full = np.asarray(forward_full(tiny_model, toks), np.float64)
+  lp = full - full.max(-1, keepdims=True)
+  lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+  for b, n in enumerate(lengths):
+    want = lp[b, np.arange(n - 1), toks[b, 1:n]]
+    np.testing.assert_allclose(np.asarray(scores.token_logprobs)[b, :n - 1], want, atol=1e-4)
+    ids = np.argsort(-lp[b, :n - 1], -1)[:, :4]
+    np.testing.assert_array_equal(np.asarray(scores.top_ids)[b, :n - 1], ids)
+    np.testing.assert_allclose(np.asarray(scores.top_logprobs)[b, :n - 1],
+                               np.take_along_axis(lp[b, :n - 1], ids, -1), atol=1e-4)
