@@ -1,0 +1,458 @@
+"""Writes docs/RESULTS.md, the project's current figures, from the current result files under benchmarks/results/.
+
+  python -m benchmarks.make_results_doc            # rewrite docs/RESULTS.md
+  python -m benchmarks.make_results_doc --check    # exit 1 when docs/RESULTS.md differs from what this writes
+
+Every table is read from one result file (JSON lines written by benchmarks/decode.py and benchmarks/serve.py, or the
+markdown that benchmarks/accuracy/report.py and benchmarks/stage2_table.py render from their cells), and each
+section names that file, with the date, the device and the command the file records. Which files are current, and
+what replaced the archived ones, is benchmarks/results/README.md. To publish a new run: put its file under
+benchmarks/results/, point SOURCES below at it, run this module, and commit both (tests/test_results_doc.py fails
+while docs/RESULTS.md and the files disagree). Standard library only, no JAX: it runs in well under a second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+__all__ = ["ROOT", "OUT", "SOURCES", "render", "main"]
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "RESULTS.md"
+RESULTS = "benchmarks/results"
+
+# The current file of every figure (paths relative to the repository root).
+SOURCES = {
+  "decode": f"{RESULTS}/decode_h200_2026-12-02.jsonl",
+  "decode_md": f"{RESULTS}/decode_h200_2026-12-02.md",
+  "engine_shapes": f"{RESULTS}/plans_h200_2026-12-03/engine_shapes.jsonl",
+  "stage2": f"{RESULTS}/stage2_per_layer_h200_2026-12-02g.md",
+  "serve": f"{RESULTS}/serve_h200_2026-12-01/serve_final_c3a6f19.jsonl",
+  "turn2": f"{RESULTS}/serve_h200_2026-12-01/serve_1_8_turn2_8d47ebb.jsonl",
+  "acc_qwen": f"{RESULTS}/accuracy_qwen_h200_2026-12-04/qwen15.md",
+  "acc_smol_same_grid": f"{RESULTS}/accuracy_qwen_h200_2026-12-04/smollm2.md",
+  "acc_smol_grid": f"{RESULTS}/accuracy_h200_2026-12-01.md",
+  "load_memory": f"{RESULTS}/load_memory_cpu_2026-12-01.jsonl",
+  "prefill_memory": f"{RESULTS}/prefill_memory_h200_2026-12-01.txt",
+}
+
+METHOD_ORDER = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
+                "exact_topk")
+# How a method's spec reads in a table; the 2026-12-01 grid ran rocketkv_plus as its spec (the same config).
+ACC_LABELS = {
+  "full": "full KV", "rocketkv": "RocketKV (the paper's)", "rocketkv_plus": "rocketkv_plus",
+  "rocketkv[plan_page_size=2,hsa_recent_tokens=8]": "rocketkv_plus",
+  "rocketkv[hsa_recent_tokens=8]": "RocketKV + recent 8 only", "snapkv": "SnapKV", "quest": "Quest",
+  "sparq": "SparQ", "streaming_llm": "StreamingLLM", "h2o": "H2O", "hsa": "HSA (stage 2 alone)",
+  "exact_topk": "Exact-TopK (oracle)",
+}
+ACC_ROW_ORDER = ("full", "rocketkv", "rocketkv_plus", "rocketkv[plan_page_size=2,hsa_recent_tokens=8]",
+                 "rocketkv[hsa_recent_tokens=8]", "exact_topk", "snapkv", "quest", "sparq", "streaming_llm", "h2o",
+                 "hsa")
+
+
+def _read(rel: str) -> str:
+  return (ROOT / rel).read_text()
+
+
+def _jsonl(rel: str) -> list[dict]:
+  return [json.loads(line) for line in _read(rel).splitlines() if line.strip()]
+
+
+def _link(rel: str) -> str:
+  """A link from docs/RESULTS.md to a file under the repository root."""
+  return f"[`{rel}`](../{rel})"
+
+
+def _ctx(n: int) -> str:
+  return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+  out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  out += ["| " + " | ".join(r) + " |" for r in rows]
+  return out
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+
+
+def _decode_runs(rel: str):
+  """(headers, points, peaks): each point carries the index of the run (header) it follows in the file."""
+  headers, points, peaks = [], [], []
+  for rec in _jsonl(rel):
+    if rec["kind"] == "header":
+      headers.append(rec)
+    elif rec["kind"] == "point":
+      points.append(dict(rec, run=len(headers)))
+    elif rec["kind"] == "peak":
+      peaks.append(dict(rec, run=len(headers)))
+  return headers, points, peaks
+
+
+def _decode_label(p) -> str:
+  return p["method"] if p["token_budget"] is None else f"{p['method']} t={p['token_budget']}"
+
+
+def _decode_key(label: str):
+  m, _, t = label.partition(" t=")
+  return (METHOD_ORDER.index(m) if m in METHOD_ORDER else 99, int(t or 0))
+
+
+def decode_section() -> list[str]:
+  rel = SOURCES["decode"]
+  headers, points, peaks = _decode_runs(rel)
+  contexts = sorted({p["context"] for p in points})
+  labels = sorted({_decode_label(p) for p in points}, key=_decode_key)
+  by = {(_decode_label(p), p["context"], p["batch_spec"]): p for p in points}
+  codes = sorted({h.get("code", "?") for h in headers})
+  bws = [h["copy_bandwidth_GBps"] for h in headers]
+  out = [
+    "## Decode speed: Llama-3.1-8B shape on one H200",
+    "",
+    f"Source: {_link(rel)} (rendered with its plots as {_link(SOURCES['decode_md'])} by "
+    f"`python -m benchmarks.render_decode {rel}`). Device: {headers[0]['device']}, jax {headers[0]['jax']}; "
+    f"{len(headers)} runs, code {', '.join(f'`{c}`' for c in codes)}; copy bandwidth {min(bws):.0f}-{max(bws):.0f} GB/s "
+    "across the runs.",
+    "",
+    "Random bf16 weights, a real prefill of random-token prompts, then the whole model's decode step timed as "
+    "jitted chunks of 8 greedy steps (median over 64 steps). Floor = (weight bytes + the KV/KT/index bytes the "
+    "method must read) / the device-to-device copy bandwidth measured in the same run; a ratio moves with its "
+    "run's bandwidth, the ms are the firmer figure.",
+    "",
+    "Runs (one per header record of the file):",
+    "",
+  ]
+  for i, h in enumerate(headers, 1):
+    note = f"; {h['note']}" if h.get("note") else ""
+    out.append(f"{i}. {h['date']}, code `{h.get('code', '?')}`, copy {h['copy_bandwidth_GBps']} GB/s: "
+               f"`{h['command']}`{note}")
+  out.append("")
+
+  def cell(label, ctx, spec, largest=False):
+    p = by.get((label, ctx, spec))
+    if p is None:
+      return "-"
+    if p["status"] != "ok":
+      return "does not fit"
+    if largest:
+      return f"{p['batch']}, {p['ms_per_step']:.2f} ({p['ratio_to_floor']:.2f}x), {p['tokens_per_s']:,.0f}"
+    return f"{p['ms_per_step']:.2f} ({p['ratio_to_floor']:.2f}x)"
+
+  for spec, title in (("1", "batch 1, ms/step (x floor)"), ("8", "batch 8, ms/step (x floor)"),
+                      ("32", "batch 32, ms/step (x floor)"),
+                      ("max", "largest batch that fits: batch, ms/step (x floor), tokens/s")):
+    rows = [[label] + [cell(label, c, spec, spec == "max") for c in contexts] for label in labels]
+    full, rk = by, "rocketkv t=256"
+    ratio = []
+    for c in contexts:
+      f, r = full.get(("full", c, spec)), full.get((rk, c, spec))
+      if f and r and f["status"] == r["status"] == "ok":
+        ratio.append(f"{f['ms_per_step'] / r['ms_per_step']:.2f}x" if spec != "max"
+                     else f"{r['tokens_per_s'] / f['tokens_per_s']:.1f}x")
+      else:
+        ratio.append("-")
+    rows.insert(labels.index(rk) + 1, ["RocketKV t=256 over full" + (" (tokens/s)" if spec == "max" else "")] + ratio)
+    out += _table([title] + [_ctx(c) for c in contexts], rows) + [""]
+
+  if peaks:
+    out += ["Peak device memory over prefill + decode, batch 1, each point in a fresh process (`--peak`):", ""]
+    rows = []
+    for p in sorted(peaks, key=lambda p: _decode_key(p["method"])):
+      h = headers[p["run"] - 1]
+      rows.append([p["method"] if p["method"] == "full" else f"{p['method']} t={p['token_budget']}", _ctx(p["context"]),
+                   f"{p['peak_bytes'] / 1e9:.1f}", f"{p['weights_bytes'] / 1e9:.1f}", f"{p['cache_bytes'] / 1e9:.2f}",
+                   f"{p['run']} (`{h.get('code', '?')}`)"])
+    out += _table(["method", "context", "peak GB", "weights GB", "cache GB", "run"], rows)
+    full = next((p for p in peaks if p["method"] == "full"), None)
+    rk = next((p for p in peaks if p["method"] == "rocketkv"), None)
+    if full and rk:
+      out += ["", f"RocketKV's peak is {100 * (1 - rk['peak_bytes'] / full['peak_bytes']):.1f}% lower than full KV's."]
+    out.append("")
+  return out
+
+
+def engine_shapes_section() -> list[str]:
+  rel = SOURCES["engine_shapes"]
+  recs = _jsonl(rel)
+  h = next(r for r in recs if r["kind"] == "header")
+  rows = [[r["label"], str(r["batch"]), f"{r['ms_per_step']:.3f}", f"{r['ratio_to_floor']:.2f}x",
+           f"{r['tokens_per_s']:,.0f}", re.search(r"topr=(\d+)", r["config"]).group(1), str(r["capacity"])]
+          for r in recs if r["kind"] == "mixed"]
+  return [
+    "### Per-request plans under an engine's static config",
+    "",
+    f"Source: {_link(rel)}. {h['device']}, jax {h['jax']}, {h['date']}, copy {h['copy_bandwidth_GBps']} GB/s; "
+    f"`{h['command']}`. Each row runs the 32k plan as data; the engine compiles for the maxima of every plan its "
+    "limits allow (`plan_limits`), so its static top-r is 128 where a 32k request uses 60 channels.",
+    "",
+    *_table(["rocketkv t=256, 32k rows", "batch", "ms/step", "x floor", "tokens/s", "static top-r", "capacity"], rows),
+    "",
+  ]
+
+
+# ---------------------------------------------------------------------------------------------------- markdown
+
+
+def _md_section(text: str, heading: str) -> list[str]:
+  """The lines under `heading` (exact line) up to the next heading of the same or a higher level."""
+  lines = text.splitlines()
+  start = lines.index(heading)
+  level = len(heading) - len(heading.lstrip("#"))
+  out = []
+  for line in lines[start + 1:]:
+    m = re.match(r"(#+) ", line)
+    if m and len(m.group(1)) <= level:
+      break
+    out.append(line)
+  while out and not out[-1].strip():
+    out.pop()
+  while out and not out[0].strip():
+    out.pop(0)
+  return out
+
+
+def _tables_in(lines: list[str]) -> list[list[str]]:
+  tables, cur = [], []
+  for line in lines + [""]:
+    if line.startswith("|"):
+      cur.append(line)
+    elif cur:
+      tables.append(cur)
+      cur = []
+  return tables
+
+
+def _split_row(line: str) -> list[str]:
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def stage2_section() -> list[str]:
+  rel = SOURCES["stage2"]
+  text = _read(rel)
+  lines = text.splitlines()
+  regen = next(line for line in lines if line.startswith("Regenerate"))
+  shape = next(line for line in lines if line.startswith("Shape:"))
+  tables = _tables_in(lines)
+  return [
+    "### RocketKV's stage 2 per layer against its bytes (32k, t=256)",
+    "",
+    f"Source: {_link(rel)}. {regen} {shape} Per layer, microseconds of GPU kernels per call from a profiler "
+    "trace; floor = the bytes the kernel must move at the copy bandwidth measured in the same run; x = us / floor.",
+    "",
+    *tables[0],
+    "",
+    "The HSA scoring kernel alone, in the layout `auto` picks:",
+    "",
+    *tables[1],
+    "",
+  ]
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+
+
+def serve_section() -> list[str]:
+  rel, rel2 = SOURCES["serve"], SOURCES["turn2"]
+  recs = [r for r in _jsonl(rel) if r.get("kind") == "serve" and r.get("status") == "ok" and "slots" in r]
+  runs = []
+  for r in recs:
+    key = (r["date"], " ".join(r["argv"]))
+    if key not in runs:
+      runs.append(key)
+  rows = []
+  for r in sorted(recs, key=lambda r: (METHOD_ORDER.index(r["method"]), r["slots"])):
+    slots = f"{r['slots']} (most that fit)" if r["slots_spec"] == "max" else str(r["slots"])
+    rows.append([r["method"], slots, f"{r['steady_tokens_per_s']:,.0f}",
+                 f"{r['tpot_ms_p50']:.2f} / {r['tpot_ms_p99']:.2f}", f"{r['engine_step_ms']:.2f}",
+                 f"{r['decode_step_ms']:.2f}", f"{r['floor_ms']:.2f}", f"{r['ttft_ms_p50'] / 1000:.2f}",
+                 r["admission"]])
+  t2 = [r for r in _jsonl(rel2) if r.get("part") == "turn2"]
+  first = recs[0]
+  out = [
+    "## Serving on one H200 (Llama-3.1-8B shape, 32k-token prompts, 128 new tokens, t=256)",
+    "",
+    f"Source: {_link(rel)} ({first['device']}, jax {first['jax']}; the file's `commit` field is the device copy's "
+    "stale `.git`: the code is `c3a6f19`, named in the file name). Runs:",
+    "",
+  ]
+  out += [f"- {date}: `{argv}`" for date, argv in runs]
+  out += [
+    "",
+    "Steady = decode steps with every slot busy; engine step = a steady step's wall time per token; "
+    "decode-benchmark step = `benchmarks/decode.py`'s loop on the same caches in the same process (it waits for "
+    "each chunk; the pipelined engine does not). `admission: shared` admits the largest batch's requests by "
+    "inserting one shared prefill.",
+    "",
+    *_table(["method", "slots", "steady tokens/s", "TPOT p50 / p99 (ms)", "engine step (ms)",
+             "decode-benchmark step (ms)", "floor (ms)", "TTFT p50 (s)", "admission"], rows),
+    "",
+    f"Second turn over the stored history (rocketkv, 32k first turn): {_link(rel2)}, {t2[0]['date']}, "
+    f"`{' '.join(t2[0]['argv'])}` (code `8d47ebb`). The first turn's prefill took {t2[0]['turn1_prefill_s']:.2f} s "
+    "(its K/V copied to host memory).",
+    "",
+    *_table(["new tokens", "second-turn prefill (s)", "re-prefill of the whole prompt (s)", "speed-up"],
+            [[f"{r['new_tokens']:,}", f"{r['turn2_prefill_s']:.2f}", f"{r['reprefill_s']:.2f}", f"{r['speedup']:.2f}x"]
+             for r in t2]),
+    "",
+  ]
+  return out
+
+
+# ---------------------------------------------------------------------------------------------------- accuracy
+
+
+def _parse_accuracy_md(rel: str):
+  """(meta lines, {context: {"full": {mode: cell}, "acc": {method: {column: cell}}, "rel": {...}}}, variant bullets)."""
+  text = _read(rel)
+  lines = text.splitlines()
+  meta = [line for line in lines[:12] if line.startswith("- ")]
+  contexts = {}
+  for line in lines:
+    m = re.match(r"## Context (\d+) tokens$", line)
+    if not m:
+      continue
+    sec = _md_section(text, line)
+    full = {}
+    for s in sec:
+      f = re.match(r"Full KV task accuracy, (\w+): \*\*(.+?)\*\*", s)
+      if f:
+        full[f.group(1)] = f.group(2)
+    got = {"full": full}
+    for key, heading in (("acc", "### Task accuracy (mean over tasks), 95% CI"),
+                         ("rel", "### Task accuracy relative to full KV on the same prompts, paired-bootstrap 95% CI")):
+      table = _tables_in(_md_section("\n".join(sec), heading))[0]
+      cols = _split_row(table[0])[1:]
+      got[key] = {r[0]: dict(zip(cols, r[1:])) for r in map(_split_row, table[2:])}
+    contexts[int(m.group(1))] = got
+  variants = [line for line in _md_section(text, "## Variants against their base method (same prompts, paired)")
+              if line.startswith("- **")]
+  return meta, contexts, variants
+
+
+def _accuracy_pivot(contexts, t: int, mode: str, title: str) -> list[str]:
+  col = f"t={t} {mode}"
+  ctxs = sorted(contexts)
+  methods = {m for c in ctxs for m in contexts[c]["acc"]}
+  rows = [["full KV"] + [contexts[c]["full"].get(mode, "-") for c in ctxs]]
+  for m in sorted(methods, key=lambda m: ACC_ROW_ORDER.index(m) if m in ACC_ROW_ORDER else 99):
+    cells = []
+    for c in ctxs:
+      acc = contexts[c]["acc"].get(m, {}).get(col, "-")
+      rel = contexts[c]["rel"].get(m, {}).get(col, "")
+      cells.append(f"{acc} ({rel.split(' ')[0]})" if rel else acc)
+    rows.append([ACC_LABELS.get(m, m)] + cells)
+  return _table([f"{title}, t={t}, {mode}: accuracy [95% CI] (rel. to full)"] + [_ctx(c) for c in ctxs], rows)
+
+
+def _meta_lines(meta: list[str]) -> list[str]:
+  return [line for line in meta if not line.startswith("- intervals")]
+
+
+def accuracy_section() -> list[str]:
+  out = [
+    "## Accuracy",
+    "",
+    "The accuracy suite (`benchmarks/accuracy/`, also `rocketkv eval`): RULER-style retrieval tasks (passkey, "
+    "multi-key with distractors, multi-value, variable tracking; exact match) over public-domain prose, in two "
+    "modes: *aware* (the question inside stage 1's window, as in the paper's benchmarks) and *agnostic* (the "
+    "context compressed before the question is known, the question fed through the method's decode steps). "
+    "95% percentile bootstrap intervals; relative accuracy is paired with full KV on the same prompts. Per-task "
+    "tables, fidelity (top-1, KL), attention mass and plots are in each source file.",
+    "",
+  ]
+  for key, title, short, budgets in (
+      ("acc_qwen", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (head_dim 128), one H200, 2026-12-04", "Qwen2.5-Coder-1.5B",
+       ((256, "aware"), (128, "aware"), (256, "agnostic"))),
+      ("acc_smol_same_grid", "SmolLM2-135M (head_dim 64) on the same grid and code, one H200, 2026-12-04",
+       "SmolLM2-135M", ((256, "aware"), (128, "aware"))),
+      ("acc_smol_grid", "SmolLM2-135M: the full grid, every method, t = 64-512, one H200, 2026-12-01",
+       "SmolLM2-135M", ((256, "aware"), (256, "agnostic"), (128, "aware"), (64, "aware"), (512, "aware")))):
+    rel = SOURCES[key]
+    meta, contexts, variants = _parse_accuracy_md(rel)
+    out += [f"### {title}", "", f"Source: {_link(rel)}.", ""] + _meta_lines(meta) + [""]
+    for t, mode in budgets:
+      out += _accuracy_pivot(contexts, t, mode, short) + [""]
+    if variants:
+      out += ["Registered variants against their base method on the same prompts (paired bootstrap; the "
+              "registration rule is in docs/ALGORITHM.md, \"Extension\"):", ""] + variants + [""]
+  return out
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+
+def memory_section() -> list[str]:
+  rel, rel2 = SOURCES["load_memory"], SOURCES["prefill_memory"]
+  rows = []
+  for r in _jsonl(rel):
+    rows.append([r["device"], str(r["layers"]), r["dtype"], f"{r['checkpoint_bytes'] / 2**30:.1f}",
+                 f"{r['peak_rss'] / 2**30:.1f}", f"{r['overhead_bytes'] / 2**30:.2f}",
+                 f"{r['largest_tensor_bytes'] / 2**30:.2f}", f"{r['load_s']:.0f}"])
+  r0 = _jsonl(rel)[0]
+  pm = _read(rel2).splitlines()
+  return [
+    "## Memory",
+    "",
+    "### Loading a Llama-3.1-8B-shaped bf16 safetensors checkpoint (host memory)",
+    "",
+    f"Source: {_link(rel)}, {r0['date']}: `{' '.join(r0['argv'])}`. Safetensors stream tensor by tensor to the "
+    "device in the target dtype; on a CPU the weights themselves live in host memory.",
+    "",
+    *_table(["device", "layers", "dtype", "checkpoint GiB", "peak RSS GiB", "beyond the weights GiB",
+             "largest tensor GiB", "load s"], rows),
+    "",
+    "### Prefill's temporary memory at 128k, compile-only (why prefill runs each layer's MLP in unrolled chunks)",
+    "",
+    f"Source: {_link(rel2)}.",
+    "",
+    "```",
+    *pm,
+    "```",
+    "",
+  ]
+
+
+# ---------------------------------------------------------------------------------------------------- page
+
+
+def render() -> str:
+  out = [
+    "# Current results",
+    "",
+    "<!-- Generated by `python -m benchmarks.make_results_doc` from the files named in each section; do not edit "
+    "by hand. tests/test_results_doc.py fails when this page and the files disagree. -->",
+    "",
+    "Every figure below is read from the result file its section names. Which file is current for each figure, "
+    "and what replaced the archived runs, is [`benchmarks/results/README.md`](../benchmarks/results/README.md); "
+    "how the figures were reached is [`CHANGELOG.md`](../CHANGELOG.md).",
+    "",
+  ]
+  for section in (decode_section, engine_shapes_section, stage2_section, serve_section, accuracy_section,
+                  memory_section):
+    out += section()
+  return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.make_results_doc", description=__doc__.split("\n")[0])
+  ap.add_argument("--check", action="store_true", help="exit 1 when docs/RESULTS.md is not what this writes")
+  ap.add_argument("--out", default=str(OUT), help="where to write (default docs/RESULTS.md)")
+  args = ap.parse_args(argv)
+  text = render()
+  out = pathlib.Path(args.out)
+  if args.check:
+    same = out.exists() and out.read_text() == text
+    print(f"{out}: {'up to date' if same else 'differs: run python -m benchmarks.make_results_doc'}")
+    return 0 if same else 1
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(text)
+  print(f"wrote {out} ({len(text.splitlines())} lines)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
