@@ -7,21 +7,33 @@ Text exists only here and in the engine's detokenizer: a request is parsed and c
 (chat through the tokenizer's chat template), and handed to the engine thread (`runner.py`) as token ids;
 events come back through an asyncio queue per HTTP request.
 
-OpenAI semantics kept: `temperature` and `top_p` default to 1 (unless the checkpoint's generation_config.json
-sets them: then its values, as vLLM does), `n` must be 1, `stop` is a string or a list,
-errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx status (429 when the engine's queue
-is full, 503 while shutting down). Extensions: `top_k` (0 or -1 = off, at most the vocabulary size) and
-`stop_token_ids`. Departure: `seed` defaults to 0, so the same request gets the same answer (OpenAI draws a
-fresh seed); pass a seed to vary samples.
+Requests are parsed by the pydantic models of `protocol.py` (strict JSON types, the engine's own bounds), which
+`/docs` and `/openapi.json` show. OpenAI semantics kept: `temperature` and `top_p` default to 1 (unless the
+checkpoint's generation_config.json sets them: then its values, as vLLM does), `stop` is a string or a list,
+errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx status naming the field in `param` (a
+validation failure is a 400, never FastAPI's 422; 429 when the engine's queue is full, 503 while shutting down).
+Implemented: `presence_penalty` / `frequency_penalty` ([-2, 2]), `logit_bias` (token id -> [-100, 100]),
+`logprobs` (completions: 0..20 alternatives, OpenAI's legacy format; chat: `logprobs: true` + `top_logprobs`),
+`echo` (completions: the text starts with the prompt; with `logprobs`, the prompt's positions come first, the first
+one None, as lm-eval's log-likelihood requests need), and `n` (1..16 samples per prompt: sample i uses seed + i, so
+greedy gives n equal answers; choices are indexed prompt * n + i; usage counts each prompt once). Extensions (vLLM's):
+`top_k` (0 or -1 = off, at most the vocabulary size), `stop_token_ids`, `repetition_penalty`, `min_tokens`,
+`cache_salt`, `/tokenizer_info`. Departure: `seed` defaults to 0, so the same request gets the same answer (OpenAI
+draws a fresh seed); pass a seed to vary samples.
 
-Nothing that changes sampling is ignored: every such field (OpenAI's and vLLM's, `UNSUPPORTED`) is accepted only
-at its neutral value, else 400 `unsupported_parameter` naming it; other unknown fields are accepted. Every value
-is range-checked in one place (`SamplingParams` and `Engine.validate`, run when the request is submitted) so a
-bad value fails its own request with a 400, never the engine step shared with others. A body that is not JSON,
-nests too deep or has a wrong type anywhere is a 400; one over `max_body_bytes` a 413; a POST whose Content-Type
-is not `application/json` a 415 (this refuses the browsers' CORS "simple requests"). No CORS headers are sent.
+Nothing that changes sampling is ignored: every field this server does not implement (OpenAI's and vLLM's,
+`protocol.REFUSED`) is accepted only at its neutral value, else 400 `unsupported_parameter` naming it; other
+unknown fields are accepted. Every value is range-checked once, by the protocol models with the engine's bounds,
+and against the engine's limits (max_tokens, vocabulary) before submission, so a bad value fails its own request
+with a 400, never the engine step shared with others. A body that is not JSON, nests too deep or has a wrong type
+anywhere is a 400; one over `max_body_bytes` a 413; a POST whose Content-Type is not `application/json` a 415
+(this refuses the browsers' CORS "simple requests"). No CORS headers are sent.
 
-Access: with `api_key` set, every route but `/health` and `/version` needs `Authorization: Bearer KEY` (else 401).
+Prefix reuse: a prompt's stored K/V history (`usage.prompt_tokens_details.cached_tokens`) is reused only by
+requests with the same `cache_salt` (default ""; the engine enforces it). The server has one API key, so one
+tenant: clients that must not share (or time) each other's prefixes must send distinct salts.
+
+Access: with `api_key` set, every route but `/health`, `/version`, `/docs` and `/openapi.json` needs `Authorization: Bearer KEY` (else 401).
 A request that arrives on a loopback address (a server bound to 127.0.0.1, the default) must name a loopback
 host in `Host` (localhost, 127.0.0.1, [::1], any port, or one of `allowed_hosts`), and its `Origin`, when sent,
 must be one too: else 403 (a defence against DNS rebinding and cross-site requests from a browser).
@@ -33,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import ipaddress
 import json
@@ -43,39 +56,21 @@ import uuid
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rocketkv_jax.models.generate import stop_ids as model_stop_ids
 
+from . import protocol
 from .engine import QueueFull, Request, SamplingParams
 from .runner import Aborted, EngineRunner, Failed, ShuttingDown
 
-__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "request_sampling", "warm_up"]
+__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "request_sampling", "sample_sampling", "warm_up"]
 
 log = logging.getLogger("rocketkv_jax.serving")
 
 DEFAULT_SEED = 0               # see the module docstring
 COMPLETIONS_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 16
-# Fields we accept only at their neutral value (anything else is a 400 naming the field).
-UNSUPPORTED = {
-    # OpenAI
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "prediction": (None,), "audio": (None,),
-    "modalities": (None, ["text"]),
-    # vLLM's sampling extensions
-    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
-    "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False), "early_stopping": (None, False),
-    "ignore_eos": (None, False), "bad_words": (None, []), "allowed_token_ids": (None,),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,), "logits_processors": (None, []),
-    "truncate_prompt_tokens": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "typical_p": (None, 1, 1.0),
-    "echo_prompt": (None, False), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
-}
 MAX_BODY_BYTES = 8 * 2**20
 LOOPBACK_NAMES = ("localhost",)
 
@@ -158,25 +153,6 @@ def _version() -> str:
 # --- parsing -------------------------------------------------------------------------------------------------
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _field(body: dict, name: str, kind: str, default):
-  v = body.get(name)
-  if v is None:
-    return default
-  ok = {"int": _is_int, "num": _is_num, "bool": lambda x: isinstance(x, bool)}[kind](v)
-  if not ok:
-    want = {"int": "an integer", "num": "a number", "bool": "a boolean"}[kind]
-    raise APIError(400, f"{name}={v!r} must be {want}", param=name, code="invalid_type")
-  return v
-
-
 def _too_big(max_bytes: int) -> APIError:
   return APIError(413, f"the request body exceeds {max_bytes} bytes (--max-body-mb)", code="request_too_large")
 
@@ -242,9 +218,9 @@ def _is_loopback(host: str) -> bool:
 
 class _Guard:
   """ASGI middleware, before routing: on a loopback connection, Host and Origin must be loopback (403); with an
-  API key, every route but /health and /version needs it (401). Pure ASGI: streams and disconnects pass as is."""
+  API key, every route but /health, /version and the API's schema (/docs, /openapi.json) needs it (401). Pure ASGI: streams and disconnects pass as is."""
 
-  OPEN = ("/health", "/version")
+  OPEN = ("/health", "/version", "/docs", "/openapi.json")
 
   def __init__(self, app, *, api_key: str | None, allowed_hosts: tuple[str, ...], counters: "_Metrics"):
     self.app, self.counters = app, counters
@@ -283,122 +259,168 @@ class _Guard:
     await self.app(scope, receive, send)
 
 
-def _param_of(message: str, prompt_param: str) -> str | None:
-  """The request field an engine ValueError names (its messages start with `name=` or mention it)."""
-  if message.startswith("stop_ids"):
-    return "stop_token_ids"
-  for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings", "stop"):
-    if name in message:
-      return "stop" if name.startswith("stop") else name
-  return prompt_param if "prompt" in message else None
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-  stop = body.get("stop")
-  if stop is None:
-    return ()
-  items = [stop] if isinstance(stop, str) else stop
-  if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-    raise APIError(400, f"stop={stop!r} must be a string or a list of strings", param="stop", code="invalid_type")
-  if len(items) > MAX_STOP_STRINGS:
-    raise APIError(400, f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}", param="stop")
-  if any(not s for s in items):
-    raise APIError(400, "stop strings must not be empty", param="stop")
-  return tuple(items)
-
-
-def _unsupported(body: dict) -> None:
-  for name, neutral in UNSUPPORTED.items():
-    v = body.get(name)
-    if v is not None and not any(v == x and type(v) is type(x) for x in neutral if x is not None):
-      raise APIError(400, f"{name}={v!r} is not supported by this server", param=name, code="unsupported_parameter")
-  n = body.get("n")
-  if n is not None and (not _is_int(n) or n != 1):
-    raise APIError(400, f"n={n!r} is not supported: only n=1", param="n", code="unsupported_parameter")
-
-
-def request_sampling(body: dict, *, default_max_tokens: int, stop_ids: tuple[int, ...], chat: bool,
-              defaults: dict | None = None) -> SamplingParams:
-  """The request's sampling; a field it leaves out takes the checkpoint's generation default (`defaults`:
-  generation_config.json's temperature / top_p / top_k, as vLLM does), else OpenAI's (1, 1, off)."""
-  _unsupported(body)
+def request_sampling(req: protocol.CompletionRequest | protocol.ChatCompletionRequest, *, default_max_tokens: int,
+                     stop_ids: tuple[int, ...], defaults: dict | None = None) -> SamplingParams:
+  """The sampling of a parsed request (sample 0 of n: sample i uses seed + i). A field it leaves out takes the
+  checkpoint's generation default (`defaults`: generation_config.json's temperature / top_p / top_k, as vLLM
+  does), else OpenAI's (1, 1, off). The request's fields were range-checked by the protocol models with the
+  engine's own bounds, so SamplingParams refusing one is a server bug, not the client's 400."""
   defaults = defaults or {}
-  max_tokens = _field(body, "max_completion_tokens", "int", None) if chat else None
-  if max_tokens is None:
-    max_tokens = _field(body, "max_tokens", "int", default_max_tokens)
-  if max_tokens <= 0:
-    raise APIError(400, f"max_tokens={max_tokens} must be >= 1", param="max_tokens", code="invalid_value")
-  temperature = _field(body, "temperature", "num", defaults.get("temperature", 1.0))
-  top_p = _field(body, "top_p", "num", defaults.get("top_p", 1.0))
-  top_k = _field(body, "top_k", "int", defaults.get("top_k", 0))
-  seed = _field(body, "seed", "int", DEFAULT_SEED)
-  if top_k == -1:  # vLLM's off
-    top_k = 0
-  extra = body.get("stop_token_ids") or []
-  if not isinstance(extra, list) or not all(_is_int(t) for t in extra):
-    raise APIError(400, "stop_token_ids must be a list of token ids", param="stop_token_ids", code="invalid_type")
-  # ranges are checked by SamplingParams here and Engine.validate at submission: one place, not two copies
-  try:
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop_ids=tuple(stop_ids) + tuple(extra), stop_strings=_stop(body))
-  except (ValueError, TypeError) as e:
-    raise APIError(400, str(e), param=_param_of(str(e), "prompt"), code="invalid_value") from None
+  chat = isinstance(req, protocol.ChatCompletionRequest)
+  max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens or default_max_tokens
+  if (req.min_tokens or 0) > max_tokens:
+    raise APIError(400, f"min_tokens={req.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens",
+                   code="invalid_value")
+  pick = lambda v, default: default if v is None else v  # noqa: E731
+  top_k = pick(req.top_k, defaults.get("top_k", 0))
+  if chat:
+    logprobs, prompt_logprobs = ((req.top_logprobs or 0) if req.logprobs else None), None
+  else:  # echo with logprobs: the prompt's logprobs too, scored in the prefill
+    logprobs = req.logprobs
+    prompt_logprobs = logprobs if req.echo and logprobs is not None else None
+  return SamplingParams(
+      max_tokens=max_tokens, temperature=pick(req.temperature, defaults.get("temperature", 1.0)),
+      top_p=pick(req.top_p, defaults.get("top_p", 1.0)), top_k=0 if top_k == -1 else top_k,  # -1: vLLM's off
+      seed=pick(req.seed, DEFAULT_SEED), stop_ids=tuple(stop_ids) + tuple(req.stop_token_ids or ()),
+      stop_strings=req.stop_strings(), presence_penalty=req.presence_penalty or 0.0,
+      frequency_penalty=req.frequency_penalty or 0.0, repetition_penalty=pick(req.repetition_penalty, 1.0),
+      min_tokens=req.min_tokens or 0, logit_bias=req.bias_pairs(), logprobs=logprobs,
+      prompt_logprobs=prompt_logprobs)
 
 
-def _completion_prompts(body: dict, tokenizer) -> list[list[int]]:
-  """`prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
-  p = body.get("prompt")
-  bad = APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
-                 param="prompt", code="invalid_type")
-  if isinstance(p, str):
-    prompts = [p]
-  elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-    prompts = [p]
-  elif isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and all(_is_int(t) for t in x))
-                                         for x in p):
-    prompts = p
-  else:
-    raise bad
+def sample_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
+  """Sample i of a request's n: its seed + i (mod 2**32), so the n samples differ (unless greedy)."""
+  return sampling if i == 0 else dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)
+
+
+def _check_token_ids(ids, vocab: int, param: str, what: str) -> None:
+  if any(not 0 <= t < vocab for t in ids):
+    raise APIError(400, f"{what} must lie in [0, {vocab})", param=param, code="invalid_value")
+
+
+def _completion_prompts(req: protocol.CompletionRequest, tokenizer, vocab: int) -> list[list[int]]:
+  """`prompt`: a string, a list of token ids, or a list of strings / token-id lists: each as token ids."""
   out = []
-  for x in prompts:
+  for x in req.prompts():
     ids = tokenizer.encode(x) if isinstance(x, str) else list(x)
     if not ids:
       raise APIError(400, "prompt encodes to no tokens", param="prompt", code="invalid_value")
-    if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
-      raise APIError(400, f"prompt token ids must lie in [0, {tokenizer.vocab_size})", param="prompt",
-                     code="invalid_value")
+    _check_token_ids(ids, vocab, "prompt", "prompt token ids")
     out.append(ids)
   return out
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+def _chat_messages(messages: list[protocol.ChatMessage]) -> list[dict]:
+  return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
-def _chat_prompt(body: dict, tokenizer) -> list[int]:
-  msgs = body.get("messages")
-  if not isinstance(msgs, list) or not msgs:
-    raise APIError(400, "messages must be a non-empty list", param="messages", code="invalid_type")
-  rendered = []
-  for i, m in enumerate(msgs):
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in _ROLES:
-      raise APIError(400, f"messages[{i}] must be an object with role one of {sorted(_ROLES)}",
-                     param=f"messages[{i}]", code="invalid_value")
-    content = m.get("content")
-    if content is None:
-      content = ""
-    elif isinstance(content, list):  # content parts: text only
-      if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
-        raise APIError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content",
-                       code="invalid_value")
-      content = "".join(c["text"] for c in content)
-    elif not isinstance(content, str):
-      raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
-                     param=f"messages[{i}].content", code="invalid_type")
-    rendered.append({"role": _ROLES[m["role"]], "content": content})
-  ids = tokenizer.encode(tokenizer.apply_chat(rendered))
+def _chat_prompt(req: protocol.ChatCompletionRequest, tokenizer) -> list[int]:
+  ids = tokenizer.encode(tokenizer.apply_chat(_chat_messages(req.messages)))
   if not ids:
     raise APIError(400, "messages encode to no tokens", param="messages", code="invalid_value")
   return ids
+
+
+def _parsed(model, body: dict):
+  """The protocol model of a body; its refusal as OpenAI's 400 naming the field."""
+  try:
+    return protocol.parse(model, body)
+  except protocol.RequestError as e:
+    raise APIError(400, e.message, param=e.param, code=e.code) from None
+
+
+def _doc(request_model, response_model) -> dict:
+  """A POST route's OpenAPI: its JSON body (the component `openapi()` adds) and its answers."""
+  body = {"required": True, "content": {"application/json": {
+      "schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}}}
+  return {"openapi_extra": {"requestBody": body},
+          "responses": {200: {"model": response_model}, 400: {"model": protocol.ErrorResponse}}}
+
+
+def _token_name(tokenizer, token_id: int | None) -> str | None:
+  inner = getattr(tokenizer, "tokenizer", None)
+  if token_id is None or inner is None or not hasattr(inner, "id_to_token"):
+    return None
+  return inner.id_to_token(token_id)
+
+
+_MIN_LOGPROB = -9999.0  # what -inf (and NaN) become: JSON has no infinity (vLLM's floor)
+
+
+def _lp(x) -> float:
+  x = float(x)
+  return x if x >= _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _has_tokens(logprobs: dict | None) -> bool:
+  return bool(logprobs) and bool(logprobs.get("content") or logprobs.get("tokens"))
+
+
+class _Choice:
+  """One choice of a response, fed its engine request's events (`add`): its text, finish reason and token
+  counts, and its logprobs in the response's format, from the events' TokenLogprob entries:
+
+  completions (OpenAI's legacy format): {"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}],
+  "text_offset": [int]}; top_logprobs holds the k most likely tokens and the token itself (so up to k + 1, as
+  OpenAI and vLLM); with echo, the prompt's positions come first, the first one's logprob and top None.
+  chat (OpenAI's): {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
+  A token's string is the tokenizer's decode of that one id (special tokens kept), as vLLM does; text_offset
+  counts these strings' characters from the start of the choice's text."""
+
+  def __init__(self, prompt_ids, prompt_text: str, *, echo: bool, logprobs: bool, chat: bool, token_text):
+    self.prompt_ids, self.prompt_text, self.echo, self.want, self.chat = prompt_ids, prompt_text, echo, logprobs, chat
+    self.token_text, self.offset, self.first = token_text, 0, True
+    self.text, self.finish_reason = "", None
+    self.prompt_tokens = self.completion_tokens = self.cached = 0
+    self.logprobs = (({"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                    "text_offset": []}) if logprobs else None)
+
+  def add(self, ev) -> tuple[str, dict | None]:
+    """Takes one event; returns its new text and logprobs (the prompt's first, with echo, on the first)."""
+    text, items = ev.text, []
+    if self.first:
+      self.first = False
+      if self.echo:
+        text = self.prompt_text + text
+        if self.want:
+          scored = ev.prompt_logprobs or [None] * len(self.prompt_ids)
+          items += list(zip(self.prompt_ids, scored))
+    if self.want and ev.logprobs:  # each entry names its token: a stop id's logprob, if sent, is kept
+      items += [(e.token_id, e) for e in ev.logprobs]
+    self.text += text
+    self.prompt_tokens, self.completion_tokens, self.cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
+    if ev.finished:
+      self.finish_reason = ev.finish_reason
+    if not self.want:
+      return text, None
+    part = self._format(items)
+    for key, values in part.items():
+      self.logprobs[key] += values
+    return text, part
+
+  def _format(self, items) -> dict:
+    if self.chat:
+      return {"content": [dict(self._entry(t, e.logprob), top_logprobs=[self._entry(u, lp) for u, lp in e.top])
+                          for t, e in items if e is not None]}
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, e in items:
+      token = self.token_text(t)
+      out["tokens"].append(token)
+      out["text_offset"].append(self.offset)
+      self.offset += len(token)
+      if e is None:
+        out["token_logprobs"].append(None)
+        out["top_logprobs"].append(None)
+        continue
+      top = {self.token_text(u): _lp(lp) for u, lp in e.top}
+      top.setdefault(token, _lp(e.logprob))
+      out["token_logprobs"].append(_lp(e.logprob))
+      out["top_logprobs"].append(top)
+    return out
+
+  def _entry(self, token_id: int, logprob: float) -> dict:
+    token = self.token_text(token_id)
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
 
 
 class _ClientGone(Exception):
@@ -540,6 +562,8 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   max_prompt = getattr(eng_cfg, "max_prompt_tokens", None)
   max_new = getattr(eng_cfg, "max_new_tokens", 256)
   stops = {False: model_stop_ids(model, tokenizer, False), True: model_stop_ids(model, tokenizer, True)}
+  vocab = model.config.vocab_size  # the engine's bound on sampled / stop / biased token ids
+  token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special=False))
 
   # --- sessions (sessions.py) ---
   history_dir = sessions.path if sessions is not None else config.history_dir
@@ -576,7 +600,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
         if own_sessions:
           app_sessions.close()
 
-  app = FastAPI(title="rocketkv-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+  app = FastAPI(title="rocketkv-jax", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
   app.add_middleware(_Guard, api_key=config.api_key, allowed_hosts=config.allowed_hosts, counters=counters)
   app.state.runner = runner
   app.state.sessions = app_sessions
@@ -586,6 +610,14 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   async def _api_error(request, exc: APIError):
     counters.error(exc.status)
     return exc.response()
+
+  @app.exception_handler(RequestValidationError)
+  async def _validation_error(request, exc: RequestValidationError):  # FastAPI's own 422, as OpenAI's 400
+    counters.error(400)
+    err = exc.errors()[0] if exc.errors() else {}
+    loc = tuple(p for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+    return APIError(400, f"{'.'.join(map(str, loc)) or 'request'}: {err.get('msg', 'invalid')}",
+                    param=protocol.param_of(loc), code="invalid_value").response()
 
   @app.exception_handler(StarletteHTTPException)
   async def _http_error(request, exc: StarletteHTTPException):
@@ -608,13 +640,8 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
              f"({ev.finish_reason}); KV on device {per_slot / 2**20:.1f} MiB per slot, history on host "
              f"{st.get('kv_bytes_host', 0) / 2**20:.1f} MiB")
 
-  def check_model(body: dict) -> None:
-    name = body.get("model")
-    if name is None:
-      raise APIError(400, "model is required", param="model", code="missing_required_parameter")
-    if not isinstance(name, str):
-      raise APIError(400, f"model={name!r} must be a string", param="model", code="invalid_type")
-    if name != config.model_name:
+  def check_model(name: str | None) -> None:
+    if name is not None and name != config.model_name:
       raise APIError(404, f"The model `{name}` does not exist; this server serves `{config.model_name}`",
                      param="model", code="model_not_found")
 
@@ -623,27 +650,40 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
       raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {max_prompt} "
                      f"(--max-prompt-tokens)", param=param, code="context_length_exceeded")
 
-  async def submit_all(request_ids, prompts, sampling, prompt_param):
-    """Submits each prompt; on a refusal aborts the ones already in and raises the APIError."""
+  def check_sampling(req, sampling: SamplingParams) -> None:
+    """What the engine checks at submission against its own limits, checked here first so the 400 names the
+    field (what is left for the engine to refuse is about the prompt: its length and plan)."""
+    if sampling.max_tokens > max_new:
+      param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+      raise APIError(400, f"{param}={sampling.max_tokens} exceeds this server's --max-new-tokens={max_new}",
+                     param=param, code="invalid_value")
+    if sampling.top_k > vocab:
+      raise APIError(400, f"top_k={sampling.top_k} exceeds the vocabulary size {vocab} (0 or -1 is off)",
+                     param="top_k", code="invalid_value")
+    _check_token_ids(req.stop_token_ids or (), vocab, "stop_token_ids", "stop_token_ids")
+    _check_token_ids([t for t, _ in sampling.logit_bias], vocab, "logit_bias", "logit_bias token ids")
+
+  async def submit_all(requests: list[Request], prompt_param: str):
+    """Submits each request; on a refusal aborts the ones already in and raises the APIError."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     done = []
-    for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
+    for i, r in enumerate(requests):
       sink = lambda item, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, item))  # noqa: E731
       try:
-        await asyncio.wrap_future(runner.submit(Request(request_id=rid, prompt_ids=ids, sampling=sampling), sink))
+        await asyncio.wrap_future(runner.submit(r, sink))
       except BaseException as e:
-        for r in done:
-          runner.abort(r)
+        for rid in done:
+          runner.abort(rid)
         if isinstance(e, QueueFull):
           raise APIError(429, f"the server is at capacity ({e or 'queue full'}); retry later",
                          type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         if isinstance(e, ShuttingDown):
           raise APIError(503, str(e), type="server_error", code="server_shutting_down") from None
-        if isinstance(e, ValueError):
-          raise APIError(400, str(e), param=_param_of(str(e), prompt_param), code="invalid_value") from None
+        if isinstance(e, ValueError):  # the sampling fields were checked above: what is left is the prompt's
+          raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
         raise
-      done.append(rid)
+      done.append(r.request_id)
     return q
 
   async def events(q: asyncio.Queue, n: int):
@@ -673,19 +713,16 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
         return
 
   def parse(body: dict, chat: bool):
-    """(prompts, sampling, stream, include_usage) of a request body; runs in a worker thread (tokenization)."""
-    check_model(body)
-    sampling = request_sampling(body, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
-                         stop_ids=stops[chat], chat=chat, defaults=getattr(tokenizer, "generation", None))
-    stream = _field(body, "stream", "bool", False)
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-      raise APIError(400, "stream_options must be an object", param="stream_options", code="invalid_type")
-    include_usage = _field(opts, "include_usage", "bool", False)
-    prompts = [_chat_prompt(body, tokenizer)] if chat else _completion_prompts(body, tokenizer)
+    """(request, prompts as token ids, sampling) of a request body; runs in a worker thread (tokenization)."""
+    req = _parsed(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, body)
+    check_model(req.model)
+    sampling = request_sampling(req, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
+                                stop_ids=stops[chat], defaults=getattr(tokenizer, "generation", None))
+    check_sampling(req, sampling)
+    prompts = [_chat_prompt(req, tokenizer)] if chat else _completion_prompts(req, tokenizer, tokenizer.vocab_size)
     for ids in prompts:
       check_prompt(ids, "messages" if chat else "prompt")
-    return prompts, sampling, stream, include_usage
+    return req, prompts, sampling
 
   async def parse_off_loop(fn, *args):
     """fn(*args) in a worker thread; a malformed value it trips over is the client's 400, never a 500."""
@@ -696,37 +733,56 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
       raise APIError(400, f"invalid request: {type(e).__name__}: {e}", code="invalid_value") from None
 
+  def choices_of(req, prompts, sampling, chat: bool) -> list[_Choice]:
+    """One `_Choice` per engine request: prompt p's sample i is choice p * n + i (vLLM's order)."""
+    n = req.n or 1
+    echo = not chat and bool(req.echo)
+    out = []
+    for p, ids in enumerate(prompts):
+      text = ""
+      if echo:  # the prompt as given, or its ids decoded
+        given = req.prompts()[p]
+        text = given if isinstance(given, str) else tokenizer.decode(ids, skip_special=False)
+      out += [_Choice(ids, text, echo=echo, logprobs=sampling.logprobs is not None, chat=chat,
+                      token_text=token_text) for _ in range(n)]
+    return out
+
+  def usage_of(choices: list[_Choice], n: int) -> dict:
+    """Prompt tokens (and cached ones) counted once per prompt, as OpenAI counts them with n > 1."""
+    firsts = choices[::n]
+    return _usage(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
+                  sum(c.cached for c in firsts))
+
   async def run(request: HttpRequest, body: dict, *, chat: bool):
     timer = counters.timer()  # from arrival
-    prompts, sampling, stream, include_usage = await parse_off_loop(parse, body, chat)
-    prompt_param = "messages" if chat else "prompt"
+    req, prompts, sampling = await parse_off_loop(parse, body, chat)
+    n = req.n or 1
+    choices = choices_of(req, prompts, sampling, chat)
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    request_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-    q = await submit_all(request_ids, prompts, sampling, prompt_param)
+    request_ids = [base] if len(choices) == 1 else [f"{base}-{j}" for j in range(len(choices))]
+    requests = [Request(request_id=rid, prompt_ids=prompts[j // n], sampling=sample_sampling(sampling, j % n),
+                        cache_salt=req.cache_salt or "") for j, rid in enumerate(request_ids)]
+    q = await submit_all(requests, "messages" if chat else "prompt")
     now = int(time.time())
     head = {"id": base, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
             "model": config.model_name}
     finished: set = set()
-    if stream:
+    if stream_of(req):
       def close():  # the response ended, however: free what did not finish (a client gone before the first chunk)
         for rid in request_ids:
           if rid not in finished:
             runner.abort(rid)
-      return _EventStream(stream_events(q, request_ids, finished, head, chat, include_usage, timer), on_close=close)
+      include_usage = bool(req.stream_options and req.stream_options.include_usage)
+      return _EventStream(stream_events(q, request_ids, finished, head, chat, include_usage, timer, choices, n),
+                          on_close=close)
     watcher = asyncio.create_task(watch_disconnect(request, q, request_ids, finished))
-    texts, reasons = [""] * len(prompts), [None] * len(prompts)
-    prompt_tokens = [len(p) for p in prompts]
-    completion_tokens, cached = [0] * len(prompts), [0] * len(prompts)
     try:
-      async for i, ev in events(q, len(prompts)):
-        timer.seen(i, ev)
-        texts[i] += ev.text
-        completion_tokens[i] = ev.completion_tokens
-        prompt_tokens[i], cached[i] = ev.prompt_tokens, ev.cached_tokens
+      async for j, ev in events(q, len(choices)):
+        timer.seen(j, ev)
+        choices[j].add(ev)
         if ev.finished:
-          log_turn(request_ids[i], ev)
-          reasons[i] = ev.finish_reason
-          finished.add(request_ids[i])
+          log_turn(request_ids[j], ev)
+          finished.add(request_ids[j])
     except _ClientGone:
       counters.done("disconnected")
       return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
@@ -739,47 +795,50 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     finally:
       watcher.cancel()
     counters.done("ok")
-    usage = _usage(sum(prompt_tokens), sum(completion_tokens), sum(cached))
+    usage = usage_of(choices, n)
     if chat:
-      choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]}, "logprobs": None,
-                  "finish_reason": reasons[0]}]
+      out = [{"index": j, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+              "finish_reason": c.finish_reason} for j, c in enumerate(choices)]
       return {"id": base, "object": "chat.completion", "created": now, "model": config.model_name,
-              "choices": choices, "usage": usage}
-    choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-               for i, (t, r) in enumerate(zip(texts, reasons))]
+              "choices": out, "usage": usage}
+    out = [{"index": j, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+           for j, c in enumerate(choices)]
     return {"id": base, "object": "text_completion", "created": now, "model": config.model_name,
-            "choices": choices, "usage": usage}
+            "choices": out, "usage": usage}
 
-  async def stream_events(q, request_ids, finished: set, head, chat, include_usage, timer):
-    n = len(request_ids)
+  def stream_of(req) -> bool:
+    return bool(req.stream)
+
+  async def stream_events(q, request_ids, finished: set, head, chat, include_usage, timer, choices, n):
+    total = len(request_ids)
     ended = False
-    prompt_tokens, completion_tokens, cached = [0] * n, [0] * n, [0] * n
 
-    def chunk(i, text=None, finish=None, role=False):
+    def chunk(j, text=None, finish=None, role=False, logprobs=None):
       if chat:
         delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-        c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        c = {"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
       else:
-        c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+        c = {"index": j, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
       return dict(head, choices=[c], usage=None) if include_usage else dict(head, choices=[c])
 
     try:
       if chat:
-        yield _sse(chunk(0, role=True))
-      async for i, ev in events(q, n):
-        timer.seen(i, ev)
-        prompt_tokens[i], completion_tokens[i], cached[i] = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
+        for j in range(total):
+          yield _sse(chunk(j, role=True))
+      async for j, ev in events(q, total):
+        timer.seen(j, ev)
+        text, logprobs = choices[j].add(ev)
         if ev.finished:
-          finished.add(request_ids[i])
-          log_turn(request_ids[i], ev)
-          c = chunk(i, ev.text, ev.finish_reason)
-          if not include_usage and len(finished) == n:  # usage on the last chunk, as vLLM does
-            c["usage"] = _usage(sum(prompt_tokens), sum(completion_tokens), sum(cached))
+          finished.add(request_ids[j])
+          log_turn(request_ids[j], ev)
+          c = chunk(j, text, ev.finish_reason, logprobs=logprobs)
+          if not include_usage and len(finished) == total:  # usage on the last chunk, as vLLM does
+            c["usage"] = usage_of(choices, n)
           yield _sse(c)
-        elif ev.text:
-          yield _sse(chunk(i, ev.text))
+        elif text or _has_tokens(logprobs):
+          yield _sse(chunk(j, text, logprobs=logprobs))
       if include_usage:
-        yield _sse(dict(head, choices=[], usage=_usage(sum(prompt_tokens), sum(completion_tokens), sum(cached))))
+        yield _sse(dict(head, choices=[], usage=usage_of(choices, n)))
       ended = True
       counters.done("ok")
       yield "data: [DONE]\n\n"
@@ -799,7 +858,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   async def list_models():
     return {"object": "list", "data": [model_card()]}
 
-  @app.get("/v1/models/{name}")
+  @app.get("/v1/models/{name:path}")
   async def get_model(name: str):
     if name != config.model_name:
       raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
@@ -814,42 +873,55 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   async def body_of(request: HttpRequest) -> dict:
     return await _json_body(request, config.max_body_bytes)
 
-  @app.post("/v1/completions")
+  @app.post("/v1/completions", **_doc(protocol.CompletionRequest, protocol.CompletionResponse))
   async def completions(request: HttpRequest):
+    """OpenAI's completions; `stream: true` answers with server-sent events."""
     return await run(request, await body_of(request), chat=False)
 
-  @app.post("/v1/chat/completions")
+  @app.post("/v1/chat/completions", **_doc(protocol.ChatCompletionRequest, protocol.ChatCompletionResponse))
   async def chat_completions(request: HttpRequest):
+    """OpenAI's chat completions, the prompt rendered by the model's chat template; `stream: true` answers with
+    server-sent events."""
     return await run(request, await body_of(request), chat=True)
 
   def tokenize(body: dict) -> dict:
-    if body.get("model") is not None:
-      check_model(body)
-    if "messages" in body:
-      ids = _chat_prompt(body, tokenizer)
-    elif isinstance(body.get("prompt"), str):
-      ids = tokenizer.encode(body["prompt"])
+    req = _parsed(protocol.TokenizeRequest, body)
+    check_model(req.model)
+    if req.messages is not None:
+      messages = _chat_messages(req.messages)
+      text = (tokenizer.apply_chat(messages) if req.add_generation_prompt
+              else tokenizer.apply_chat(messages, add_generation_prompt=False))
     else:
-      raise APIError(400, "send {\"prompt\": str} or {\"messages\": [...]}", param="prompt", code="invalid_type")
+      text = req.prompt
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_id", None)
+    if not req.add_special_tokens and getattr(tokenizer, "add_bos", False) and ids[:1] == [bos]:
+      ids = ids[1:]
     return {"tokens": ids, "count": len(ids), "max_model_len": model_card().get("max_model_len")}
 
   def detokenize(body: dict) -> dict:
-    if body.get("model") is not None:
-      check_model(body)
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-      raise APIError(400, "tokens must be a list of token ids", param="tokens", code="invalid_type")
-    if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
-      raise APIError(400, f"tokens must lie in [0, {tokenizer.vocab_size})", param="tokens", code="invalid_value")
-    return {"prompt": tokenizer.decode(ids, skip_special=False)}
+    req = _parsed(protocol.DetokenizeRequest, body)
+    check_model(req.model)
+    _check_token_ids(req.tokens, tokenizer.vocab_size, "tokens", "tokens")
+    return {"prompt": tokenizer.decode(req.tokens, skip_special=False)}
 
-  @app.post("/tokenize")
+  @app.post("/tokenize", **_doc(protocol.TokenizeRequest, protocol.TokenizeResponse))
   async def tokenize_route(request: HttpRequest):
+    """vLLM's: the token ids of a prompt, or of messages rendered by the chat template."""
     return await parse_off_loop(tokenize, await body_of(request))
 
-  @app.post("/detokenize")
+  @app.post("/detokenize", **_doc(protocol.DetokenizeRequest, protocol.DetokenizeResponse))
   async def detokenize_route(request: HttpRequest):
+    """vLLM's: the text of token ids (special tokens kept)."""
     return await parse_off_loop(detokenize, await body_of(request))
+
+  @app.get("/tokenizer_info", responses={200: {"model": protocol.TokenizerInfo}})
+  async def tokenizer_info():
+    """vLLM's: the tokenizer's special tokens and chat template (lm-eval's `tokenizer_backend=remote`)."""
+    return {"eos_token": _token_name(tokenizer, getattr(tokenizer, "eos_id", None)),
+            "bos_token": _token_name(tokenizer, getattr(tokenizer, "bos_id", None)), "pad_token": None,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": model_card().get("max_model_len"), "vocab_size": tokenizer.vocab_size}
 
   @app.get("/version")
   async def version():
@@ -867,6 +939,24 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   async def metrics():
     from prometheus_client import CONTENT_TYPE_LATEST
     return Response(counters.text(), media_type=CONTENT_TYPE_LATEST)
+
+  def openapi() -> dict:
+    """FastAPI's schema, with the request models the routes parse themselves (they read the body by hand: 413,
+    415 and deep nesting are answered before pydantic sees it) added as components."""
+    if app.openapi_schema is None:
+      from fastapi.openapi.utils import get_openapi
+      schema = get_openapi(title=app.title, version=_version(), routes=app.routes,
+                           description="OpenAI-compatible API over a RocketKV-compressed KV cache")
+      components = schema.setdefault("components", {}).setdefault("schemas", {})
+      for m in (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
+                protocol.DetokenizeRequest):
+        s = m.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(s.pop("$defs", {}))
+        components[m.__name__] = s
+      app.openapi_schema = schema
+    return app.openapi_schema
+
+  app.openapi = openapi
 
   return app
 

@@ -264,9 +264,9 @@ def test_bad_input_gets_openai_errors(served, case):
     return
   bad = {"model": dict(ok, model="gpt-4"), "capacity": dict(ok, prompt=STORY * 12),
          "max_tokens": dict(ok, max_tokens=0), "temperature": dict(ok, temperature=-1),
-         "top_p": dict(ok, top_p=0), "top_k": dict(ok, extra_body={"top_k": "x"}), "n": dict(ok, n=2),
+         "top_p": dict(ok, top_p=0), "top_k": dict(ok, extra_body={"top_k": "x"}), "n": dict(ok, n=0),
          "stop": dict(ok, extra_body={"stop": 3}), "prompt_type": dict(ok, prompt=[{"a": 1}]),
-         "logprobs": dict(ok, logprobs=2)}
+         "logprobs": dict(ok, logprobs=21)}
   expected = openai.NotFoundError if case == "model" else openai.BadRequestError
   with pytest.raises(expected) as e:
     if case == "messages":
@@ -294,9 +294,9 @@ def _error(status, body) -> tuple[int, dict]:
   return status, err
 
 
-@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("min_tokens", 4), ("length_penalty", 0.5),
+@pytest.mark.parametrize("field, value", [("suffix", "x"), ("tools", [{"type": "function"}]), ("length_penalty", 0.5),
                                           ("use_beam_search", True), ("best_of", 2), ("min_p", 0.1),
-                                          ("ignore_eos", True), ("presence_penalty", 0.5)])
+                                          ("ignore_eos", True), ("prompt_logprobs", 1)])
 def test_sampling_fields_not_implemented_are_refused(served, field, value):
   with pytest.raises(openai.BadRequestError) as e:
     served.client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={field: value})
@@ -307,6 +307,7 @@ def test_neutral_values_and_unknown_fields_are_accepted(served, smollm2):
   _, tok = smollm2
   c = served.client
   neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "length_penalty": 1, "use_beam_search": False, "best_of": 1,
+             "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "n": 1, "echo": False,
              "top_k": -1, "user": "u", "x_unknown_field": {"a": [1]}}
   assert _complete(c, PROMPTS[0], 3, stream=False, extra_body=neutral) == _complete(c, PROMPTS[0], 3, stream=False)
   # stop_token_ids (vLLM's) is implemented: the first greedy token, named as a stop id, ends the answer at once
@@ -616,13 +617,15 @@ def test_rocketkv_serve_command(smollm2, tmp_path):
 
 def test_sampling_defaults_come_from_the_generation_config():
   """A field the request leaves out takes the checkpoint's generation default, else OpenAI's; given ones win."""
+  from rocketkv_jax.serving.protocol import CompletionRequest
   from rocketkv_jax.serving.server import request_sampling
   gen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-  s = request_sampling({}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=gen)
+  body = lambda **kw: CompletionRequest(model=MODEL, prompt="a", **kw)  # noqa: E731
+  s = request_sampling(body(), default_max_tokens=8, stop_ids=(1,), defaults=gen)
   assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.8, 20)
-  s = request_sampling({"temperature": 0, "top_k": -1}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=gen)
+  s = request_sampling(body(temperature=0, top_k=-1), default_max_tokens=8, stop_ids=(1,), defaults=gen)
   assert (s.temperature, s.top_p, s.top_k) == (0, 0.8, 0)
-  s = request_sampling({}, default_max_tokens=8, stop_ids=(1,), chat=False, defaults=None)
+  s = request_sampling(body(), default_max_tokens=8, stop_ids=(1,), defaults=None)
   assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
 
 
