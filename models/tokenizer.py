@@ -250,6 +250,31 @@ def generation_defaults(directory: str) -> dict | None:
   return out
 
 
+def read_chat_template(path: str) -> str:
+  """A chat template given on its own (`serve --chat-template FILE`), read as transformers reads one: a jinja2
+  file's text, or a .json file's "chat_template" (as chat_template.json). It must parse; an unreadable file, a
+  .json without the key, or a template with a syntax error is a ValueError naming the path."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot read the chat template {path!r}: {(e.strerror or e) if isinstance(e, OSError) else e}") from None
+  if path.endswith(".json"):
+    try:
+      text = json.loads(text)["chat_template"]
+    except (ValueError, KeyError, TypeError):
+      raise ValueError(f"{path!r}: a .json chat template must be an object with a \"chat_template\" string") from None
+    if isinstance(text, list):  # named templates, as tokenizer_config.json holds them
+      text = next((t["template"] for t in text if t.get("name") == "default"), text[0]["template"])
+  if not isinstance(text, str) or not text.strip():
+    raise ValueError(f"the chat template {path!r} is empty")
+  try:
+    _compiled_template(text)
+  except ChatTemplateError as e:
+    raise ValueError(f"the chat template {path!r} does not parse: {str(e).split(': ', 1)[-1]}") from None
+  return text
+
+
 def chat_template_of(directory: str, tokenizer_config: dict) -> str | None:
   """The chat template where transformers looks for it, first found wins: chat_template.jinja (where current
   checkpoints keep it), chat_template.json ({"chat_template": ...}), then tokenizer_config.json's

@@ -7,7 +7,7 @@ OpenAI-compatible API. It lives in the serving layer, the top one, since `serve`
   rocketkv serve --model smollm2 --method rocketkv --token-budget 256 --port 8000 --max-slots 8 \
       [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64] \
       [--history-gb 4] [--history-spill-dir DIR] [--sessions-dir DIR] [--sessions-save-s 60] \
-      [--served-model-name NAME] [--api-key KEY] [--max-body-mb 8] [--allowed-host NAME]
+      [--served-model-name NAME] [--api-key KEY] [--max-body-mb 8] [--allowed-host NAME] [--chat-template FILE]
   rocketkv eval --model DIR_OR_HUB_ID --contexts 16k,32k --methods full,rocketkv,snapkv --budgets 256,1024 \
       [--modes aware,agnostic] [--tasks passkey,multikey] [--samples 32] [--fid-samples 4] [--out PREFIX] [--dtype auto]
   rocketkv fetch ALIAS [--cache-dir DIR] [--find-links DIR]     (rocketkv fetch --list: the aliases)
@@ -335,6 +335,13 @@ def _cmd_serve(args) -> int:
       not os.path.isdir(args.history_spill_dir):
     raise FlagError(f"--history-spill-dir={args.history_spill_dir!r} exists and is not a folder")
   _check_model_source(args.model)
+  chat_template = None
+  if args.chat_template is not None:  # before the model loads: a bad file fails at once
+    from rocketkv_jax.models.tokenizer import read_chat_template
+    try:
+      chat_template = read_chat_template(args.chat_template)
+    except ValueError as e:
+      raise FlagError(f"--chat-template: {e}") from None
   sessions = None
   try:  # before the model loads: created, writable, and (sessions) locked for this process's life
     if args.history_spill_dir is not None:
@@ -351,6 +358,9 @@ def _cmd_serve(args) -> int:
     serving_log.setLevel(logging.INFO)
   log(f"loading {args.model}")
   model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
+  if chat_template is not None:
+    tok.chat_template = chat_template
+    log(f"chat template from {args.chat_template}")
   engine = Engine(model, tok, engine_config)
   log(engine.plan_summary())
   name = served_model_name(args)
@@ -668,6 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="comma-separated prefill lengths compiled at most (default: the engine's choice)")
   s.add_argument("--served-model-name", default=None,
                  help="the model id clients use (default: the --model string as given)")
+  s.add_argument("--chat-template", default=None, metavar="FILE",
+                 help="a jinja2 chat template file (or a .json with \"chat_template\") replacing the checkpoint's")
   s.add_argument("--api-key", default=None,
                  help="require `Authorization: Bearer KEY` on every route but /health and /version "
                       "(default: env ROCKETKV_API_KEY, else none)")

@@ -113,12 +113,13 @@ class ServerConfig:
 
 def warm_up(engine, log=None) -> float:
   """Compiles every piece a request can reach before serving, so no client waits for a compile: one 1-token
-  request per prefill bucket (a prompt of the bucket's length: its prefill and the insert), then one request
-  per decode kind (greedy; sampling; sampling with top-p / top-k cuts), each long enough for a decode call. The
-  history it made is cleared and the engine's counters zeroed, so /metrics counts client traffic only. Not
-  compiled ahead: a history's extend prefill (one per history/question length pair, with sessions) and a
-  context's feed lengths (library `contexts`, not served). Call before the engine thread starts. Returns the
-  seconds taken."""
+  request per prefill bucket (a prompt of the bucket's length: its prefill and the insert), the same again with
+  prompt logprobs (`echo` + `logprobs`: the scored prefill, one executable per bucket), then one request per decode
+  kind (greedy; sampling; sampling with top-p / top-k cuts; the processed kind: penalties, bias, min_tokens and
+  logprobs), each long enough for a decode call. The history it made is cleared and the engine's counters zeroed,
+  so /metrics counts client traffic only. Not compiled ahead: a history's extend prefill (one per history/question
+  length pair, with sessions) and a context's feed lengths (library `contexts`, not served). Call before the engine
+  thread starts. Returns the seconds taken."""
   t0 = time.perf_counter()
 
   def run(request_id, prompt, sampling, what):
@@ -129,13 +130,25 @@ def warm_up(engine, log=None) -> float:
       log(f"warm-up: {what} compiled ({time.perf_counter() - t0:.1f}s)")
 
   buckets = getattr(engine.config, "prefill_buckets", None) or (1,)
-  for i, b in enumerate(buckets):  # prompts with distinct first tokens: none reuses another's history
-    run(f"warmup-{b}", [i] * b, SamplingParams(max_tokens=1), f"prompt bucket {b}")
+  first = 0  # prompts with distinct first tokens: none reuses another's history
+
+  def prompt(length):
+    nonlocal first
+    first += 1
+    return [first - 1] * length
+
+  for b in buckets:
+    run(f"warmup-{b}", prompt(b), SamplingParams(max_tokens=1), f"prompt bucket {b}")
+  for b in buckets:
+    run(f"warmup-scored-{b}", prompt(b), SamplingParams(max_tokens=1, prompt_logprobs=0),
+        f"prompt bucket {b} with prompt logprobs")
   n = getattr(engine.config, "steps_per_call", 1) + 1  # the first token comes from the prefill
   kinds = (("greedy", SamplingParams(max_tokens=n)), ("sampling", SamplingParams(max_tokens=n, temperature=1.0)),
-           ("top-p / top-k cuts", SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9)))
+           ("top-p / top-k cuts", SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9)),
+           ("processed: penalties, bias, logprobs", SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, logprobs=1,
+                                                                   repetition_penalty=1.1)))
   for j, (what, sampling) in enumerate(kinds):
-    run(f"warmup-decode-{j}", [len(buckets) + j] * buckets[0], sampling, f"decode ({what})")
+    run(f"warmup-decode-{j}", prompt(buckets[0]), sampling, f"decode ({what})")
   if getattr(engine, "history", None) is not None:
     engine.history.clear()
   engine.reset_counters()
