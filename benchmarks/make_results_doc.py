@@ -93,6 +93,14 @@ def _decode_runs(rel: str):
   return headers, points, peaks
 
 
+def _plot(rel: str, what: str) -> str:
+  """The plot benchmarks/render_decode.py draws beside a result file (checked to exist)."""
+  path = rel.rsplit(".", 1)[0] + f"_{what}.png"
+  if not (ROOT / path).is_file():
+    raise FileNotFoundError(path)
+  return path
+
+
 def _decode_label(p) -> str:
   return p["method"] if p["token_budget"] is None else f"{p['method']} t={p['token_budget']}"
 
@@ -157,6 +165,10 @@ def decode_section() -> list[str]:
         ratio.append("-")
     rows.insert(labels.index(rk) + 1, ["RocketKV t=256 over full" + (" (tokens/s)" if spec == "max" else "")] + ratio)
     out += _table([title] + [_ctx(c) for c in contexts], rows) + [""]
+    if spec == "1":
+      out += [f"![decode latency](../{_plot(rel, 'latency')})", ""]
+    if spec == "max":
+      out += [f"![decode throughput](../{_plot(rel, 'throughput')})", ""]
 
   if peaks:
     out += ["Peak device memory over prefill + decode, batch 1, each point in a fresh process (`--peak`):", ""]
@@ -374,6 +386,9 @@ def accuracy_section() -> list[str]:
     rel = SOURCES[key]
     meta, contexts, variants = _parse_accuracy_md(rel)
     out += [f"### {title}", "", f"Source: {_link(rel)}.", ""] + _meta_lines(meta) + [""]
+    tasks_png = rel[:-3] + "_tasks.png"
+    if (ROOT / tasks_png).is_file():
+      out += [f"![task accuracy](../{tasks_png})", ""]
     for t, mode in budgets:
       out += _accuracy_pivot(contexts, t, mode, short) + [""]
     if variants:

@@ -21,7 +21,7 @@ def test_links_in_the_manuals_resolve():
   """Every relative link of the README, docs/, the changelog, kernels/ and the results index names a file or folder
   that exists (moving a result file breaks this test, not a reader's click)."""
   import re
-  pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "kernels" / "README.md",
+  pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "kernels" / "README.md", ROOT / "models" / "README.md",
            ROOT / "benchmarks" / "results" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
   for page in pages:
     if not page.exists():
