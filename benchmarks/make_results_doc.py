@@ -173,14 +173,15 @@ def decode_section() -> list[str]:
   if peaks:
     out += ["Peak device memory over prefill + decode, batch 1, each point in a fresh process (`--peak`):", ""]
     rows = []
+    unbudgeted = {p["method"] for p in points if p["token_budget"] is None}  # their peak records carry a t anyway
     for p in sorted(peaks, key=lambda p: _decode_key(p["method"])):
       h = headers[p["run"] - 1]
-      rows.append([p["method"] if p["method"] == "full" else f"{p['method']} t={p['token_budget']}", _ctx(p["context"]),
+      rows.append([p["method"] if p["method"] in unbudgeted else f"{p['method']} t={p['token_budget']}", _ctx(p["context"]),
                    f"{p['peak_bytes'] / 1e9:.1f}", f"{p['weights_bytes'] / 1e9:.1f}", f"{p['cache_bytes'] / 1e9:.2f}",
                    f"{p['run']} (`{h.get('code', '?')}`)"])
     out += _table(["method", "context", "peak GB", "weights GB", "cache GB", "run"], rows)
-    full = next((p for p in peaks if p["method"] == "full"), None)
-    rk = next((p for p in peaks if p["method"] == "rocketkv"), None)
+    by_method = {p["method"]: p for p in peaks}
+    full, rk = by_method.get("full"), by_method.get("rocketkv")
     if full and rk:
       out += ["", f"RocketKV's peak is {100 * (1 - rk['peak_bytes'] / full['peak_bytes']):.1f}% lower than full KV's."]
     out.append("")
