@@ -39,6 +39,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
+import logging
 import math
 import threading
 import time
@@ -53,15 +55,18 @@ from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models.generate import stop_ids as default_stop_ids
 from rocketkv_jax.models.llama import fingerprint, prefill_extend, prefill_extend_layer_jit, prefill_jit
-from rocketkv_jax.models.loop import LoopConfig, RowSampling, decode_loop_jit
+from rocketkv_jax.models.loop import LoopConfig, RowProcessing, RowSampling, decode_loop_jit
 from rocketkv_jax.models.sharding import cache_spec, default_impl, using
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import saved
+from .history import MAX_SALT as MAX_CACHE_SALT  # characters of a Request's cache_salt
 from .history import HistoryStore
 
 __all__ = ["Context", "Engine", "EngineConfig", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "Prefilled", "QueueFull", "Request",
            "SamplingParams", "TokenEvent", "TokenLogprob", "default_buckets", "insert_jit"]
+
+log = logging.getLogger("rocketkv_jax.serving")
 
 MIN_BUCKET = 64  # the smallest padded prompt length of the default buckets
 MAX_SEED = 2**32 - 1  # seeds are uint32 (jax.random.key)
@@ -71,6 +76,7 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit, vLLM's default)
+MAX_STOP_IDS = 64  # a request's own stop ids
 
 
 class QueueFull(RuntimeError):
@@ -210,6 +216,8 @@ class SamplingParams:
     if isinstance(self.stop_ids, (str, bytes)) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_INT32 for i in self.stop_ids):
       raise ValueError(f"stop_ids={self.stop_ids!r} must be token ids in [0, 2**31)")
+    if len(self.stop_ids) > MAX_STOP_IDS:
+      raise ValueError(f"stop_ids has {len(self.stop_ids)} ids: at most {MAX_STOP_IDS}")
     if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
       raise ValueError(f"stop_strings={self.stop_strings!r} must be non-empty strings")
     for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
@@ -267,7 +275,9 @@ class Request:
   """One request: a unique id, its prompt's token ids and its sampling.
 
   context: a compressed `Context` the prompt continues (query-agnostic reuse); None to prefill the prompt
-  (whose K/V history, with `history_bytes` set, is reused from any stored prompt it starts with)."""
+  (whose K/V history, with `history_bytes` set, is reused from any stored prompt it starts with). cache_salt:
+  the tenant: a stored history is reused only by requests with the same salt (vLLM's `cache_salt`), so a
+  client cannot learn whether another tenant's prompt began with some text from its own `cached_tokens`."""
 
   request_id: str
   prompt_ids: list[int]
@@ -286,7 +296,10 @@ class TokenEvent:
   "stop" (a stop id or string), "length" (max_tokens) or "abort". prompt_tokens: the prompt's length (with a
   context, context + prompt). completion_tokens: tokens generated so far, a stop id included. cached_tokens:
   prompt tokens not prefilled for this request (taken from the history or a compressed context). queued_s: how
-  long it waited for a slot.
+  long it waited for a slot. logprobs: with `SamplingParams.logprobs`, one `TokenLogprob` per entry of token_ids.
+  prompt_logprobs: with `SamplingParams.prompt_logprobs`, on the request's first event: one entry per prompt
+  token, the first None (nothing precedes it). finish_reason "error": the request failed on its own (`error`
+  says why); the other requests go on.
   """
 
   request_id: str
@@ -300,6 +313,7 @@ class TokenEvent:
   queued_s: float = 0.0  # seconds the request waited in the queue before its prefill began
   logprobs: list[TokenLogprob] | None = None
   prompt_logprobs: list[TokenLogprob | None] | None = None
+  error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,17 +330,26 @@ class TokenLogprob:
 
 class Prefilled(tuple):
   """(logits_1V, caches_1) of one request's prefill, where its decode starts; `.request` is the request,
-  `.cached` the prompt tokens it did not prefill (history or context)."""
+  `.cached` the prompt tokens it did not prefill (history or context), `.scores` the prompt's `PromptScores`
+  (batch 1, on the device) when it asked for prompt logprobs."""
 
-  def __new__(cls, logits_1V, caches, request: Request, cached: int = 0):
+  def __new__(cls, logits_1V, caches, request: Request, cached: int = 0, scores=None):
     self = super().__new__(cls, (logits_1V, caches))
-    self.request, self.cached = request, cached
+    self.request, self.cached, self.scores = request, cached, scores
     return self
 
 
 def prompt_tokens(request: Request) -> int:
   """The tokens a request's answer follows: its context's and its prompt's."""
   return len(request.prompt_ids) + (len(request.context.prompt_ids) if request.context is not None else 0)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def reset_row_jit(counts_BV, prompt_mask_BV, mask_1V, slot):
+  """The processing state with row `slot` restarted: no output tokens counted, its prompt's tokens marked."""
+  counts = jax.lax.dynamic_update_slice_in_dim(counts_BV, jnp.zeros((1, counts_BV.shape[1]), counts_BV.dtype),
+                                               slot, axis=0)
+  return counts, jax.lax.dynamic_update_slice_in_dim(prompt_mask_BV, mask_1V, slot, axis=0)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -350,6 +373,8 @@ class _Active:
   sent: str = ""          # text already emitted
   done: bool = False      # finished or aborted: tokens of calls still in flight are dropped
   queued_s: float = 0.0   # seconds between submit and the start of its prefill
+  scores: object = None   # the prompt's PromptScores until its first event carries them
+  serial: int = 0         # which insert made it (the processing arrays are rebuilt when the active set changes)
 
 
 class Engine:
@@ -383,6 +408,9 @@ class Engine:
     self._tokens_generated = 0
     self._arrived: dict[str, float] = {}  # request id -> submit time (monotonic), while queued
     self._key = jax.random.key(0)  # unused by per-row sampling; the loop's signature takes one
+    self._processing = None  # (counts [B, V] int32, prompt_mask [B, V] bool): made for the first processed request
+    self._process_rows = None  # (the active rows it was built for, their RowProcessing arrays on the device)
+    self._inserts = itertools.count(1)
     # the batched caches: the shapes of a batch-1 prefill (the same for every bucket), max_slots rows of zeros
     # with length 0
     B, T = config.max_slots, config.prefill_buckets[0]
@@ -463,6 +491,14 @@ class Engine:
     bad = [i for i in s.stop_ids if i >= vocab]
     if bad:
       raise ValueError(f"stop_ids {bad[:4]} are not token ids in [0, {vocab})")
+    bad = [i for i, _ in s.logit_bias if i >= vocab]
+    if bad:
+      raise ValueError(f"logit_bias token ids {bad[:4]} are not token ids in [0, {vocab})")
+    if not isinstance(request.cache_salt, str) or len(request.cache_salt) > MAX_CACHE_SALT:
+      raise ValueError(f"cache_salt={str(request.cache_salt)[:40]!r} must be a string of at most {MAX_CACHE_SALT} "
+                       f"characters")
+    if s.prompt_logprobs is not None and request.context is not None:
+      raise ValueError("prompt_logprobs needs the prompt prefilled in full: not with a compressed context")
     if request.context is not None:
       if not isinstance(request.context, Context):
         raise ValueError(f"context={request.context!r} must be a Context (Engine.compress_context)")
@@ -560,12 +596,13 @@ class Engine:
     self.validate(request)
     if request.context is not None:
       return self._continue_context(request)
-    if self.history is not None:
+    if self.history is not None and request.sampling.prompt_logprobs is None:
       return self._prefill_over_history(request)
     return self._prefill_alone(request)
 
   def _prefill_alone(self, request: Request) -> Prefilled:
-    """A plain prefill at the prompt's bucket (no history read or written), planned for its own length."""
+    """A plain prefill at the prompt's bucket (no history read or written), planned for its own length; with
+    prompt logprobs, the scoring prefill (its own executable per bucket, MAX_LOGPROBS tokens per position)."""
     n = len(request.prompt_ids)
     T = self.bucket(n)
     tokens = np.zeros((1, T), np.int32)
@@ -573,19 +610,20 @@ class Engine:
     lengths = np.array([n], np.int32)
     tokens, lengths = self._place(jnp.asarray(tokens)), self._place(jnp.asarray(lengths))
     rows = self.plan(n, request.sampling.max_tokens)
-    exe = self._compiled(("prefill", T), lambda: prefill_jit.lower(
-        self._graphdef, self._state, tokens, lengths, rows, config=self.method_config))
-    logits, caches = exe(self._state, tokens, lengths, rows)
+    score = MAX_LOGPROBS if request.sampling.prompt_logprobs is not None else None
+    exe = self._compiled(("prefill", T) if score is None else ("prefill_scored", T), lambda: prefill_jit.lower(
+        self._graphdef, self._state, tokens, lengths, rows, config=self.method_config, score=score))
+    out = exe(self._state, tokens, lengths, rows)
     self._prefilled += n
-    return Prefilled(logits, caches, request)
+    return Prefilled(out[0], out[1], request, scores=out[2] if score is not None else None)
 
-  def reusable(self, prompt_ids) -> int:
-    """Prompt tokens whose K/V the history holds and a prefill would reuse: the longest stored prefix, less
-    the last `prompt_queries` tokens of the prompt (the method reads their queries, which are not stored;
-    all of it for H2O), and at least the last token (its logits start the decode)."""
+  def reusable(self, prompt_ids, cache_salt: str = "") -> int:
+    """Prompt tokens whose K/V the history holds and a prefill would reuse: the longest stored prefix (of the
+    same cache_salt), less the last `prompt_queries` tokens of the prompt (the method reads their queries,
+    which are not stored; all of it for H2O), and at least the last token (its logits start the decode)."""
     if self.history is None:
       return 0
-    _, common = self.history.match(prompt_ids)
+    _, common = self.history.match(prompt_ids, cache_salt)
     return self._reuse(len(prompt_ids), common)
 
   def _reuse(self, n: int, common: int) -> int:
@@ -593,23 +631,23 @@ class Engine:
     q = self.method_config.prompt_queries
     return 0 if q is None else max(0, min(common, n - max(q, 1)))
 
-  def remember(self, prompt_ids) -> int:
+  def remember(self, prompt_ids, cache_salt: str = "") -> int:
     """Prefills a prompt into the history without answering it (a document that questions will follow:
     question-in-window reuse, where each question's prompt starts with it and stage 1's window is on the
-    question). Returns the prompt tokens the history now holds for it."""
+    question), for requests of this cache_salt. Returns the prompt tokens the history now holds for it."""
     if self.history is None:
       raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
-    request = Request("remember", list(prompt_ids), SamplingParams(max_tokens=1))
+    request = Request("remember", list(prompt_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt)
     self.validate(request)
     with self._lock:
       self._prefill_over_history(request)
-    seg, n = self.history.match(request.prompt_ids)
+    seg, n = self.history.match(request.prompt_ids, cache_salt)
     return n
 
   def _prefill_over_history(self, request: Request) -> Prefilled:
     ids = list(request.prompt_ids)
     n = len(ids)
-    seg, common = self.history.match(ids)
+    seg, common = self.history.match(ids, request.cache_salt)
     r = self._reuse(n, common)
     S, T = self.bucket(n), self.bucket(n - r)
     tokens = np.zeros((1, T), np.int32)
@@ -628,7 +666,8 @@ class Engine:
     for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
       for x in kv:
         x.copy_to_host_async()
-    self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r)
+    self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
+                     request.cache_salt)
     self._reused += r
     self._prefilled += n - r
     return Prefilled(logits, caches, request, cached=r)
@@ -723,8 +762,26 @@ class Engine:
       self._caches, self._logits = exe(self._caches, self._logits, caches, logits, slot_j)
       self._logits, self._caches = self._keep_placement(self._logits, self._caches)
       req = prefilled.request
+      if req.sampling.processed:
+        self._restart_processing(slot, req)
       self._slots[slot] = _Active(request=req, stops=frozenset(self.stop_ids) | frozenset(req.sampling.stop_ids),
-                                  cached=getattr(prefilled, "cached", 0))
+                                  cached=getattr(prefilled, "cached", 0), scores=getattr(prefilled, "scores", None),
+                                  serial=next(self._inserts))
+
+  def _restart_processing(self, slot: int, req: Request) -> None:
+    """Zeroes row `slot`'s output token counts and marks its prompt's tokens (context included), for the
+    loop's processing kind; the state is made on first use (2 arrays [max_slots, V])."""
+    B, V = self.config.max_slots, self.model.config.vocab_size
+    if self._processing is None:
+      self._processing = (self._place(jnp.zeros((B, V), jnp.int32), batch=True),
+                          self._place(jnp.zeros((B, V), bool), batch=True))
+    mask = np.zeros((1, V), bool)
+    mask[0, req.prompt_ids] = True
+    if req.context is not None:
+      mask[0, req.context.prompt_ids] = True
+    slot_j, mask = np.int32(slot), self._place(jnp.asarray(mask), batch=True)
+    exe = self._compiled(("reset_row",), lambda: reset_row_jit.lower(*self._processing, mask, slot_j))
+    self._processing = exe(*self._processing, mask, slot_j)
 
   def generate(self) -> list[TokenEvent]:
     """Launches one call of the decode loop (every active slot advances by steps_per_call tokens), then reads the
@@ -741,12 +798,13 @@ class Engine:
       if active:
         self._inflight = (self._launch(active), active)
       if previous is not None:
-        tokens, rows = previous
+        (tokens, scores), rows = previous
         tokens = np.asarray(tokens)
+        scores = None if scores is None else [np.asarray(x) for x in scores]
         for i, a in rows:
           if a.done:  # finished in an earlier call or aborted
             continue
-          event = self._advance(a, tokens[i].tolist())
+          event = self._advance(a, tokens[i].tolist(), None if scores is None else [x[i] for x in scores])
           if event is not None:
             events.append(event)
             self._tokens_generated += len(event.token_ids)
@@ -757,7 +815,8 @@ class Engine:
       return events
 
   def _launch(self, active):
-    """Queues one decode call for the active rows (asynchronous); returns its tokens [B, steps_per_call]."""
+    """Queues one decode call for the active rows (asynchronous); returns (its tokens [B, steps_per_call], its
+    (token_logprobs, top_ids, top_logprobs) or None)."""
     B = self.config.max_slots
     temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
     top_k, index, seed = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.uint32)
@@ -767,20 +826,55 @@ class Engine:
       temperature[i], top_p[i], top_k[i], seed[i], index[i] = s.temperature, s.top_p, s.top_k, s.seed, a.sampled
       finished[i] = False
       a.sampled += self.config.steps_per_call
-    # three decode executables at most, chosen on the host (the loop has no data-dependent branch): every row
-    # greedy (the plain argmax loop), sampling without cuts, sampling with top-p / top-k cuts
-    if not (temperature > 0).any():
+    # four decode executables at most, chosen on the host (the loop has no data-dependent branch): every row
+    # greedy (the plain argmax loop), sampling without cuts, sampling with top-p / top-k cuts, and any row
+    # processed (penalties, bias, min_tokens or logprobs: cuts, processing and MAX_LOGPROBS logprobs per token)
+    process = None
+    if any(a.request.sampling.processed for _, a in active):
+      rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
+      process = self._row_processing(active)
+      loop, kind = dataclasses.replace(self.loop, top_logprobs=MAX_LOGPROBS), "processed"
+    elif not (temperature > 0).any():
       rows, loop, kind = None, self.loop, "greedy"
     else:
       cut = bool(((temperature > 0) & ((top_p < 1) | (top_k > 0))).any())
       rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
       loop, kind = dataclasses.replace(self.loop, cut_rows=cut), ("cut" if cut else "sample")
-    args = (self._state, self._logits, self._caches, self._key, None, finished, rows)
+    args = (self._state, self._logits, self._caches, self._key, None, finished, rows, process)
     exe = self._compiled(("decode", kind), lambda: decode_loop_jit.lower(
         self._graphdef, *args, config=self.method_config, loop=loop))
     out = exe(*args)
     self._logits, self._caches = self._keep_placement(out.logits_BV, out.caches)
-    return out.tokens
+    if process is None:
+      return out.tokens, None
+    self._processing = (out.counts, self._processing[1])
+    return out.tokens, (out.token_logprobs, out.top_ids, out.top_logprobs)
+
+  def _row_processing(self, active) -> RowProcessing:
+    """The active rows' `RowProcessing` (built on the host when the set of active requests changes, then kept
+    on the device) with the engine's processing state."""
+    key = tuple(a.serial for _, a in active)
+    if self._process_rows is None or self._process_rows[0] != key:
+      B, V = self.config.max_slots, self.model.config.vocab_size
+      S = MAX_STOP_IDS + len(self.stop_ids)
+      presence, frequency = np.zeros(B, np.float32), np.zeros(B, np.float32)
+      repetition, min_tokens = np.ones(B, np.float32), np.zeros(B, np.int32)
+      bias_ids, bias = np.full((B, MAX_LOGIT_BIAS), V, np.int32), np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+      stop_ids = np.full((B, S), V, np.int32)
+      for i, a in active:
+        s = a.request.sampling
+        presence[i], frequency[i], repetition[i] = s.presence_penalty, s.frequency_penalty, s.repetition_penalty
+        min_tokens[i] = s.min_tokens
+        for j, (t, b) in enumerate(s.logit_bias):
+          bias_ids[i, j], bias[i, j] = t, b
+        if s.min_tokens:
+          ids = sorted(a.stops)
+          stop_ids[i, :len(ids)] = ids
+      arrays = [self._place(jnp.asarray(x), batch=True)
+                for x in (presence, frequency, repetition, min_tokens, bias_ids, bias, stop_ids)]
+      self._process_rows = (key, arrays)
+    counts, mask = self._processing
+    return RowProcessing(*self._process_rows[1], counts=counts, prompt_mask=mask)
 
   def step(self) -> list[TokenEvent]:
     """Admits queued requests into free slots (prefill + insert each), then one generate()."""
@@ -790,19 +884,27 @@ class Engine:
         arrived = self._arrived.pop(req.request_id, None)
         waited = time.monotonic() - arrived if arrived is not None else 0.0
         slot = self._slots.index(None)
-        self.insert(self.prefill(req), slot)
+        try:
+          self.insert(self.prefill(req), slot)
+        except Exception as e:  # noqa: BLE001 - this request fails alone; the others decode on
+          log.exception("request %s failed in its prefill", req.request_id)
+          self._pending.append(TokenEvent(req.request_id, [], "", True, "error", prompt_tokens(req), 0,
+                                          error=f"{type(e).__name__}: {e}"))
+          continue
         self._slots[slot].queued_s = waited
       return self.generate()
 
   # ------------------------------------------------------------------ host side of a step
 
-  def _advance(self, a: _Active, row: list[int]) -> TokenEvent | None:
+  def _advance(self, a: _Active, row: list[int], scores=None) -> TokenEvent | None:
     """Takes a call's tokens for one request: stop ids, max_tokens, stop strings (checked after each token, so
-    the tokens after the one that completes a stop string are dropped), then the text delta."""
+    the tokens after the one that completes a stop string are dropped), then the text delta. scores: the row's
+    (token_logprobs, top_ids, top_logprobs) from a processed call."""
     s = a.request.sampling
     new, reason, text = [], None, None
+    lps = [] if s.logprobs is not None else None
     start = max(0, len(a.sent) - max(map(len, s.stop_strings), default=0))
-    for t in row:
+    for j, t in enumerate(row):
       if t < 0:
         break
       a.completion += 1
@@ -810,6 +912,8 @@ class Engine:
         reason = "stop"
         break
       new.append(t)
+      if lps is not None:
+        lps.append(_token_logprob(t, scores, j, s.logprobs))
       if s.stop_strings:
         text = self.tokenizer.decode(a.generated + new)
         hits = [k for k in (text.find(stop, start) for stop in s.stop_strings) if k >= 0]
@@ -832,7 +936,23 @@ class Engine:
       end -= hold
     delta = text[len(a.sent):end] if end > len(a.sent) and text.startswith(a.sent) else ""
     a.sent += delta
-    if not new and not delta and reason is None:
+    if not new and not delta and reason is None and a.scores is None:
       return None
+    prompt_lps, a.scores = _prompt_logprobs(a.request, a.scores), None
     return TokenEvent(a.request.request_id, new, delta, reason is not None, reason, prompt_tokens(a.request),
-                      a.completion, a.cached, a.queued_s)
+                      a.completion, a.cached, a.queued_s, logprobs=lps, prompt_logprobs=prompt_lps)
+
+
+def _token_logprob(token: int, scores, j: int, k: int) -> TokenLogprob:
+  """TokenLogprob of column j of a row's (token_logprobs, top_ids, top_logprobs), its k most likely kept."""
+  tlp, tid, tv = scores
+  return TokenLogprob(int(token), float(tlp[j]), tuple(zip(tid[j, :k].tolist(), tv[j, :k].tolist())))
+
+
+def _prompt_logprobs(request: Request, scores) -> list[TokenLogprob | None] | None:
+  """A request's prompt logprobs from its prefill's PromptScores (batch 1, entry t scores token t + 1)."""
+  if scores is None:
+    return None
+  tlp, tid, tv = (np.asarray(x)[0] for x in scores)
+  ids, k = request.prompt_ids, request.sampling.prompt_logprobs
+  return [None] + [_token_logprob(ids[t + 1], (tlp, tid, tv), t, k) for t in range(len(ids) - 1)]

@@ -18,6 +18,9 @@ are dropped (or, with `spill_dir`, moved to disk as memory-mapped files, up to `
 hold other clients' K/V: they are private (mode 0600, in a 0700 folder `spill_dir/history-*` locked by this
 process), deleted when their segment is dropped and, with their folder, at `close` or interpreter exit; folders
 left by a dead process (a crash) are removed when the next store opens on the same `spill_dir`.
+Tenants: every segment carries its request's `cache_salt` (its parent's, for a child) and `match` looks only at
+segments of the caller's salt, so one tenant's prompts are never reused for, or visible through `cached_tokens`
+to, another (the same token path stored under two salts is stored twice).
 `save` / `load` write and read every segment with orbax (`saved.py`: stamped, checksummed); `load` checks
 every field of the segment table against the arrays and refuses a file that does not add up.
 """
@@ -41,6 +44,7 @@ from . import saved
 log = logging.getLogger("rocketkv_jax.serving")
 _SPILL_LOCK = ".lock"  # in each history-* spill folder, flock'd by its live owner
 _EMPTY = "empty"  # the one array of a saved store without segments
+MAX_SALT = 256  # characters of a cache salt (the engine's MAX_CACHE_SALT)
 
 __all__ = ["HistoryStore", "HistoryView", "Segment"]
 
@@ -59,6 +63,7 @@ class Segment:
   last_used: int = 0
   children: int = 0
   on_disk: bool = False
+  salt: str = ""
 
   def __post_init__(self):
     before = self.parent.path[:self.start] if self.parent is not None else np.zeros(0, np.int32)
@@ -177,13 +182,15 @@ class HistoryStore:
 
   # ------------------------------------------------------------------ lookup
 
-  def match(self, prompt) -> tuple[Segment | None, int]:
-    """(segment, n): the stored path sharing the longest prefix with `prompt`, and that prefix's length
-    (None, 0 when nothing matches)."""
+  def match(self, prompt, salt: str = "") -> tuple[Segment | None, int]:
+    """(segment, n): the stored path of this salt sharing the longest prefix with `prompt`, and that prefix's
+    length (None, 0 when nothing matches)."""
     prompt = np.asarray(prompt, np.int32)
     best, best_n = None, 0
     with self._lock:
       for seg in self.segments:
+        if seg.salt != salt:
+          continue
         n = _common_prefix(seg.path, prompt)
         if n > best_n or (n == best_n and n > 0 and len(seg.path) < len(best.path)):
           best, best_n = seg, n
@@ -217,14 +224,14 @@ class HistoryStore:
 
   # ------------------------------------------------------------------ adding and dropping
 
-  def add(self, prompt, new_k, new_v, reused: int) -> Segment | None:
+  def add(self, prompt, new_k, new_v, reused: int, salt: str = "") -> Segment | None:
     """Stores the K/V of prompt positions [reused, len(prompt)) (new_k / new_v: per layer [n, K, H] with
-    n >= len(prompt) - reused, or longer, padding ignored). Only what no stored path already holds is kept.
-    Returns the segment that holds the whole prompt (None if it did not fit)."""
+    n >= len(prompt) - reused, or longer, padding ignored) for requests of this salt. Only what no stored path of
+    the salt already holds is kept. Returns the segment that holds the whole prompt (None if it did not fit)."""
     prompt = np.asarray(prompt, np.int32)
     n = len(prompt)
     with self._lock:
-      seg, start = self.match(prompt)
+      seg, start = self.match(prompt, salt)
       if seg is not None and start == n:
         seg.last_used = next(self._clock)
         return seg
@@ -236,7 +243,7 @@ class HistoryStore:
                     tokens=prompt[start:],
                     k=[np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype) for x in new_k],
                     v=[np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype) for x in new_v],
-                    last_used=next(self._clock))
+                    last_used=next(self._clock), salt=salt)
       if new.nbytes > self.max_bytes:
         self.dropped += 1
         return None
@@ -330,8 +337,8 @@ class HistoryStore:
       index = {id(s): i for i, s in enumerate(segs)}
       tree = {f"s{i}": dict(tokens=s.tokens, k=[np.asarray(x) for x in s.k], v=[np.asarray(x) for x in s.v])
               for i, s in enumerate(segs)}
-      meta = dict(segments=[dict(parent=index.get(id(s.parent)) if s.parent is not None else None, start=s.start)
-                            for s in segs])
+      meta = dict(segments=[dict(parent=index.get(id(s.parent)) if s.parent is not None else None, start=s.start,
+                                 salt=s.salt) for s in segs])
       tree = tree or {_EMPTY: np.zeros(1, np.int32)}  # orbax saves neither an empty tree nor a 0-size array
     saved.save(path, tree, stamp=stamp, meta=meta)
     return len(segs)
@@ -344,11 +351,11 @@ class HistoryStore:
     entries = self._check_table(os.path.join(os.path.abspath(os.fspath(path)), "meta.json"), tree, meta)
     made: list[Segment] = []
     with self._lock:
-      for i, (parent, start) in enumerate(entries):
+      for i, (parent, start, salt) in enumerate(entries):
         t = tree[f"s{i}"]
         seg = Segment(parent=made[parent] if parent is not None else None, start=start,
                       tokens=np.asarray(t["tokens"], np.int32), k=list(t["k"]), v=list(t["v"]),
-                      last_used=next(self._clock))
+                      last_used=next(self._clock), salt=salt)
         if seg.parent is not None:
           seg.parent.children += 1
         self.segments.append(seg)
@@ -357,8 +364,9 @@ class HistoryStore:
       self._shrink()
     return len(made)
 
-  def _check_table(self, where: str, tree, meta) -> list[tuple[int | None, int]]:
-    """[(parent index or None, start)] of a loaded file, after checking every field against the arrays."""
+  def _check_table(self, where: str, tree, meta) -> list[tuple[int | None, int, str]]:
+    """[(parent index or None, start, salt)] of a loaded file, after checking every field against the arrays
+    (a file saved before salts existed has none: its segments get the empty salt)."""
     def bad(field: str, why: str):
       raise saved.SavedFileError(f"{where}: {field} {why}; refusing the saved sessions")
 
@@ -370,12 +378,16 @@ class HistoryStore:
     if not isinstance(tree, dict) or set(tree) != {f"s{i}" for i in range(len(entries))}:
       bad("meta.segments", f"lists {len(entries)} segments but the arrays hold "
                            f"{sorted(tree) if isinstance(tree, dict) else type(tree).__name__}"[:300])
-    out, ends, starts = [], [], []
+    out, ends, starts, salts = [], [], [], []
     for i, e in enumerate(entries):
       f = f"meta.segments[{i}]"
-      if not isinstance(e, dict) or set(e) != {"parent", "start"}:
-        bad(f, f"must be an object with keys parent and start, got {e!r}"[:300])
-      parent, start = e["parent"], e["start"]
+      if not isinstance(e, dict) or set(e) - {"salt"} != {"parent", "start"}:
+        bad(f, f"must be an object with keys parent, start and salt, got {e!r}"[:300])
+      parent, start, salt = e["parent"], e["start"], e.get("salt", "")
+      if not isinstance(salt, str) or len(salt) > MAX_SALT:
+        bad(f"{f}.salt", f"= {str(salt)[:40]!r} must be a string of at most {MAX_SALT} characters")
+      if parent is not None and type(parent) is int and 0 <= parent < i and salt != salts[parent]:
+        bad(f"{f}.salt", f"= {salt!r} differs from its parent's {salts[parent]!r}")
       if parent is not None and (type(parent) is not int or not 0 <= parent < i):
         bad(f"{f}.parent", f"= {parent!r} must be null or the index of an earlier segment (0..{i - 1})")
       if type(start) is not int:
@@ -405,7 +417,8 @@ class HistoryStore:
           if not isinstance(x, np.ndarray) or x.shape != want or x.dtype != self.dtype:
             bad(f"arrays s{i}.{name}[{layer}]", f"is {getattr(x, 'shape', None)} {getattr(x, 'dtype', None)}; "
                                                 f"segment {i} has {n} tokens, so this model needs {want} {self.dtype}")
-      out.append((parent, start))
+      out.append((parent, start, salt))
+      salts.append(salt)
       starts.append(start)
       ends.append(start + n)
     return out

@@ -210,7 +210,8 @@ class EngineRunner:
       if ev.finished:
         self._sinks.pop(ev.request_id, None)
       if sink is not None:
-        self._deliver(sink, ev)
+        # a request that failed alone (finish_reason "error") reaches its client as a failure; the rest go on
+        self._deliver(sink, Failed(ev.request_id, RuntimeError(ev.error)) if ev.finish_reason == "error" else ev)
 
   def _abort_all(self, reason: str) -> None:
     for rid, sink in list(self._sinks.items()):

@@ -1,0 +1,146 @@
+"""The engine's processed requests (penalties, logit bias, min_tokens, logprobs), prompt logprobs, cache salts
+and per-request failures, on a tiny random Llama: logprobs equal the dense model's, a processed request beside
+plain ones changes none of theirs, tenants do not share history, and a request that fails alone fails alone."""
+
+import numpy as np
+import pytest
+
+from rocketkv_jax.models import forward_full
+from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams
+from tests.serving.test_engine import KW, Tok, model, prompt, run  # noqa: F401 - model is a fixture
+
+V = 128
+
+
+def _log_softmax(x):
+  x = np.asarray(x, np.float64)
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def full_engine(model):  # noqa: F811
+  """`full` keeps every token, so the engine's logprobs must equal the dense forward's."""
+  return Engine(model, Tok(), EngineConfig(**dict(KW, method="full")))
+
+
+def _events(engine, requests, steps=None):
+  out = {}
+  for r in requests:
+    engine.submit(r)
+  while engine.has_work():
+    for ev in engine.step():
+      out.setdefault(ev.request_id, []).append(ev)
+  return out
+
+
+def _tokens(events):
+  return [t for ev in events for t in ev.token_ids]
+
+
+def test_logprobs_and_prompt_logprobs_equal_the_dense_model(model, full_engine):  # noqa: F811
+  ids = prompt(40, 1)
+  s = SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2)
+  ev = _events(full_engine, [Request("a", ids, s)])["a"]
+  toks = _tokens(ev)
+  plain = _tokens(_events(full_engine, [Request("b", ids, SamplingParams(max_tokens=6))])["b"])
+  assert toks == plain  # logprobs change no token
+  lp = _log_softmax(forward_full(model, np.asarray([ids + toks], np.int32))[0])
+  got = [x for e in ev for x in e.logprobs]
+  assert [x.token_id for x in got] == toks
+  for j, x in enumerate(got):
+    row = lp[len(ids) - 1 + j]
+    assert x.logprob == pytest.approx(row[toks[j]], abs=2e-4)
+    assert [i for i, _ in x.top] == np.argsort(-row)[:3].tolist()
+    np.testing.assert_allclose([v for _, v in x.top], np.sort(row)[::-1][:3], atol=2e-4)
+  pl = ev[0].prompt_logprobs
+  assert all(e.prompt_logprobs is None for e in ev[1:])
+  assert len(pl) == len(ids) and pl[0] is None
+  for t in range(1, len(ids)):
+    assert pl[t].token_id == ids[t] and len(pl[t].top) == 2
+    assert pl[t].logprob == pytest.approx(lp[t - 1, ids[t]], abs=2e-4)
+    assert pl[t].top[0][0] == int(lp[t - 1].argmax())
+
+
+def test_processed_request_beside_plain_ones(engine_rk):
+  """A processed request decodes in its own executable kind; every row of that call gets exactly what it gets
+  alone, the processed row included."""
+  a = Request("a", prompt(100, 2), SamplingParams(max_tokens=9))
+  b = Request("b", prompt(150, 3), SamplingParams(max_tokens=9, temperature=0.8, seed=4))
+  p = Request("p", prompt(100, 2), SamplingParams(max_tokens=9, repetition_penalty=2.0, presence_penalty=1.5,
+                                                  frequency_penalty=0.5, logprobs=0))
+  alone = {r.request_id: _tokens(_events(engine_rk, [r])[r.request_id]) for r in (a, b, p)}
+  together = {k: _tokens(v) for k, v in _events(engine_rk, [a, b, p]).items()}
+  assert together == alone
+  assert alone["p"] != alone["a"]  # same prompt: the penalties changed the answer
+
+
+def test_logit_bias_and_min_tokens(engine_rk):
+  ids = prompt(100, 5)
+  forced = _events(engine_rk, [Request("f", ids, SamplingParams(max_tokens=5, logit_bias={7: 100.0}))])["f"]
+  assert _tokens(forced) == [7] * 5
+  # EOS (2) pushed to the top: it ends the answer at once, unless min_tokens holds it back
+  eos = SamplingParams(max_tokens=8, logit_bias={2: 100.0})
+  ev = _events(engine_rk, [Request("e", ids, eos)])["e"]
+  assert _tokens(ev) == [] and ev[-1].finish_reason == "stop" and ev[-1].completion_tokens == 1
+  held = SamplingParams(max_tokens=8, logit_bias={2: 100.0}, min_tokens=3)
+  ev = _events(engine_rk, [Request("m", ids, held)])["m"]
+  assert len(_tokens(ev)) == 3 and 2 not in _tokens(ev)
+  assert ev[-1].finish_reason == "stop" and ev[-1].completion_tokens == 4
+  # a request's own stop id is held back too
+  own = SamplingParams(max_tokens=8, logit_bias={9: 100.0}, stop_ids=(9,), min_tokens=2)
+  ev = _events(engine_rk, [Request("o", ids, own)])["o"]
+  assert ev[-1].finish_reason == "stop" and ev[-1].completion_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def engine_rk(model):  # noqa: F811
+  return Engine(model, Tok(), EngineConfig(**KW))
+
+
+def test_cache_salt_separates_tenants(model):  # noqa: F811
+  engine = Engine(model, Tok(), EngineConfig(**dict(KW, history_bytes=2**24)))
+  doc = prompt(120, 6)
+  first = _events(engine, [Request("a1", doc + [5, 6, 7], SamplingParams(max_tokens=2), cache_salt="alice")])
+  assert first["a1"][-1].cached_tokens == 0
+  other = _events(engine, [Request("b1", doc + [8, 9, 10], SamplingParams(max_tokens=2), cache_salt="bob")])
+  assert other["b1"][-1].cached_tokens == 0  # bob learns nothing of alice's prompt
+  again = _events(engine, [Request("a2", doc + [8, 9, 10], SamplingParams(max_tokens=2), cache_salt="alice")])
+  assert again["a2"][-1].cached_tokens > 80
+  assert engine.reusable(doc + [1], "alice") > 80 and engine.reusable(doc + [1], "eve") == 0
+  assert engine.reusable(doc + [1]) == 0  # no salt is a tenant of its own
+  with pytest.raises(ValueError, match="cache_salt"):
+    engine.submit(Request("x", doc, SamplingParams(max_tokens=2), cache_salt="s" * 300))
+
+
+def test_a_failing_prefill_fails_its_request_only(engine_rk, monkeypatch):
+  good = [Request(f"g{i}", prompt((5, 20, 100)[i], 10 + i), SamplingParams(max_tokens=6)) for i in range(3)]
+  alone = {r.request_id: _tokens(_events(engine_rk, [r])[r.request_id]) for r in good}
+  real = engine_rk.prefill
+
+  def prefill(request):
+    if request.request_id == "bad":
+      raise RuntimeError("out of memory (simulated)")
+    return real(request)
+
+  monkeypatch.setattr(engine_rk, "prefill", prefill)
+  out = _events(engine_rk, good[:2] + [Request("bad", prompt(64, 1), SamplingParams(max_tokens=6))] + good[2:])
+  assert out["bad"][-1].finish_reason == "error" and "out of memory" in out["bad"][-1].error
+  assert {k: _tokens(v) for k, v in out.items() if k != "bad"} == alone
+  assert all(v[-1].finish_reason == "length" for k, v in out.items() if k != "bad")
+
+
+def test_validation(engine_rk):
+  ids = prompt(10, 1)
+  with pytest.raises(ValueError, match=r"logit_bias token ids \[500\]"):
+    engine_rk.validate(Request("x", ids, SamplingParams(max_tokens=2, logit_bias={500: 1.0})))
+  for kw, match in ((dict(repetition_penalty=0), "repetition_penalty=0"), (dict(presence_penalty=2.5), "presence"),
+                    (dict(min_tokens=70), "min_tokens=70"), (dict(logprobs=21), "logprobs=21"),
+                    (dict(logit_bias={1: 101}), r"logit_bias\[1\]=101"),
+                    (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
+                    (dict(stop_ids=tuple(range(65))), "at most 64")):
+    with pytest.raises(ValueError, match=match):
+      SamplingParams(**kw)
+  ctx = engine_rk.compress_context(prompt(150, 2))
+  with pytest.raises(ValueError, match="prompt_logprobs needs the prompt prefilled in full"):
+    engine_rk.validate(Request("c", ids, SamplingParams(max_tokens=2, prompt_logprobs=0), context=ctx))
