@@ -145,7 +145,7 @@ def decode_section() -> list[str]:
     if p is None:
       return "-"
     if p["status"] != "ok":
-      return "does not fit"
+      return f"does not fit ({p['cache_bytes'] / 1e9:.0f} GB of caches)"
     if largest:
       return f"{p['batch']}, {p['ms_per_step']:.2f} ({p['ratio_to_floor']:.2f}x), {p['tokens_per_s']:,.0f}"
     return f"{p['ms_per_step']:.2f} ({p['ratio_to_floor']:.2f}x)"
