@@ -20,9 +20,22 @@ prompt, its sampling, the engine config, the model) only, and equals `generate`'
 
 Compiles: one prefill per bucket of padded prompt length (`prefill_buckets`, default powers of two from 64 up to
 max_prompt_tokens, plus max_prompt_tokens), one insert, and one decode loop per sampling kind in use (every row
-greedy; sampling; sampling with top-p / top-k cuts: three at most); with a history, one extend prefill per
-(whole prompt, new tokens) bucket pair instead of the prefills; with contexts, one feed per power of two up to
-the longest question. `stats()["compiles"]` counts them.
+greedy; sampling; sampling with top-p / top-k cuts; any row processed: four at most); with a history, one extend
+prefill per (whole prompt, new tokens) bucket pair instead of the prefills; with contexts, one feed per power of
+two up to the longest question; with prompt logprobs, one scoring prefill per bucket; with processed requests, one
+row reset. `stats()["compiles"]` counts them.
+
+Processed requests (penalties, logit bias, min_tokens or logprobs: `SamplingParams.processed`): while one is
+active, every decode call runs the loop's processing kind (`models/loop.RowProcessing`; neutral values for the
+other rows, whose tokens it does not change), which keeps each row's output token counts and prompt tokens
+[max_slots, V] on the device (made on the first such request) and returns MAX_LOGPROBS logprobs per token; a
+request's `TokenEvent.logprobs` keep its own k. Prompt logprobs (`SamplingParams.prompt_logprobs`, what an echo
+with logprobs needs) come from a scoring prefill of the whole prompt: such a request neither reuses nor adds to
+the history.
+
+Tenants: a stored history is reused only by requests with the same `Request.cache_salt` (`history.py`).
+Failures: a request whose prefill raises ends alone (finish_reason "error", `TokenEvent.error`); the decode call
+is shared, so an error there is the runner's to report to every request in flight.
 
 Free slots: their rows hold whatever they last held (zeros of length 0 at start-up, or a finished request's
 cache); they are marked finished in the loop (they emit -1), their compute is wasted but harmless (rows never
@@ -170,7 +183,13 @@ class SamplingParams:
   anything below MIN_TEMPERATURE). top_p in (0, 1] (1 is off), top_k >= 0 (0 is off; `Engine.validate` also
   bounds it by the vocabulary). seed: in [0, 2**32): token j is sampled with fold_in(key(seed), j), so a request's
   samples are the same whatever runs next to it. stop_ids: token ids that end the answer (on top of the
-  model's EOS and end-of-turn); stop_strings: texts that end it (the text is cut before them).
+  model's EOS and end-of-turn; at most MAX_STOP_IDS); stop_strings: texts that end it (the text is cut before
+  them). vLLM's processing, applied to the logits in this order before temperature and cuts: logit_bias ((token
+  id, bias in [-100, 100]) pairs or a dict, at most MAX_LOGIT_BIAS), min_tokens (no stop id, the model's or the
+  request's, before that many tokens; a stop string may still end it), repetition_penalty in (0, 10] (1 is off;
+  over prompt and output tokens), frequency_penalty and presence_penalty in [-2, 2] (over output tokens).
+  logprobs: None, or k in [0, MAX_LOGPROBS]: each token's raw log-probability and the k most likely
+  (`TokenLogprob`); prompt_logprobs: the same for the prompt's tokens.
   """
 
   max_tokens: int = 64
