@@ -1,0 +1,389 @@
+"""The server's protocol surface (issue 36): the pydantic request models (`/openapi.json`, 400s naming the field)
+and the fields they implement: penalties, logit_bias, min_tokens, logprobs / top_logprobs / echo, n, cache_salt,
+`/tokenizer_info`, `--chat-template`. A real server on 127.0.0.1 (test_server.py's `serving`), the embedded SmolLM2,
+the official `openai` client where it fits and raw HTTP where the point is the bytes."""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from tests.serving.test_server import MODEL, PROMPTS, QUESTIONS, serving  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+  with serving(*smollm2) as s:
+    yield s
+
+
+def _post(served, path, body) -> tuple[int, dict]:
+  status, text = served.http("POST", path, json.dumps(body))
+  return status, json.loads(text)
+
+
+def _complete(served, **kw):
+  return served.client.completions.create(model=MODEL, **kw)
+
+
+# --- the schema ---------------------------------------------------------------------------------------------------
+
+
+def test_openapi_shows_the_request_bodies(served):
+  status, text = served.http("GET", "/openapi.json")
+  assert status == 200
+  schema = json.loads(text)
+  components = schema["components"]["schemas"]
+  for path, name, fields in (("/v1/completions", "CompletionRequest", {"prompt", "logprobs", "echo", "n"}),
+                             ("/v1/chat/completions", "ChatCompletionRequest", {"messages", "top_logprobs"}),
+                             ("/tokenize", "TokenizeRequest", {"prompt", "messages"}),
+                             ("/detokenize", "DetokenizeRequest", {"tokens"})):
+    body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": f"#/components/schemas/{name}"}, body
+    props = components[name]["properties"]
+    assert fields <= set(props), (name, sorted(props))
+    assert "model" in props and components[name].get("additionalProperties") is True
+  # every $ref in the document resolves
+  refs = set()
+
+  def walk(x):
+    if isinstance(x, dict):
+      refs.update(v for k, v in x.items() if k == "$ref")
+      for v in x.values():
+        walk(v)
+    elif isinstance(x, list):
+      for v in x:
+        walk(v)
+
+  walk(schema)
+  assert refs and all(r.rsplit("/", 1)[1] in components for r in refs), refs - {f"#/components/schemas/{c}"
+                                                                               for c in components}
+  ok = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+  assert ok["$ref"].endswith("/CompletionResponse")
+  status, page = served.http("GET", "/docs")
+  assert status == 200 and "swagger" in page.lower()
+
+
+# --- 400s naming the field ----------------------------------------------------------------------------------------
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"frequency_penalty": "1"}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": 17}, "min_tokens"),         # over the default max_tokens (16)
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": "1"}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
+    ("/v1/completions", {"logit_bias": [[5, 1]]}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"echo": "yes"}, "echo"),
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"n": 17}, "n"),
+    ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"cache_salt": "x" * 257}, "cache_salt"),
+    ("/v1/completions", {"cache_salt": 5}, "cache_salt"),
+    ("/v1/completions", {"max_tokens": 17}, "max_tokens"),        # over the server's --max-new-tokens (16)
+    ("/v1/chat/completions", dict(CHAT, logprobs=2), "logprobs"),
+    ("/v1/chat/completions", dict(CHAT, top_logprobs=21, logprobs=True), "top_logprobs"),
+    ("/v1/chat/completions", dict(CHAT, top_logprobs=2), "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", dict(CHAT, echo=True), "echo"),      # vLLM's chat echo: not implemented
+    ("/v1/chat/completions", dict(CHAT, max_completion_tokens=0), "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT["messages"]}, "prompt"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+])
+def test_bad_values_get_400_naming_the_field(served, path, fields, param):
+  body = {"model": MODEL, **({"prompt": "hello"} if path == "/v1/completions" else {}), **fields}
+  status, got = _post(served, path, body)
+  assert status == 400, got
+  err = got["error"]
+  assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
+  assert err["param"] == param and err["message"], err
+
+
+def test_validation_errors_are_400_never_422(served):
+  """Even FastAPI's own validation (a path or query parameter) answers with OpenAI's error object."""
+  for path, body in (("/v1/completions", {"prompt": "a"}), ("/v1/completions", {"model": MODEL}),
+                     ("/v1/chat/completions", {"model": MODEL}), ("/detokenize", {})):
+    status, got = _post(served, path, body)
+    assert status == 400 and got["error"]["code"] == "missing_required_parameter", (path, got)
+
+
+def test_the_new_fields_accepted_by_the_openai_client(served):
+  """Each new field, sent as a user sends it, is a 200 with a well-formed answer."""
+  for kw in (dict(presence_penalty=0.5), dict(frequency_penalty=-0.5), dict(logit_bias={"21285": 5}),
+             dict(extra_body={"repetition_penalty": 1.2}), dict(extra_body={"min_tokens": 2}),
+             dict(logprobs=0), dict(echo=True), dict(n=2), dict(extra_body={"cache_salt": "tenant-a"})):
+    r = _complete(served, prompt=PROMPTS[0], max_tokens=4, temperature=0, **kw)
+    assert r.choices and all(c.finish_reason in ("stop", "length") for c in r.choices), (kw, r)
+
+
+# --- the fields' effects ------------------------------------------------------------------------------------------
+
+
+def test_logit_bias_forces_and_forbids_tokens(served, smollm2):
+  _, tok = smollm2
+  (banana,) = tok.encode(" banana")
+  r = _complete(served, prompt=PROMPTS[0], max_tokens=4, temperature=0, logit_bias={str(banana): 100})
+  assert r.choices[0].text == " banana" * 4
+  plain = _complete(served, prompt=PROMPTS[0], max_tokens=1, temperature=0).choices[0].text
+  (first,) = tok.encode(plain)
+  r = _complete(served, prompt=PROMPTS[0], max_tokens=1, temperature=0, logit_bias={str(first): -100})
+  assert r.choices[0].text != plain and r.choices[0].text
+
+
+def test_min_tokens_holds_back_the_stop(served, smollm2):
+  _, tok = smollm2
+  first = _complete(served, prompt=PROMPTS[0], max_tokens=1, temperature=0).choices[0].text
+  (first_id,) = tok.encode(first)
+  stop = {"stop_token_ids": [first_id]}
+  r = _complete(served, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body=stop)
+  assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 1
+  r = _complete(served, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body=dict(stop, min_tokens=3))
+  assert r.usage.completion_tokens >= 3 and r.choices[0].text
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty", "repetition_penalty"])
+def test_penalties_break_a_repetition(served, field):
+  """Greedy SmolLM2 repeats " a" after a run of them; a strong penalty on repeated tokens makes it say fewer."""
+  prompt = "a a a a a a a a a a"
+  plain = _complete(served, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+  value = 3.0 if field == "repetition_penalty" else 2.0
+  penalized = _complete(served, prompt=prompt, max_tokens=8, temperature=0, extra_body={field: value}).choices[0].text
+  assert plain.count(" a") >= 4, plain
+  assert penalized.count(" a") < plain.count(" a"), (plain, penalized)
+
+
+def test_n_samples(served):
+  r = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, n=2)
+  assert [c.index for c in r.choices] == [0, 1]
+  assert r.choices[0].text != r.choices[1].text  # seeds 0 and 1
+  assert r.usage.prompt_tokens == _complete(served, prompt=PROMPTS[3], max_tokens=1).usage.prompt_tokens  # once
+  assert r.usage.completion_tokens == 16
+  # sample i is the request with seed + i
+  one = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, seed=1)
+  assert one.choices[0].text == r.choices[1].text
+  # greedy: n equal answers
+  g = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=0, n=3)
+  assert len({c.text for c in g.choices}) == 1 and len(g.choices) == 3
+  # two prompts, n = 2: prompt p's sample i is choice 2p + i; streamed, the same texts per index
+  r = _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=4, temperature=1.0, n=2)
+  assert [c.index for c in r.choices] == [0, 1, 2, 3]
+  texts = {}
+  for chunk in _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=4, temperature=1.0, n=2, stream=True):
+    for c in chunk.choices:
+      texts[c.index] = texts.get(c.index, "") + c.text
+  assert texts == {c.index: c.text for c in r.choices}
+  # chat
+  msgs = [{"role": "user", "content": QUESTIONS[1]}]
+  r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, n=2)
+  assert [c.index for c in r.choices] == [0, 1] and all(c.message.role == "assistant" for c in r.choices)
+  roles, texts = {}, {}
+  for chunk in served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, n=2,
+                                                     stream=True):
+    for c in chunk.choices:
+      roles[c.index] = roles.get(c.index) or c.delta.role
+      texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+  assert roles == {0: "assistant", 1: "assistant"}
+  assert texts == {c.index: c.message.content for c in r.choices}
+
+
+def test_cache_salt_separates_prefix_reuse(served):
+  """The same long prompt again reuses its stored history only under the same salt."""
+  prompt = PROMPTS[4]
+  first = _complete(served, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": "alice"})
+  again = _complete(served, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": "alice"})
+  other = _complete(served, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": "bob"})
+  cached = lambda r: r.usage.prompt_tokens_details.cached_tokens  # noqa: E731
+  if cached(again) == 0:
+    pytest.skip("this engine keeps no prompt history")
+  assert cached(other) == 0 and cached(again) > 0, (cached(first), cached(again), cached(other))
+  assert first.choices[0].text == again.choices[0].text == other.choices[0].text
+
+
+# --- logprobs and echo --------------------------------------------------------------------------------------------
+
+
+def _dense_logprobs(model, ids) -> np.ndarray:
+  """log_softmax of the dense model's logits: [T, V] for a prompt of T tokens."""
+  import jax
+  from rocketkv_jax.models.llama import forward_full
+  logits = forward_full(model, np.asarray([ids], np.int32))[0]
+  return np.asarray(jax.nn.log_softmax(logits.astype(np.float32), axis=-1))
+
+
+def test_echo_with_logprobs_on_token_ids_matches_the_dense_model(served, smollm2):
+  """lm-eval's log-likelihood request: token-id prompt, echo, logprobs=1, max_tokens=1, greedy. The prompt's
+  logprobs are the dense model's, the first None; then the generated token's."""
+  model, tok = smollm2
+  ids = tok.encode(PROMPTS[0] + " Paris, and the capital of Italy is")
+  r = _complete(served, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+  choice = r.choices[0]
+  lp = choice.logprobs
+  n = len(ids) + r.usage.completion_tokens
+  assert r.usage.completion_tokens == 1 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert all(math.isfinite(x) and x <= 0 for x in lp.token_logprobs[1:])
+  assert choice.text.startswith(tok.decode(ids, skip_special=False))
+  assert choice.text == tok.decode(ids, skip_special=False) + lp.tokens[-1]
+  assert lp.tokens[:len(ids)] == [tok.decode([t], skip_special=False) for t in ids]
+  assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+  dense = _dense_logprobs(model, ids)
+  want = dense[np.arange(len(ids) - 1), ids[1:]]
+  np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], want, atol=1e-3)
+  for pos, top in enumerate(lp.top_logprobs[1:], 1):  # the most likely token, and the token itself
+    assert lp.tokens[pos] in top and 1 <= len(top) <= 2
+    assert max(top.values()) >= lp.token_logprobs[pos] - 1e-6
+  # the generated token: greedy, so the dense model's most likely next token, with its logprob
+  assert lp.token_logprobs[-1] == pytest.approx(float(dense[-1].max()), abs=1e-3)
+  assert lp.tokens[-1] == tok.decode([int(dense[-1].argmax())], skip_special=False)
+
+
+def test_echo_of_text_prompts_and_without_logprobs(served):
+  r = _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=3, temperature=0, echo=True)
+  plain = _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=3, temperature=0)
+  assert [c.text for c in r.choices] == [p + c.text for p, c in zip(PROMPTS[:2], plain.choices)]
+  assert all(c.logprobs is None for c in r.choices)
+
+
+def test_completion_logprobs_streamed_and_not(served):
+  r = _complete(served, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+  lp = r.choices[0].logprobs
+  assert len(lp.tokens) == r.usage.completion_tokens
+  assert "".join(lp.tokens).startswith(r.choices[0].text) or r.choices[0].finish_reason == "stop"
+  for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    assert 3 <= len(top) <= 4 and token in top and math.isfinite(logprob) and logprob <= 0
+    assert logprob == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the most likely
+  assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+  tokens, logprobs, offsets = [], [], []
+  for chunk in _complete(served, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3, stream=True):
+    if chunk.choices and chunk.choices[0].logprobs:
+      tokens += chunk.choices[0].logprobs.tokens
+      logprobs += chunk.choices[0].logprobs.token_logprobs
+      offsets += chunk.choices[0].logprobs.text_offset
+  assert tokens == lp.tokens and offsets == lp.text_offset
+  np.testing.assert_allclose(logprobs, lp.token_logprobs, atol=1e-6)
+
+
+def test_chat_logprobs(served):
+  msgs = [{"role": "user", "content": QUESTIONS[0]}]
+  r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3)
+  content = r.choices[0].logprobs.content
+  assert content and len(content) >= r.usage.completion_tokens - 1  # a stop token's entry may be left out
+  for e in content:
+    assert len(e.top_logprobs) == 3 and e.bytes == list(e.token.encode("utf-8"))
+    values = [t.logprob for t in e.top_logprobs]
+    assert values == sorted(values, reverse=True) and all(math.isfinite(v) and v <= 0 for v in values)
+    assert e.token == e.top_logprobs[0].token and e.logprob == pytest.approx(values[0], abs=1e-5)
+  assert "".join(e.token for e in content).startswith(r.choices[0].message.content)
+  # logprobs without top_logprobs: the tokens' own, no alternatives; streamed: the same entries
+  r2 = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True)
+  assert [e.token for e in r2.choices[0].logprobs.content] == [e.token for e in content]
+  assert all(e.top_logprobs == [] for e in r2.choices[0].logprobs.content)
+  streamed = []
+  for chunk in served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                                     logprobs=True, top_logprobs=3, stream=True):
+    if chunk.choices and chunk.choices[0].logprobs:
+      streamed += chunk.choices[0].logprobs.content
+  assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+  # without logprobs: none
+  r3 = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+  assert r3.choices[0].logprobs is None
+
+
+# --- tokenizer routes and the chat template ----------------------------------------------------------------------
+
+
+def test_tokenizer_info_and_tokenize_options(served, smollm2):
+  _, tok = smollm2
+  status, text = served.http("GET", "/tokenizer_info")
+  info = json.loads(text)
+  assert status == 200 and info["eos_token"] == tok.tokenizer.id_to_token(tok.eos_id)
+  assert info["chat_template"] == tok.chat_template and info["vocab_size"] == tok.vocab_size
+  status, got = _post(served, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+  assert status == 200 and got["tokens"] == [tok.eos_id]
+  msgs = [{"role": "user", "content": "hi"}]
+  status, with_prompt = _post(served, "/tokenize", {"messages": msgs})
+  status, without = _post(served, "/tokenize", {"messages": msgs, "add_generation_prompt": False})
+  assert with_prompt["tokens"] == tok.encode(tok.apply_chat(msgs))
+  assert without["tokens"] == tok.encode(tok.apply_chat(msgs, add_generation_prompt=False))
+  assert len(without["tokens"]) < len(with_prompt["tokens"])
+
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+
+
+def test_a_chat_template_override_is_used(smollm2, tmp_path):
+  from rocketkv_jax.models.tokenizer import read_chat_template
+  model, tok = smollm2
+  path = tmp_path / "t.jinja"
+  path.write_text(TEMPLATE)
+  custom = dataclasses.replace(tok, chat_template=read_chat_template(str(path)))
+  with serving(model, custom, max_slots=1, max_queue=4) as s:
+    status, got = _post(s, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and got["tokens"] == tok.encode("[user] hi\n[bot]")
+    r = s.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert r.usage.prompt_tokens == len(tok.encode("[user] hi\n[bot]"))
+  (tmp_path / "t.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+  assert read_chat_template(str(tmp_path / "t.json")) == TEMPLATE
+
+
+@pytest.mark.parametrize("content, why", [(None, "No such file"), ("{% for m in messages %}", "does not parse"),
+                                          ("", "is empty")])
+def test_serve_refuses_a_bad_chat_template_before_loading(tmp_path, capsys, monkeypatch, content, why):
+  import rocketkv_jax.models as models
+  from rocketkv_jax.serving.cli import main
+  monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+  path = tmp_path / "chat.jinja"
+  if content is not None:
+    path.write_text(content)
+  assert main(["serve", "--chat-template", str(path), "--history-gb", "1", "--no-compile-cache"]) == 2
+  err = " ".join(capsys.readouterr().err.split())
+  assert "--chat-template" in err and str(path) in err and why in err, err
+
+
+def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2):
+  """A good --chat-template reaches the tokenizer the engine is built with."""
+  import rocketkv_jax.models as models
+  import rocketkv_jax.serving.engine as engine_module
+  from rocketkv_jax.serving.cli import main
+  model, tok = smollm2
+  custom = dataclasses.replace(tok)
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def engine(model, tokenizer, config):
+    seen.append(tokenizer.chat_template)
+    raise Stop()
+
+  monkeypatch.setattr(models, "load", lambda *a, **k: (model, custom))
+  monkeypatch.setattr(engine_module, "Engine", engine)
+  path = tmp_path / "chat.jinja"
+  path.write_text(TEMPLATE)
+  try:
+    main(["serve", "--chat-template", str(path), "--history-gb", "1", "--no-compile-cache"])
+  except Stop:
+    pass
+  assert seen == [TEMPLATE]
