@@ -250,11 +250,16 @@ def stage2_section() -> list[str]:
   regen = next(line for line in lines if line.startswith("Regenerate"))
   shape = next(line for line in lines if line.startswith("Shape:"))
   tables = _tables_in(lines)
+  # The table's own input (named in its Regenerate line) records the run's date, device and command.
+  src = re.search(r"stage2_table (\S+\.jsonl)", regen).group(1)
+  run = next(r for r in _jsonl(src) if r.get("kind") == "ceiling")
   return [
     "### RocketKV's stage 2 per layer against its bytes (32k, t=256)",
     "",
-    f"Source: {_link(rel)}. {regen} {shape} Per layer, microseconds of GPU kernels per call from a profiler "
-    "trace; floor = the bytes the kernel must move at the copy bandwidth measured in the same run; x = us / floor.",
+    f"Source: {_link(rel)}, from {_link(src)} ({run['device']}, jax {run['jax']}, {run['date']}, copy "
+    f"{run['copy_GBps']:.0f} GB/s: `{run['command']}`). {regen} {shape} Per layer, microseconds of GPU kernels per "
+    "call from a profiler trace; floor = the bytes the kernel must move at the copy bandwidth measured in the same "
+    "run; x = us / floor.",
     "",
     *tables[0],
     "",
