@@ -12,7 +12,8 @@ def masked_attention_reference(q_BKGH, k_BKMH, v_BKMH, valid_BKM):
   """Exact softmax attention of each query head of a KV group over the rows where `valid`: scores q.k in
   float32 (full precision) times 1/sqrt(H); the probabilities enter the value product in v's dtype, as in the
   kernels (float32 accumulation), and are normalised after it. Rows that are not valid never enter (NaN there
-  is safe); no valid row gives 0."""
+  is safe); no valid row gives 0. A NaN in a valid row's key or value gives NaN, as `jax.nn.dot_product_attention`
+  does (the normaliser tests l == 0, which a NaN l fails, not l > 0, which would turn the NaN into 0)."""
   scale = 1.0 / math.sqrt(q_BKGH.shape[-1])
   mask = valid_BKM[:, :, None, :]
   k = jnp.where(valid_BKM[..., None], k_BKMH, jnp.zeros((), k_BKMH.dtype))
@@ -26,5 +27,5 @@ def masked_attention_reference(q_BKGH, k_BKMH, v_BKMH, valid_BKM):
   l = p.sum(-1, keepdims=True)
   o = jnp.einsum("BKGM,BKMH->BKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
                  precision=lax.Precision.HIGHEST)
-  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+  o = jnp.where(l == 0, 0.0, o / jnp.where(l == 0, 1.0, l))
   return o.astype(q_BKGH.dtype)

@@ -37,12 +37,12 @@ def partial_shapes(B: int, K: int, num_splits: int, G: int, H: int):
 
 
 def combine_partials(o_BKNGH, m_BKNG, l_BKNG, dtype):
-  """Merges per-split (o, m, l) partials; a head with no valid slot at all gets 0."""
+  """Merges per-split (o, m, l) partials; a head with no valid slot at all gets 0, a NaN partial gives NaN."""
   m = m_BKNG.max(axis=2, keepdims=True)
   alpha = jnp.exp(m_BKNG - m)
   l = (l_BKNG * alpha).sum(axis=2)
   o = (o_BKNGH * alpha[..., None]).sum(axis=2)
-  out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  out = jnp.where(l[..., None] == 0, 0.0, o / jnp.where(l == 0, 1.0, l)[..., None])
   return out.astype(dtype)
 
 
@@ -85,13 +85,15 @@ def split_outputs(B: int, K: int, num_splits: int, G: int, H: int, dtype):
 
 
 def store_split_outputs(out_refs, partials, row_ok):
-  """Stores what `split_outputs` laid out: the partials, or (one split) o / l, 0 where no slot was valid."""
+  """Stores what `split_outputs` laid out: the partials, or (one split) o / l, 0 where no slot was valid. A NaN
+  score of a valid slot (a NaN key) makes l NaN, and the output NaN (l == 0 is tested, never l > 0, which would
+  store 0 for it: `jax.nn.dot_product_attention`'s NaN in, NaN out, at no cost)."""
   if len(out_refs) == 3:
     store_partials(*out_refs, partials, row_ok)
     return
   (out_ref,) = out_refs
   o, _, l = partials
-  out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+  out = jnp.where(l[:, None] == 0, 0.0, o / jnp.where(l == 0, 1.0, l)[:, None])
   pltriton.store(out_ref.at[pl.ds(0, row_ok.shape[0]), :], out.astype(out_ref.dtype), mask=row_ok[:, None])
 
 

@@ -5,14 +5,34 @@ import dataclasses
 import math
 
 MIN_TOKEN_BUDGET = 16
+# The most tokens a length, position, slot or size can count: the caches hold them as int32. A larger value
+# (prompt_len=2**40) is refused here, by name, before any array is sized from it (it used to be accepted until
+# XLA ran out of memory).
+MAX_TOKENS = 2**31 - 1
 
 
-def check_int(name: str, value, low: int = 1) -> None:
-  """ValueError naming the value unless it is an int (not a bool) >= low."""
+def check_int(name: str, value, low: int = 1, high: int | None = None) -> None:
+  """ValueError naming the value unless it is an int (not a bool) in [low, high] (high None: no upper bound)."""
   if not isinstance(value, int) or isinstance(value, bool):
     raise ValueError(f"{name}={value!r} must be an int")
   if value < low:
     raise ValueError(f"{name}={value} must be >= {low}")
+  if high is not None and value > high:
+    raise ValueError(f"{name}={value} must be <= {high}" + (" (lengths and positions are int32)"
+                                                             if high == MAX_TOKENS else ""))
+
+
+def check_tokens(name: str, value, low: int = 1) -> None:
+  """`check_int` of a token count (a length, budget or size): at most `MAX_TOKENS`."""
+  check_int(name, value, low, MAX_TOKENS)
+
+
+def check_seq_len(prompt_len: int, max_new_tokens: int) -> None:
+  """ValueError naming both unless prompt_len + max_new_tokens fits int32 (`MAX_TOKENS`): the positions a
+  sequence reaches."""
+  if prompt_len + max_new_tokens > MAX_TOKENS:
+    raise ValueError(f"prompt_len + max_new_tokens = {prompt_len} + {max_new_tokens} = "
+                     f"{prompt_len + max_new_tokens} must be <= {MAX_TOKENS} (positions are int32)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,9 +127,10 @@ def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_di
   for name, value, low in (("token_budget", token_budget, MIN_TOKEN_BUDGET), ("prompt_len", prompt_len, 1),
                            ("max_new_tokens", max_new_tokens, 0), ("head_dim", head_dim, 1),
                            ("window_size", window_size, 1)):
-    check_int(name, value, low)
+    check_tokens(name, value, low)
   if max_len is not None:
-    check_int("max_len", max_len)
+    check_tokens("max_len", max_len)
+  check_seq_len(prompt_len, max_new_tokens)
   t, d = token_budget, head_dim
   seq_len, capacity, prompt_budget = _stage1_sizes(t, prompt_len, max_new_tokens, max_len)
   if prompt_budget < window_size:

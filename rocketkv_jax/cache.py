@@ -67,8 +67,35 @@ class KVCache:
 
 
 def cache_nbytes(cache) -> int:
-  """Bytes a cache (or a tuple of per-layer caches) holds: KV plus every auxiliary page, score and index."""
+  """Bytes a cache (or a tuple / list of per-layer caches, nested as deep as one likes) holds: KV plus every
+  auxiliary page, score and index. Only the shapes are read (a donated cache's size is still known). Raises
+  ValueError naming the type of anything that is not such a cache (a string once reached `.shape`)."""
+  _check_caches("cache", cache)
   return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache)))
+
+
+def _check_caches(name: str, x) -> None:
+  """ValueError naming the first part of `x` that is neither a KVCache nor a tuple / list of them."""
+  if isinstance(x, KVCache):
+    return
+  if not isinstance(x, (tuple, list)):
+    raise ValueError(f"{name} must be a KVCache or a tuple / list of per-layer KVCaches; got {type(x).__name__}"
+                     + ("" if x is None else f" {str(x)[:60]!r}"))
+  for i, part in enumerate(x):
+    _check_caches(f"{name}[{i}]", part)
+
+
+def check_alive(name: str, cache) -> None:
+  """ValueError naming the leaf when a leaf of `cache` (a KVCache or a tuple of them) was donated: decode_step
+  and the decode loops donate their input cache, whose arrays are then deleted."""
+  layers = cache if isinstance(cache, (tuple, list)) else (cache,)
+  for i, layer in enumerate(layers):
+    for f in dataclasses.fields(layer):
+      x = getattr(layer, f.name)
+      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        where = f"{name}.{f.name}" if layer is cache else f"{name}[{i}].{f.name}"
+        raise ValueError(f"{where} has been deleted: the cache was donated to an earlier call (decode_step or "
+                         "a decode loop), which returned the cache to use next")
 
 
 def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
@@ -163,6 +190,7 @@ def concat_caches(caches):
     if not layers or not all(isinstance(x, KVCache) for x in layers):
       raise ValueError(f"caches[{i}] must be a KVCache or a non-empty tuple of per-layer KVCaches; got "
                        f"{type(c).__name__}")
+    check_alive(f"caches[{i}]", c)
   ref = jax.tree.structure(caches[0])
   ref_shapes = [(x.shape[1:], x.dtype) for x in jax.tree.leaves(caches[0])]
   for i, c in enumerate(caches[1:], 1):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rocketkv_jax.budget import check_int
+from rocketkv_jax.budget import check_int, check_tokens
 from rocketkv_jax.cache import KVCache, kept_cache
 from rocketkv_jax.select import topk_tokens
 
@@ -20,7 +20,8 @@ def snapkv_scores(q_BTNH: jax.Array, k_BTKH: jax.Array, lengths_B: jax.Array, *,
 
   The last W prompt queries of every query head attend (causally inside the window, softmax over all L
   prompt keys in float32); the prefix columns are summed over the W queries and the G heads of each KV
-  head, then max-pooled (kernel `kernel_size`, stride 1, same length, padding never wins).
+  head, then max-pooled (kernel `kernel_size`, stride 1, same length, padding never wins). A prefix key holding
+  NaN votes NaN (ranked first by `topk_tokens`), and the other votes it made NaN count as 0.
   """
   b, t, n, h = q_BTNH.shape
   n_kv = k_BTKH.shape[2]
@@ -35,6 +36,11 @@ def snapkv_scores(q_BTNH: jax.Array, k_BTKH: jax.Array, lengths_B: jax.Array, *,
   causal = causal[:, None, None]
   probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1, where=causal)
   votes = probs.sum(axis=(2, 3))  # [B, K, T]
+  # A key holding NaN makes every vote of its KV head NaN (the softmax's sum): its position keeps NaN, which
+  # ranks first (lax.top_k puts NaN above every number), and the others' NaN count as 0, so the cache keeps
+  # it and decode gives NaN, as attention over the whole prompt would (not a cache of the first positions).
+  nan_key = jnp.isnan(k_BTKH).any(axis=-1).transpose(0, 2, 1)  # [B, K, T]
+  votes = jnp.where(jnp.isnan(votes) & ~nan_key, 0.0, votes)
   prefix = key_pos[None, :] < (lengths_B - w)[:, None]  # [B, T]
   votes = jnp.where(prefix[:, None, :], votes, -jnp.inf)
   pad = kernel_size // 2
@@ -89,8 +95,8 @@ def snapkv_keep(q_BTNH, k_BTKH, lengths_B, *, prompt_budget: int, window_size: i
 
 def check_config(c) -> None:
   """Checks the stage-1 knobs (prompt_budget, max_new_tokens, window_size, kernel_size, sink_tokens)."""
-  check_int("prompt_budget", c.prompt_budget)
-  check_int("max_new_tokens", c.max_new_tokens, 0)
+  check_tokens("prompt_budget", c.prompt_budget)
+  check_tokens("max_new_tokens", c.max_new_tokens, 0)
   check_int("window_size", c.window_size)
   check_int("kernel_size", c.kernel_size)
   check_int("sink_tokens", c.sink_tokens, 0)

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from rocketkv_jax.budget import check_int
+from rocketkv_jax.budget import check_int, check_tokens
 from rocketkv_jax.cache import RowPlan
 from rocketkv_jax.methods.base import MethodConfig, check_budget
 from rocketkv_jax.methods.exact_topk import ExactTopKConfig
@@ -114,8 +114,8 @@ def plan_limits(method: str, *, token_budget: int, max_prompt_len: int, max_new_
   """The static config every request within these limits fits (an engine's slots): the maxima of the plans
   (`plan_rows`) of every prompt length up to max_prompt_len with up to max_new_tokens new tokens. Requests are
   then planned from their own lengths, `plan_rows(..., config=this)`."""
-  check_int("max_prompt_len", max_prompt_len)
-  check_int("max_new_tokens", max_new_tokens, 1)
+  check_tokens("max_prompt_len", max_prompt_len)
+  check_tokens("max_new_tokens", max_new_tokens, 1)
   cls = get_method(method)
   frozen = tuple(sorted(overrides.items()))
   configs = []

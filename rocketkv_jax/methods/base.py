@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax import ops
-from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
+from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int, check_seq_len, check_tokens
 from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, kept_cache, slot_valid
 from rocketkv_jax.kernels.checks import kt_num_pages
 
@@ -32,13 +32,16 @@ KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
 
 
 def check_budget(token_budget: int) -> None:
-  check_int("token_budget", token_budget, MIN_TOKEN_BUDGET)
+  check_tokens("token_budget", token_budget, MIN_TOKEN_BUDGET)
 
 
 def seq_len(prompt_len: int, max_new_tokens: int, max_len: int | None) -> int:
   """Tokens a sequence can reach: prompt + generated, capped at max_len."""
-  check_int("prompt_len", prompt_len, 1)
-  check_int("max_new_tokens", max_new_tokens, 0)
+  check_tokens("prompt_len", prompt_len, 1)
+  check_tokens("max_new_tokens", max_new_tokens, 0)
+  if max_len is not None:
+    check_tokens("max_len", max_len)
+  check_seq_len(prompt_len, max_new_tokens)
   n = prompt_len + max_new_tokens
   return n if max_len is None else min(n, max_len)
 
@@ -306,7 +309,7 @@ class KeepAllConfig(MethodConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    check_int("max_len", self.max_len)
+    check_tokens("max_len", self.max_len)
 
   @property
   def capacity(self) -> int:

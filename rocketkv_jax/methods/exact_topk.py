@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
+
 from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, seq_len
 from rocketkv_jax.select import attention_probs, topk_tokens
 
@@ -21,7 +23,14 @@ class ExactTopKConfig(SelectingMixin, KeepAllConfig):
     return cls(**{"max_len": seq_len(prompt_len, max_new_tokens, max_len), "topk": token_budget, **kw})
 
   def select(self, cache, q_BKGH):
-    return topk_tokens(attention_probs(q_BKGH, cache.k, cache.length).mean(axis=2), cache.length, self.topk)
+    """The top `topk` slots by the group's mean attention probability. A key holding NaN makes every
+    probability of its heads NaN (the softmax's sum); its slot is ranked first (NaN, which lax.top_k puts above
+    every number) and the others' NaN taken as 0, so the step attends it and gives NaN, as exact attention
+    over every key would (`jax.nn.dot_product_attention`), not an output of the first slots alone."""
+    scores = attention_probs(q_BKGH, cache.k, cache.length).mean(axis=2)
+    nan_key = jnp.isnan(cache.k).any(axis=-1)  # [B, K, S]
+    scores = jnp.where(jnp.isnan(scores) & ~nan_key, 0.0, scores)
+    return topk_tokens(scores, cache.length, self.topk)
 
   def score_read_bytes(self, length, *, head_dim, itemsize):
     return length * head_dim * itemsize  # every key

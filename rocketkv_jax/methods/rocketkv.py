@@ -25,7 +25,14 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
       scored anyway). Slots, not positions: slot 0 holds position 0 only if stage 1 keeps it (`sink_tokens`).
     plan_page_size, plan_topk: inputs of `from_budget`'s plan. Stage 2 uses this page size and/or top-k, and
       top-r becomes the most channels whose step reads no more than the paper plan's (`budget.stage2_replan`).
-      Ignored when the config is built directly (topk, topr, page_size are then as given)."""
+      Ignored when the config is built directly (topk, topr, page_size are then as given).
+
+  NaN: a step that attends a key holding NaN outputs NaN (its query heads'), as `jax.nn.dot_product_attention`
+  does; stage 1 ranks a NaN key first, so it keeps it. Which tokens stage 2 attends once a NaN key is in the
+  cache is unspecified: a page holding it has NaN min/max summaries, which make every HSA page score of its
+  heads NaN, so when `topk` is below the cache's length the NaN key may or may not be attended (the output is
+  then NaN or the attention over the tokens picked). full and exact_topk always attend it, snapkv whenever
+  its stage 1 keeps it (any prompt budget above the window)."""
 
   method: ClassVar[str] = "rocketkv"
   uses_kt_pages: ClassVar[bool] = True

@@ -235,3 +235,127 @@ def test_pallas_without_a_gpu_is_named():
   q, k, v = _qkv()
   with pytest.raises(ValueError, match=r"config.impl='pallas' runs the compiled GPU kernels, but the backend is"):
     rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=_mk("full", impl="pallas"))
+
+
+def test_a_donated_cache_given_to_concat_caches_is_named_as_such():
+  """It used to raise jax's RuntimeError from inside jnp.concatenate."""
+  q, k, v = _qkv()
+  cfg = _mk("full")
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=cfg)
+  rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+  with pytest.raises(ValueError, match=r"caches\[1\]\.k has been deleted: the cache was donated to an earlier call"):
+    rk.concat_caches([rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=cfg), cache])
+
+
+# ---------------------------------------------------------------------------------------------- cache_nbytes
+
+
+@pytest.mark.parametrize("bad,match", [("abc", r"got str 'abc'"), (None, r"got NoneType"), (3, r"got int"),
+                                       ([("x",)], r"cache\[0\]\[0\] must be a KVCache .* got str")])
+def test_cache_nbytes_of_what_is_not_a_cache(bad, match):
+  """cache_nbytes('abc') used to raise AttributeError ('str' object has no attribute 'shape')."""
+  with pytest.raises(ValueError, match=match):
+    rk.cache_nbytes(bad)
+
+
+def test_cache_nbytes_of_caches_and_tuples_of_them():
+  q, k, v = _qkv()
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=_mk("full"))
+  one = rk.cache_nbytes(cache)
+  assert one == sum(x.nbytes for x in jax.tree.leaves(cache))
+  assert rk.cache_nbytes((cache, cache)) == rk.cache_nbytes([cache, (cache,)]) == 2 * one
+
+
+# ---------------------------------------------------------------------------------------------- sizes past int32
+
+
+@pytest.mark.parametrize("method", rk.METHODS)
+def test_a_prompt_len_past_int32_is_refused_by_name(method):
+  """prompt_len=2**40 used to be planned (a capacity of 2**40 slots) and fail only when XLA ran out of memory."""
+  with pytest.raises(ValueError, match=r"prompt_len=1099511627776 must be <= 2147483647"):
+    _mk(method, prompt_len=2**40)
+  with pytest.raises(ValueError, match=r"prompt_len \+ max_new_tokens = 2147483647 \+ 4 = 2147483651 must be <="):
+    _mk(method, prompt_len=2**31 - 1)
+  with pytest.raises(ValueError, match=r"max_len=1099511627776 must be <= 2147483647"):
+    _mk(method, max_len=2**40)
+
+
+def test_plan_functions_refuse_a_prompt_len_past_int32():
+  with pytest.raises(ValueError, match=r"row 1 \(prompt of 1099511627776 tokens.*prompt_len=1099511627776 must be <="):
+    rk.plan_rows("rocketkv", token_budget=64, prompt_lens=[T, 2**40], max_new_tokens=4, head_dim=H)
+  with pytest.raises(ValueError, match=r"max_prompt_len=1099511627776 must be <= 2147483647"):
+    rk.plan_limits("rocketkv", token_budget=64, max_prompt_len=2**40, max_new_tokens=4, head_dim=H)
+  with pytest.raises(ValueError, match=r"prompt_len=1099511627776 must be <= 2147483647"):
+    rk.plan_budget(64, 2**40, 4, H)
+  with pytest.raises(ValueError, match=r"max_len=1099511627776 must be <= 2147483647"):
+    rk.FullConfig(max_len=2**40)
+  assert rk.make_config("full", token_budget=64, prompt_len=2**31 - 5, max_new_tokens=4, head_dim=H).max_len == 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------- NaN in, NaN out
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("method,budget,where", [
+    ("full", 64, 20), ("full", 64, "new"),
+    ("exact_topk", 32, 40), ("exact_topk", 32, "new"), ("exact_topk", 256, 20),
+    ("snapkv", 48, 10), ("snapkv", 48, T - 3), ("snapkv", 48, "new"),
+    ("rocketkv", 256, 20), ("rocketkv", 256, "new"),
+])
+def test_a_nan_key_among_the_attended_gives_nan_like_dot_product_attention(method, budget, where, impl):
+  """NaN in, NaN out, as `jax.nn.dot_product_attention`: a NaN in an attended key used to give exactly 0.0 for
+  full, exact_topk and snapkv (the normaliser tested l > 0, which a NaN l fails). exact_topk and stage 1 rank a
+  NaN key's slot first (every score of its heads is NaN once the softmax normalises), so they attend it too;
+  rocketkv's HSA pages are summaries, so it is checked where its budget attends every token (the method docs
+  say which tokens it picks then is unspecified). The other sequence of the batch stays finite."""
+  q, k, v = _qkv()
+  cfg = _mk(method, token_budget=budget, impl=impl)
+  k_new = k[:, 0]
+  if where == "new":
+    k_new = k_new.at[0, 1].set(jnp.nan)
+  else:
+    k = k.at[0, where, 1].set(jnp.nan)
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, T]), config=cfg)
+  out, _ = rk.decode_step(cache, q[:, 0], k_new, v[:, 0], config=cfg)
+  out = np.asarray(out)
+  g = N // K  # query heads of KV head 1
+  assert np.isnan(out[0, g:]).all(), out[0]
+  assert np.isfinite(out[0, :g]).all() and np.isfinite(out[1]).all()
+  # the reference it follows
+  if method == "full":
+    keys = jnp.concatenate([k, k_new[:, None]], axis=1)
+    vals = jnp.concatenate([v, v[:, :1]], axis=1)
+    ref = jax.nn.dot_product_attention(q[:, :1], keys, vals)[:, 0]
+    assert np.isnan(np.asarray(ref)[0, g:]).all()
+    np.testing.assert_allclose(out[1], np.asarray(ref)[1], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_no_valid_slot_still_gives_zero(impl):
+  """The l == 0 test that lets NaN through still gives 0 where nothing is attended (a selection with no valid
+  entry)."""
+  from rocketkv_jax import ops
+  q, k, v = _qkv()
+  qg = q[:, 0].reshape(B, K, N // K, H)
+  kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  idx = jnp.zeros((B, K, 16), jnp.int32)
+  out = ops.sparse_decode_attention(qg, kk.at[:, :, 0].set(jnp.nan), vv, idx, jnp.zeros((B, K, 16), bool), impl=impl)
+  assert (np.asarray(out) == 0).all()
+  out = ops.dense_decode_attention(qg, kk, vv, jnp.array([0, 5]), impl=impl)
+  assert (np.asarray(out)[0] == 0).all() and np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_the_decode_kernels_split_partials_carry_nan(num_splits):
+  """The split-K merge (`combine_partials`) as well as the one-split store: NaN in one split's key, NaN out."""
+  from rocketkv_jax.kernels import dense_decode, sparse_decode
+  q, k, v = _qkv()
+  qg = q[:, 0].reshape(B, K, N // K, H)
+  kk, vv = k.transpose(0, 2, 1, 3).at[0, 1, 50].set(jnp.nan), v.transpose(0, 2, 1, 3)
+  out = np.asarray(dense_decode.dense_decode_attention(qg, kk, vv, jnp.array([T, T]), interpret=True, block_k=16,
+                                                       num_splits=num_splits))
+  assert np.isnan(out[0, 1]).all() and np.isfinite(out[0, 0]).all() and np.isfinite(out[1]).all()
+  idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, K, T))
+  out = np.asarray(sparse_decode.sparse_decode_attention(qg, kk, vv, idx, jnp.ones((B, K, T), bool), interpret=True,
+                                                         block_m=16, num_splits=num_splits))
+  assert np.isnan(out[0, 1]).all() and np.isfinite(out[0, 0]).all() and np.isfinite(out[1]).all()
