@@ -631,8 +631,9 @@ def test_sampling_defaults_come_from_the_generation_config():
 
 def test_ready_means_compiled(smollm2):
   """With warm-up, nothing compiles on live traffic: a mixed stream (prompt lengths in every bucket, greedy,
-  sampled, top-p and top-k cut, completions and chat, streaming or not) leaves the compile count where start-up
-  left it, and /metrics starts at zero tokens (warm-up traffic is not counted)."""
+  sampled, top-p and top-k cut, penalties, logit bias, min_tokens, logprobs, echo with logprobs (the scored
+  prefill), n > 1, completions and chat, streaming or not) leaves the compile count where start-up left it, and
+  /metrics starts at zero tokens (warm-up traffic is not counted)."""
   model, tok = smollm2
   with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True)) as s:
     m = s.metrics()
@@ -642,8 +643,12 @@ def test_ready_means_compiled(smollm2):
     jobs = []
     for i, n_words in enumerate((1, 5, 30, 90, 150)):
       for j, extra in enumerate(({}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.9},
-                                 {"temperature": 0.8, "top_k": 5})):
-        jobs.append((" ".join(words.split()[:n_words]), dict(extra, seed=i * 4 + j), (i + j) % 2 == 0))
+                                 {"temperature": 0.8, "top_k": 5}, {"logprobs": 2, "echo": True},
+                                 {"logprobs": 0, "echo": True, "temperature": 0.8},
+                                 {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+                                 {"repetition_penalty": 1.3, "temperature": 0.8, "top_p": 0.9},
+                                 {"logit_bias": {"17": 5.0}, "min_tokens": 3, "n": 2}, {"logprobs": 5})):
+        jobs.append((" ".join(words.split()[:n_words]), dict(extra, seed=i * 10 + j), (i + j) % 2 == 0))
 
     def run(job):
       prompt, extra, stream = job
@@ -654,6 +659,7 @@ def test_ready_means_compiled(smollm2):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
       list(pool.map(run, jobs))
     _chat(s.client, QUESTIONS[0], 4, stream=True)
+    _chat(s.client, QUESTIONS[1], 4, stream=False, logprobs=True, top_logprobs=3, n=2)
     m = s.metrics()
     assert m["rocketkv_compiles_total"] == compiles, (compiles, m["rocketkv_compiles_total"])
     assert m["rocketkv_tokens_generated_total"] > 0
