@@ -258,7 +258,8 @@ def read_chat_template(path: str) -> str:
     with open(path, encoding="utf-8") as f:
       text = f.read()
   except (OSError, UnicodeDecodeError) as e:
-    raise ValueError(f"cannot read the chat template {path!r}: {(e.strerror or e) if isinstance(e, OSError) else e}") from None
+    why = (e.strerror or e) if isinstance(e, OSError) else e
+    raise ValueError(f"cannot read the chat template {path!r}: {why}") from None
   if path.endswith(".json"):
     try:
       text = json.loads(text)["chat_template"]

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn): `/v1/models`, `/v1/completions`,
-`/v1/chat/completions` (each with `stream: true` as server-sent events), `/health`, `/metrics`, and vLLM's
-`/version`, `/tokenize` (`{"prompt": str}` or `{"messages": [...]}` -> `{"tokens", "count", "max_model_len"}`) and
-`/detokenize` (`{"tokens": [...]}` -> `{"prompt": str}`).
+`/v1/chat/completions` (each with `stream: true` as server-sent events), `/health`, `/metrics`, the API's schema
+(`/docs`, `/openapi.json`), and vLLM's `/version`, `/tokenize` (`{"prompt": str}` or `{"messages": [...]}` ->
+`{"tokens", "count", "max_model_len"}`), `/detokenize` (`{"tokens": [...]}` -> `{"prompt": str}`) and
+`/tokenizer_info` (special tokens and chat template: lm-eval's `tokenizer_backend=remote`).
 
 Text exists only here and in the engine's detokenizer: a request is parsed and checked, its prompt encoded
 (chat through the tokenizer's chat template), and handed to the engine thread (`runner.py`) as token ids;
@@ -33,10 +34,11 @@ Prefix reuse: a prompt's stored K/V history (`usage.prompt_tokens_details.cached
 requests with the same `cache_salt` (default ""; the engine enforces it). The server has one API key, so one
 tenant: clients that must not share (or time) each other's prefixes must send distinct salts.
 
-Access: with `api_key` set, every route but `/health`, `/version`, `/docs` and `/openapi.json` needs `Authorization: Bearer KEY` (else 401).
-A request that arrives on a loopback address (a server bound to 127.0.0.1, the default) must name a loopback
-host in `Host` (localhost, 127.0.0.1, [::1], any port, or one of `allowed_hosts`), and its `Origin`, when sent,
-must be one too: else 403 (a defence against DNS rebinding and cross-site requests from a browser).
+Access: with `api_key` set, every route but `/health`, `/version`, `/docs` and `/openapi.json` needs
+`Authorization: Bearer KEY` (else 401). A request that arrives on a loopback address (a server bound to 127.0.0.1,
+the default) must name a loopback host in `Host` (localhost, 127.0.0.1, [::1], any port, or one of
+`allowed_hosts`), and its `Origin`, when sent, must be one too: else 403 (a defence against DNS rebinding and
+cross-site requests from a browser).
 Prompts are tokenized in a worker thread, so a large prompt does not stall `/health` or the streams.
 """
 
@@ -65,7 +67,8 @@ from . import protocol
 from .engine import QueueFull, Request, SamplingParams
 from .runner import Aborted, EngineRunner, Failed, ShuttingDown
 
-__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "request_sampling", "sample_sampling", "warm_up"]
+__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "request_sampling", "sample_sampling",
+           "warm_up"]
 
 log = logging.getLogger("rocketkv_jax.serving")
 
@@ -780,7 +783,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     head = {"id": base, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
             "model": config.model_name}
     finished: set = set()
-    if stream_of(req):
+    if req.stream:
       def close():  # the response ended, however: free what did not finish (a client gone before the first chunk)
         for rid in request_ids:
           if rid not in finished:
@@ -818,9 +821,6 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
            for j, c in enumerate(choices)]
     return {"id": base, "object": "text_completion", "created": now, "model": config.model_name,
             "choices": out, "usage": usage}
-
-  def stream_of(req) -> bool:
-    return bool(req.stream)
 
   async def stream_events(q, request_ids, finished: set, head, chat, include_usage, timer, choices, n):
     total = len(request_ids)

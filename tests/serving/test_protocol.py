@@ -330,7 +330,8 @@ def test_tokenizer_info_and_tokenize_options(served, smollm2):
   assert len(without["tokens"]) < len(with_prompt["tokens"])
 
 
-TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[bot]{% endif %}")
 
 
 def test_a_chat_template_override_is_used(smollm2, tmp_path):

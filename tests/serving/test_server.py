@@ -555,7 +555,7 @@ def test_api_key_guards_all_but_health(tiny):
     for path in ("/v1/models", "/metrics", "/tokenize"):
       status, err = _error(*_request(port, "GET", path, headers=headers)[::2])
       assert status == 401 and err["code"] == "invalid_api_key", (path, headers)
-  for path in ("/health", "/version"):
+  for path in ("/health", "/version", "/docs", "/openapi.json"):  # the schema is public: no secret in it
     assert _request(port, "GET", path)[0] == 200, path
   ok = {"Authorization": f"Bearer {TINY_KEY}"}
   assert _request(port, "GET", "/v1/models", headers=ok)[0] == 200
