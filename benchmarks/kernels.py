@@ -22,7 +22,7 @@ device-to-device copy measured in the same run (bytes read + written).
   python3 benchmarks/kernels.py --out results.jsonl        # on the GPU
   python3 benchmarks/kernels.py --smoke                    # tiny shapes, interpret mode, CPU
   python3 benchmarks/kernels.py --only select --lengths 32768 --budgets 256 --batches 1,8,32
-      # the HSA selection alone: two kernels (scores + top-k) vs the fused kernel and its tunings
+      # the HSA selection alone: the two kernels (scores + top-k) the decode path runs
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ import rocketkv_jax as rk  # noqa: E402
 from rocketkv_jax import ops  # noqa: E402
 from rocketkv_jax.cache import KVCache, build_kt_pages  # noqa: E402
 from rocketkv_jax.kernels.hsa_scores import hsa_page_partials  # noqa: E402
-from rocketkv_jax.kernels.hsa_select import hsa_select_fused  # noqa: E402
 from rocketkv_jax.kernels.page_topk import hsa_page_topk  # noqa: E402
 from rocketkv_jax.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
 from rocketkv_jax.kernels.dense_decode import (dense_decode_attention,  # noqa: E402
@@ -216,7 +215,6 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
   ap.add_argument("--iters", type=int, default=50)
   ap.add_argument("--only", default="", help="dense|sparse|select (select: the sparse points' HSA selection only)")
-  ap.add_argument("--skip-fused", action="store_true", help="leave out the fused-selection variants (slow compiles)")
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--lengths", default="4096,32768,131072")
   ap.add_argument("--budgets", default="256,1024")
@@ -321,34 +319,14 @@ def main():
             q = jax.random.normal(ks[0], (B, K_HEADS, G, H), DT)
             sets.append((q, jax.random.normal(ks[1], (B, K_HEADS, H), DT),
                          jax.random.normal(ks[2], (B, K_HEADS, H), DT), random_cache(ks[3], B, cfg_p)))
-          # The HSA selection of one layer (scores + top-k): two kernels back to back against the fused kernel
-          # (hsa_select.hsa_select_fused: its grids and tunings), each compared with the two-kernel indices.
-          sel = dict(topr=R, page_size=ps, k=topk, num_slots=cap, interpret=interpret)
+          # The HSA selection of one layer (scores + top-k): the two kernels back to back, as the decode path.
           two = jax.jit(lambda q, kn, vn, c: hsa_page_topk(
               *hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret),
               c.length, page_size=ps, k=topk, num_slots=cap, interpret=interpret))
           q, kn, vn, c = sets[0]
-          idx_two = np.asarray(two(q, kn, vn, c))
           sel_bytes = B * K_HEADS * R * P * c.kt_min.dtype.itemsize
           sel_extra = dict(B=B, L=L, t=t, **plan, rows=B * K_HEADS)
           run_point("hsa_select", "pallas two-kernel", two, sets, sel_bytes, sel_extra)
-          # One program per row (default block_p=64 at H=128, 8 warps; more warps per program, not more elements
-          # per thread, for fewer loop steps), or "split": one per page block as the two-kernel scoring grid,
-          # the row's last block selecting (bit-for-bit the two-kernel path while that uses the rank layout).
-          for name, tune in () if args.skip_fused else (("fused split", dict(split_pages=True)),
-                             ("fused split w8", dict(split_pages=True, num_warps=8)), ("fused", {}),
-                             ("fused bp32 w4", dict(block_p=32, num_warps=4)),
-                             ("fused bp64 w4", dict(block_p=64, num_warps=4)),
-                             ("fused bp128 w16", dict(block_p=128, num_warps=16)),
-                             ("fused bp256 w32", dict(block_p=256, num_warps=32)),
-                             ("fused s2", dict(num_stages=2)),
-                             ("fused bp128 w16 s2", dict(block_p=128, num_warps=16, num_stages=2))):
-            fused = jax.jit(lambda q, kn, vn, c, tune=tune: hsa_select_fused(q, c.kt_min, c.kt_max, c.length,
-                                                                              **sel, **tune))
-            # Bit-for-bit at the two-kernel block_p and warps; otherwise near-ties may differ.
-            differ = int((np.asarray(fused(q, kn, vn, c)) != idx_two).any(-1).sum())
-            run_point("hsa_select", f"pallas {name}", fused, sets, sel_bytes,
-                      dict(sel_extra, rows_differing_from_two_kernel=differ))
           if args.only == "select":
             del sets
             continue

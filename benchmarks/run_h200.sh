@@ -3,9 +3,10 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2 mesh70b stage2_kernels kernels_s2 profile391)
+#        serve32max turn2 mesh70b kernels_s2 profile391)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
-# benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa.)
+# benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
+# stage2_kernels part, which timed the fused selection kernel removed on 2026-12-04, with it.)
 set -u
 out=${1:?out dir}; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -53,18 +54,8 @@ for part in "$@"; do
       run 580 --shape 70b --mesh 1,8 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
     turn2)  # a second turn of 512 / 4096 new tokens over a stored 32k first turn, against re-prefilling it all
       serve 300 --methods rocketkv --token-budget 256 --prompt 32k --slots "" --turn2 512,4096 ;;
-    stage2_kernels)  # issue 15: the changed stage-2 kernels compiled (GPU tests; the fused selection's last: its
-                     # variants compile slowly), the scoring layouts at large batch and the selection (two kernels
-                     # vs fused) at small batch
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -m gpu tests/kernels/test_hsa_scores.py \
-        tests/kernels/test_page_topk.py tests/kernels/test_hsa_select.py -q -rfE -p no:cacheprovider \
-        >"$out/gpu_tests.txt" 2>&1; tail -3 "$out/gpu_tests.txt" >>"$out/log.txt"
-      PYTHONPATH=$PWD timeout 130 python3 -m benchmarks.tune_hsa --batches 391,108,32 --layouts gather,rank \
-        --block-p 64,128 --warps 4 --stages 1 --out "$out/tune_hsa.jsonl" >>"$out/log.txt" 2>&1
-      PYTHONPATH=$PWD timeout 150 python3 benchmarks/kernels.py --out "$out/kernels_select.jsonl" --only select \
-        --batches 1,8,32 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
     kernels_s2)  # the stage-2 kernels per layer at 32k, t=256 (the per-layer table; about 100-200 s)
-      PYTHONPATH=$PWD timeout 280 python3 benchmarks/kernels.py --out "$out/kernels_s2.jsonl" --only sparse --skip-fused \
+      PYTHONPATH=$PWD timeout 280 python3 benchmarks/kernels.py --out "$out/kernels_s2.jsonl" --only sparse \
         --batches 8,32,108,391 --lengths 32768 --budgets 256 2>&1 | grep -v "^{" >>"$out/log.txt" ;;
     profile391)  # the 32k largest-batch step profiled, with its compiled HLO kept (names the XLA fusions)
       run 150 --contexts 32k --methods rocketkv --budgets 256 --batches 391 --profile /tmp/p391 --profile-batches 391

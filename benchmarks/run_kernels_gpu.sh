@@ -16,7 +16,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   i=0
   for g in "tests/kernels/test_dense_decode.py tests/kernels/test_rms_norm.py tests/kernels/test_qkv_rope.py" \
            "tests/kernels/test_sparse_decode.py" \
-           "tests/kernels/test_hsa_scores.py tests/kernels/test_hsa_select.py tests/kernels/test_cache_append.py" \
+           "tests/kernels/test_hsa_scores.py tests/kernels/test_cache_append.py" \
            "tests/kernels/test_page_topk.py tests/core/test_methods.py tests/models/test_loop.py"; do
     ( timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu $g -q -rfE -p no:cacheprovider > "$OUT/t$i.log" 2>&1;
       echo "exit $? : $g" >> "$OUT/t$i.log" ) &

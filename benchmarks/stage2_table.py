@@ -207,12 +207,6 @@ def notes_lines(table):
     if copies:
       lines.append(f"- {names[key]}: left out of the times above, memcpy kernels (the benchmark loop's copy of "
                    f"its non-donated cache) of " + ", ".join(copies) + ".")
-  for B, row in table.items():
-    p = row["layer"][0]
-    fused = p and [(name, us) for name, us in p.rec.get("top_kernels", []) if "hsa_select_fused" in name]
-    if fused:
-      lines.append(f"- layer step, B={B} ({p.src.letter}): the step ran `{fused[0][0]}` ({fused[0][1]:.1f} us), "
-                   "not the two-kernel selection.")
   return lines
 
 

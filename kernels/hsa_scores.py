@@ -178,9 +178,7 @@ def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l
                       dot_dtype, page_size_ref=None, topr_ref=None):
   """The "rank" layout's work for one program: choose the group's channels (q_ref [G, H]), then score page
   blocks [first_block, first_block + num_blocks) of the row, block first_block + i's (s, m, l) stored at
-  column store_from + i of s_ref / m_ref / l_ref (`_store_block_partials`). `_hsa_scores_kernel` stores its
-  blocks from 0 (its outputs are blocked per program); `hsa_select` stores them at the row's absolute
-  positions. page_size_ref, topr_ref ([] int32, or None: the static page_size / topr): the row's own."""
+  column store_from + i of s_ref / m_ref / l_ref (`_store_block_partials`). page_size_ref, topr_ref ([] int32, or None: the static page_size / topr): the row's own."""
   H = q_ref.shape[1]
   ps = page_size if page_size_ref is None else page_size_ref[...]
   q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
