@@ -8,6 +8,7 @@ OpenAI-compatible API. It lives in the serving layer, the top one, since `serve`
       [--host 127.0.0.1] [--max-prompt-tokens 2048] [--max-new-tokens 256] [--max-queue 64] \
       [--history-gb 4] [--history-spill-dir DIR] [--sessions-dir DIR] [--sessions-save-s 60] \
       [--served-model-name NAME] [--api-key KEY] [--max-body-mb 8] [--allowed-host NAME] [--chat-template FILE]
+      [--max-connections 1024] [--request-timeout-s 30]
   rocketkv eval --model DIR_OR_HUB_ID --contexts 16k,32k --methods full,rocketkv,snapkv --budgets 256,1024 \
       [--modes aware,agnostic] [--tasks passkey,multikey] [--samples 32] [--fid-samples 4] [--out PREFIX] [--dtype auto]
   rocketkv fetch ALIAS [--cache-dir DIR] [--find-links DIR]     (rocketkv fetch --list: the aliases)
@@ -308,11 +309,30 @@ def _cmd_demo(args) -> int:
   return 0
 
 
-def _cmd_serve(args) -> int:
-  import uvicorn
+def check_bind(host: str, port: int) -> None:
+  """FlagError naming --host (and --port) unless this process can bind (host, port) now: the host must be an
+  address or a name that resolves, and the port free there. Tried with a socket bound and closed at once, before
+  the model loads (`--host 999.1.1.1` used to fail only after it, without naming the flag)."""
+  import socket
+  try:
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)  # "": all
+  except (socket.gaierror, UnicodeError, OSError) as e:
+    raise FlagError(f"--host={host!r} is not an address or a name this machine resolves "
+                    f"({getattr(e, 'strerror', None) or e})") from None
+  family, kind, proto, _, addr = infos[0]
+  try:
+    with socket.socket(family, kind, proto) as sock:
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+      sock.bind(addr)
+  except OSError as e:
+    raise FlagError(f"--host={host!r} --port={port}: cannot bind {addr[0]} port {port} "
+                    f"({e.strerror or e})") from None
 
+
+def _cmd_serve(args) -> int:
   from rocketkv_jax.models import load
 
+  from .connections import ConnectionLimits, uvicorn_config
   from .engine import Engine, EngineConfig
   from .server import ServerConfig, UvicornServer, create_app
   err = _console(True)
@@ -335,6 +355,7 @@ def _cmd_serve(args) -> int:
       not os.path.isdir(args.history_spill_dir):
     raise FlagError(f"--history-spill-dir={args.history_spill_dir!r} exists and is not a folder")
   _check_model_source(args.model)
+  check_bind(args.host, args.port)
   chat_template = None
   if args.chat_template is not None:  # before the model loads: a bad file fails at once
     from rocketkv_jax.models.tokenizer import read_chat_template
@@ -369,7 +390,8 @@ def _cmd_serve(args) -> int:
                                                     max_body_bytes=int(args.max_body_mb * 2**20),
                                                     allowed_hosts=tuple(args.allowed_host)),
                    sessions=sessions)
-  config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+  limits = ConnectionLimits(max_connections=args.max_connections, request_timeout_s=args.request_timeout_s)
+  config = uvicorn_config(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
                           timeout_graceful_shutdown=args.drain_s + 5)
   server = UvicornServer(config, app.state.runner, drain_s=args.drain_s)
   if not args.no_warmup:
@@ -606,6 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
   from rocketkv_jax import METHODS
   from rocketkv_jax.budget import MIN_TOKEN_BUDGET
   from rocketkv_jax.models import catalog
+
+  from .connections import KEEP_ALIVE_S, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
   p = argparse.ArgumentParser(prog="rocketkv", description="RocketKV KV-cache compression for JAX Llama models")
   p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   sub = p.add_subparsers(dest="command", required=True)
@@ -688,6 +712,13 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                  help="a Host / Origin name accepted besides loopback ones when bound to a loopback address "
                       "(e.g. a local reverse proxy's; repeatable)")
+  s.add_argument("--max-connections", type=count, default=MAX_CONNECTIONS,
+                 help=f"open connections at most (default {MAX_CONNECTIONS}); one past it closes the oldest idle "
+                      "connection, or is answered 503 when every one has a request in flight")
+  s.add_argument("--request-timeout-s", type=_number(float, low=0, low_open=True), default=REQUEST_TIMEOUT_S,
+                 help=f"seconds a request's headers and body may take to arrive, from the connection's start or its "
+                      f"previous answer; a slower (or silent) client is disconnected (default {REQUEST_TIMEOUT_S:g}; "
+                      f"idle keep-alive connections close after {KEEP_ALIVE_S} s)")
   s.add_argument("--drain-s", type=_number(float, low=0), default=10.0,
                  help="on shutdown, seconds requests in flight may finish before they are aborted (default 10)")
   s.add_argument("--no-warmup", action="store_true",

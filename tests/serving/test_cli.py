@@ -133,6 +133,11 @@ def test_kv_report_without_warning():
     (["serve", "--sessions-dir", "/dev/null/x"], "--sessions-dir='/dev/null/x': cannot use /dev/null/x"),
     (["serve", "--history-spill-dir", "/dev/null/x"], "--history-spill-dir='/dev/null/x': cannot use"),
     (["serve", "--sessions-save-s", "-1"], "--sessions-save-s: must be >= 0"),
+    (["serve", "--host", "999.1.1.1"], "--host='999.1.1.1' is not an address or a name this machine resolves"),
+    (["serve", "--host", "exa mple"], "--host='exa mple' is not an address"),
+    (["serve", "--max-connections", "0"], "--max-connections: must be >= 1"),
+    (["serve", "--request-timeout-s", "0"], "--request-timeout-s: must be > 0"),
+    (["serve", "--request-timeout-s", "inf"], "--request-timeout-s: must be a finite number"),
 ])
 def test_bad_flags_fail_fast_without_loading_the_model(args, shown, capsys, monkeypatch):
   import rocketkv_jax.models as models
@@ -150,6 +155,43 @@ def test_bad_flags_fail_fast_without_loading_the_model(args, shown, capsys, monk
   assert time.perf_counter() - t0 < 10
   assert rc not in (0, None)
   assert shown in capsys.readouterr().err
+
+
+def _serve_flags_checked(monkeypatch, capsys, args):
+  """(exit status, stderr) of `rocketkv serve ARGS` stopped where the model would load (a ValueError there)."""
+  import rocketkv_jax.models as models
+
+  def no_load(*a, **k):
+    raise ValueError("stopped before the model load")
+  monkeypatch.setattr(models, "load", no_load)
+  rc = main(["serve", *args, "--no-compile-cache"])
+  return rc, " ".join(capsys.readouterr().err.split())  # (the console wraps long lines)
+
+
+def test_serve_checks_host_and_port_by_binding_before_the_model_loads(monkeypatch, capsys):
+  """A bad --host (or a port in use) used to fail only after the model loaded, without naming the flag."""
+  import socket
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    rc, err = _serve_flags_checked(monkeypatch, capsys, ["--port", str(port)])
+    assert rc == 2 and f"--host='127.0.0.1' --port={port}: cannot bind 127.0.0.1 port {port}" in err, err
+  rc, err = _serve_flags_checked(monkeypatch, capsys, ["--host", "999.1.1.1", "--port", str(port)])
+  assert rc == 2 and "--host='999.1.1.1'" in err, err
+  for host in ("127.0.0.1", "localhost", ""):  # "": every interface, as uvicorn takes it
+    rc, err = _serve_flags_checked(monkeypatch, capsys, ["--host", host, "--port", "0"])
+    assert rc == 1 and "stopped before the model load" in err and "--host" not in err, (host, err)
+
+
+def test_serve_creates_the_spill_dir_and_refuses_one_it_cannot_write(monkeypatch, capsys, tmp_path):
+  spill = tmp_path / "a" / "spill"
+  rc, err = _serve_flags_checked(monkeypatch, capsys, ["--history-spill-dir", str(spill), "--port", "0"])
+  assert rc == 1 and "stopped before the model load" in err and spill.is_dir(), err
+  (tmp_path / "file").write_text("x")
+  for bad, shown in ((tmp_path / "file", "exists and is not a folder"), (tmp_path / "file" / "sub", "cannot use")):
+    rc, err = _serve_flags_checked(monkeypatch, capsys, ["--history-spill-dir", str(bad), "--port", "0"])
+    assert rc == 2 and f"--history-spill-dir={str(bad)!r}" in err and shown in err, err
 
 
 def test_a_bad_flag_exits_fast_in_a_fresh_process():
