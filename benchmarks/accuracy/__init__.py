@@ -1,7 +1,7 @@
-"""Accuracy suite: RULER-style long-context tasks over real prose, and fidelity to full KV.
-
-Run `python -m benchmarks.accuracy --help` from the repository root; see README.md beside this file.
+"""The accuracy suite lives in the package, `rocketkv_jax.eval` (so `rocketkv eval` works from an installed
+wheel); `python -m benchmarks.accuracy` and `python -m benchmarks.accuracy.report` stay as its checkout front
+ends. See README.md beside this file.
 """
-from benchmarks.accuracy.tasks import GENERATORS, TASKS, Sample, fidelity_text, make_samples, score
+from rocketkv_jax.eval import GENERATORS, TASKS, Sample, fidelity_text, make_samples, score
 
 __all__ = ["GENERATORS", "TASKS", "Sample", "fidelity_text", "make_samples", "score"]

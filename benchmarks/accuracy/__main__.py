@@ -1,3 +1,5 @@
-from benchmarks.accuracy.runner import main
+"""`python -m benchmarks.accuracy`: the accuracy suite's runner (rocketkv_jax.eval.runner), under the name the
+results' recorded commands use."""
+from rocketkv_jax.eval.runner import main
 
-main()
+main(prog="python -m benchmarks.accuracy")

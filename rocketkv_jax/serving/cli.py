@@ -483,124 +483,33 @@ def _budget_list(text: str) -> tuple[int, ...]:
   return budgets
 
 
-def _import_suite():
-  """The accuracy suite (benchmarks/accuracy), which ships with a checkout of the repository, not the package."""
-  # a console script does not put the working folder on sys.path: look for the checkout that holds this
-  # package (an editable install) or the working folder
-  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  for root in (here, os.getcwd()):
-    if os.path.isfile(os.path.join(root, "benchmarks", "accuracy", "runner.py")) and root not in sys.path:
-      sys.path.append(root)
-      break
-  try:
-    from benchmarks.accuracy import report, runner, tasks
-  except ModuleNotFoundError as e:
-    if e.name and e.name.split(".")[0] == "benchmarks":
-      raise SuiteMissing("rocketkv eval runs the accuracy suite in benchmarks/accuracy/, which is part of a "
-                         "checkout of the rocketkv-jax repository, not of the installed package: run it from the "
-                         "repository's root folder (or put that folder on PYTHONPATH)") from None
-    raise
-  return runner, tasks, report
-
-
-class SuiteMissing(RuntimeError):
-  """rocketkv eval outside a checkout (exit status 1)."""
-
-
 def _cmd_eval(args) -> int:
+  """The accuracy suite's own driver (rocketkv_jax.eval.runner.evaluate) with this CLI's flags and model loading."""
+  from rocketkv_jax.eval import runner
   err = _console(True)
   log = lambda msg: err.log(msg)  # noqa: E731
-  R, T, report = _import_suite()
+  grid = runner.GRIDS["default"]
   try:  # method specs: a registered name, optionally with config overrides, e.g. rocketkv[topr=16]
-    args.methods = R.parse_methods(args.methods) if args.methods else R.DEFAULT_METHODS
+    runner.complete_args(args, grid)
   except ValueError as e:
-    raise FlagError(f"--methods: {e}") from None
-  args.modes = tuple(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
-  if not args.modes or set(args.modes) - set(R.MODES):
-    raise FlagError(f"--modes {','.join(args.modes) or '(none)'}: choose from {','.join(R.MODES)}")
-  grid = R.GRIDS["default"]
-  args.budgets = args.budgets or grid["budgets"]
-  for k in ("samples", "fid_samples", "fid_tail"):
-    if getattr(args, k) is None:
-      setattr(args, k, grid[k])
+    raise FlagError(str(e)) from None
   args.diag_budgets = grid["diag_budgets"]
-  args.tasks = tuple(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
-  unknown = [t for t in args.tasks if t not in T.TASKS]
-  if unknown or not args.tasks:
-    raise FlagError(f"unknown task(s) {', '.join(map(repr, unknown)) or 'none given'}: choose from "
-                    f"{', '.join(T.TASKS)}")
-  if not args.samples and not args.fid_samples:
-    raise FlagError("--samples 0 and --fid-samples 0: nothing to measure")
-  if args.fid_samples and args.fid_tail >= min(args.contexts):
-    raise FlagError(f"--fid-tail {args.fid_tail} must be shorter than every context (the shortest is "
-                    f"{min(args.contexts)}): it is the teacher-forced end of a context-long sequence")
   args.dtype = args.dtype or "float32"
   args.chat = "on" if args.chat else "off"
-  out = args.out or f"rocketkv_eval_{_model_name(args.model)}"
-  cells_path = out + ".cells.jsonl"
-  settings = R.resume_settings(args)
-  prior = R.read_cells(cells_path) or {"settings": settings, "runs": [], "tasks": [], "fidelity": [], "skipped": []}
-  if prior["settings"] is not None and prior["settings"] != settings:
-    diff = ", ".join(f"{k}: {prior['settings'].get(k)!r} there, {v!r} now" for k, v in settings.items()
-                     if prior["settings"].get(k) != v)
-    raise FlagError(f"{cells_path} holds cells measured with other settings ({diff}): give another --out, or "
-                    "delete that file to start afresh")
-  rows = R.select(prior, args)
-  n_done, n_cells = R.cell_status(args, rows)
-  command = "rocketkv eval " + " ".join(shlex.quote(x) for x in args.argv)
-  if n_done:
-    log(f"{cells_path}: {n_done} of {n_cells} cells already done; skipping them")
-  if n_done == n_cells and prior["runs"]:
-    log("every cell is done: not loading the model, only writing the report")
-    res = {"meta": {**prior["runs"][-1], "command": command, "model": args.model, "grid": _eval_grid(args),
-                    "runs": prior["runs"]}, **rows}
-    res["meta"]["haystack"] = {"files": T.haystack_files(), "sentences": len(T.haystack_sentences())}
-  else:
+
+  def load_model():  # only when a cell is left to measure
     _check_model_source(args.model)
     compile_cache_dir(args)
     from rocketkv_jax.models import load
     log(f"loading {args.model}")
-    model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
-    cfg = model.config
-    too_long = [c for c in args.contexts if c + max(args.max_new, 1) > cfg.max_len]
-    if too_long:
-      raise FlagError(f"context(s) {', '.join(map(str, too_long))} + --max-new {args.max_new} exceed the model's "
-                      f"max_len {cfg.max_len}")
-    import datetime
-    this_run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": command, "machine": R.machine(),
-                "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
-                                 "head_dim": cfg.head_dim, "max_len": cfg.max_len}}
-    cell_log = R.CellLog(cells_path, settings)
-    cell_log.write("run", this_run)
-    ran = {"tasks": 0, "fidelity": 0}
+    return load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
 
-    def record(kind, row):
-      cell_log.write(kind, row)
-      ran[kind] = ran.get(kind, 0) + 1
-
-    run_args = argparse.Namespace(**{**vars(args), "model": (model, tok), "model_name": args.model,
-                                     "command_line": command})
-    try:
-      res = R.run(run_args, progress=R.RichProgress, log=log, done=rows, record=record)
-    finally:
-      cell_log.close()
-    res["meta"]["runs"] = prior["runs"] + [this_run]
-    log(f"measured {ran['tasks']} task rows and {ran['fidelity']} fidelity rows; {n_done} of {n_cells} cells "
-        "came from earlier runs")
-  res["meta"]["cells"] = {"file": cells_path, "done_before": n_done, "total": n_cells}
-  if n_done:
-    res["meta"]["note"] = (f"resumed: {n_done} of {n_cells} cells measured by earlier runs ({len(prior['runs'])} "
-                           f"in {cells_path}); runtime counts this run only")
-  res["summary"] = report.summarize(res)
-  for path in report.write_outputs(res, out):
-    log(f"wrote {path}")
+  try:
+    runner.evaluate(args, args.out or f"rocketkv_eval_{_model_name(args.model)}", load_model=load_model, log=log,
+                    command="rocketkv eval " + " ".join(shlex.quote(x) for x in args.argv))
+  except runner.SettingsError as e:
+    raise FlagError(str(e)) from None
   return 0
-
-
-def _eval_grid(args) -> dict:
-  return {k: getattr(args, k) for k in ("methods", "modes", "budgets", "contexts", "samples", "tasks",
-                                        "fid_samples", "fid_tail", "max_new", "chat", "dtype", "impl")}
 
 
 def _interrupt(signum, frame):
@@ -741,7 +650,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(func=_cmd_serve)
 
   e = sub.add_parser("eval", help="the accuracy suite (tasks and fidelity vs full KV) on any checkpoint; resumable",
-                     description="Runs benchmarks/accuracy (a checkout of the repository is needed) over methods x "
+                     description="Runs the accuracy suite (rocketkv_jax.eval; its method: benchmarks/accuracy/"
+                                 "README.md in the repository) over methods x "
                                  "budgets x contexts and writes PREFIX.json, PREFIX.md and PREFIX_*.png. Every "
                                  "measured row is appended to PREFIX.cells.jsonl as it is measured: the same "
                                  "command again skips the cells already there (a killed run continues).")
@@ -805,9 +715,6 @@ def main(argv=None) -> int:
   args.argv = list(sys.argv[1:] if argv is None else argv)
   try:
     return args.func(args)
-  except SuiteMissing as e:
-    _console(True).print(f"error: {e}", style="red", markup=False)
-    return 1
   except FlagError as e:
     _console(True).print(f"rocketkv {args.command}: error: {e}", style="red", markup=False)
     return 2

@@ -5,7 +5,7 @@ import tokenizers
 from flax import nnx
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from benchmarks.accuracy.tasks import haystack_sentences
+from rocketkv_jax.eval.tasks import haystack_sentences
 from rocketkv_jax.models import Llama, LlamaConfig, TextTokenizer
 
 

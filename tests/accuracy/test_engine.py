@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.accuracy.engine import Runner, make_config
-from benchmarks.accuracy.report import write_outputs
-from benchmarks.accuracy.runner import parse_args, run
+from rocketkv_jax.eval.engine import Runner, make_config
+from rocketkv_jax.eval.report import write_outputs
+from rocketkv_jax.eval.runner import parse_args, run
 from rocketkv_jax.models import forward_full
 
 

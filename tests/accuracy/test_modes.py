@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.accuracy import tasks as T
-from benchmarks.accuracy.engine import Runner, make_config
-from benchmarks.accuracy.runner import question_split
+from rocketkv_jax.eval import tasks as T
+from rocketkv_jax.eval.engine import Runner, make_config
+from rocketkv_jax.eval.runner import question_split
 from rocketkv_jax.models.generate import stop_ids
 
 C, MAX_NEW = 512, 6

@@ -1,5 +1,5 @@
 """Merging accuracy runs: duplicate prompts count once, and a method is compared with full KV on its own prompts."""
-from benchmarks.accuracy.report import markdown, merge
+from rocketkv_jax.eval.report import markdown, merge
 
 
 def _run(method, budget, seeds, scores, full_scores, budgets=(256,), note=None):
@@ -39,8 +39,9 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from benchmarks.accuracy.report import from_cells, mean_ci, summarize, task_ci  # noqa: E402
-from benchmarks.accuracy.runner import CellLog, cell_status, read_cells, select, task_key  # noqa: E402
+from rocketkv_jax.eval.cells import CellLog, read_cells, task_key  # noqa: E402
+from rocketkv_jax.eval.report import from_cells, mean_ci, summarize, task_ci  # noqa: E402
+from rocketkv_jax.eval.runner import cell_status, select  # noqa: E402
 
 
 def test_task_ci_known_cases():
@@ -131,7 +132,7 @@ def test_rows_without_a_mode_are_aware_and_cells_count_modes(tmp_path):
 
 
 def test_difference_ci_is_paired():
-  from benchmarks.accuracy.report import difference_ci
+  from rocketkv_jax.eval.report import difference_ci
   s = [0.0, 1.0] * 20
   assert difference_ci({"passkey": s}, {"passkey": s}) == (0.0, 0.0)  # identical prompt by prompt: no noise
   better = [1.0] * 40  # solves every prompt the base fails: +0.5, the interval well above 0
@@ -160,7 +161,7 @@ def _variant_run(variant_scores_by_cell):
 
 
 def test_variants_verdicts_and_the_registration_rule():
-  from benchmarks.accuracy.report import variant_verdicts
+  from rocketkv_jax.eval.report import variant_verdicts
   win = _variant_run({("aware", 256): [1.0] * 40})
   v = summarize(win)["variants"]
   assert len(v) == 4 and {x["base"] for x in v} == {"rocketkv"}
@@ -178,7 +179,7 @@ def test_variants_verdicts_and_the_registration_rule():
 
 
 def test_registered_extension_is_compared_with_the_method_it_extends():
-  from benchmarks.accuracy.report import base_method
+  from rocketkv_jax.eval.report import base_method
   assert base_method("rocketkv_plus") == "rocketkv"  # a registered extension: paired against the paper's method
   assert base_method("rocketkv_plus[hsa_recent_tokens=4]") == "rocketkv_plus"
   assert base_method("rocketkv[topr=16]") == "rocketkv" and base_method("snapkv") == "snapkv"

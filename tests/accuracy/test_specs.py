@@ -2,7 +2,7 @@
 is the label; a bad spec fails before any work, naming what is wrong."""
 import pytest
 
-from benchmarks.accuracy.runner import plan_configs, parse_args, parse_method, parse_methods, split_specs
+from rocketkv_jax.eval.runner import plan_configs, parse_args, parse_method, parse_methods, split_specs
 from rocketkv_jax.models import LlamaConfig
 
 
@@ -54,7 +54,7 @@ def test_fit_batch_caps_the_prefill_batch_to_memory(monkeypatch):
   """A batch whose dense prefill would not fit half the available memory is split, and the log says so."""
   from types import SimpleNamespace
 
-  from benchmarks.accuracy import runner as R
+  from rocketkv_jax.eval import runner as R
   cfg = SimpleNamespace(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64)
   per = R.prefill_bytes_per_prompt(4096, cfg)
   assert per == 4096 * 30 * 15 * 64 * 4  # above the dense-attention length: no [T, T] scores

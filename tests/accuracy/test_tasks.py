@@ -1,7 +1,7 @@
 """Generators are seeded, deterministic, exactly as long as asked, and hide their answers in the prompt."""
 import pytest
 
-from benchmarks.accuracy import tasks as T
+from rocketkv_jax.eval import tasks as T
 
 
 @pytest.mark.parametrize("task", T.TASKS)

@@ -1,5 +1,6 @@
-"""`python -m benchmarks.accuracy`: task accuracy (query-aware and query-agnostic) and fidelity over method specs x
-budgets x contexts.
+"""The accuracy suite's grid and its one driver, `evaluate`: task accuracy (query-aware and query-agnostic) and
+fidelity over method specs x budgets x contexts. Front ends: `rocketkv eval`, `python -m rocketkv_jax.eval` (this
+module's `main`) and, in a checkout, `python -m benchmarks.accuracy`.
 
 One dense prefill per batch of samples is shared by every method, budget and mode (see engine.py); a context's
 executables compile in a thread pool while the configs already compiled run. Every row is appended to
@@ -23,11 +24,12 @@ import time
 import numpy as np
 
 import rocketkv_jax
-from benchmarks.accuracy import tasks as T
-from benchmarks.accuracy.engine import Runner, make_config
-from benchmarks.accuracy.report import summarize, write_outputs
+from . import tasks as T
+from .cells import (MODES, CellLog, fidelity_key, read_cells, resume_settings, skip_key,
+                    task_key)
+from .engine import Runner, make_config
+from .report import can_plot, from_cells, summarize, write_outputs
 
-MODES = ("aware", "agnostic")  # question inside stage 1's window / fed after the context was compressed
 DEFAULT_METHODS = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
                    "exact_topk")
 GRIDS = {
@@ -127,8 +129,8 @@ def _ints(s: str) -> tuple[int, ...]:
   return tuple(out)
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__,
+def parse_args(argv=None, prog: str = "python -m rocketkv_jax.eval"):
+  p = argparse.ArgumentParser(prog=prog, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a HF Llama directory")
   p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -160,25 +162,48 @@ def parse_args(argv=None):
   p.add_argument("--no-render", action="store_true", help="write only the cells file (no JSON, markdown, plots)")
   a = p.parse_args(argv)
   grid = GRIDS["small" if a.small else "default"]
+  a.budgets = _ints(a.budgets) if a.budgets else None
+  a.contexts = _ints(a.contexts) if a.contexts else None
   try:
-    a.methods = parse_methods(a.methods)
+    complete_args(a, grid)
   except ValueError as e:
     p.error(str(e))
-  a.modes = tuple(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
-  if not a.modes or set(a.modes) - set(MODES):
-    p.error(f"--modes {','.join(a.modes) or 'none'}: choose from {','.join(MODES)}")
-  a.tasks = tuple(t.strip() for t in a.tasks.split(",") if t.strip())
-  a.budgets = _ints(a.budgets) if a.budgets else grid["budgets"]
-  a.contexts = _ints(a.contexts) if a.contexts else grid["contexts"]
-  for k in ("samples", "fid_samples", "fid_tail", "batch"):
-    if getattr(a, k) is None:
-      setattr(a, k, grid[k])
   if a.diag_budgets is None:
     a.diag_budgets = grid["diag_budgets"]
   elif a.diag_budgets.strip().lower() == "all":
     a.diag_budgets = None
   else:
     a.diag_budgets = _ints(a.diag_budgets)
+  return a
+
+
+def complete_args(a, grid: dict):
+  """Checks a front end's grid flags and fills in what is unset from `grid` (one of GRIDS), in place: method
+  specs parsed (`parse_methods`; none given: DEFAULT_METHODS), modes and tasks split and checked, budgets,
+  contexts, samples, fid_samples, fid_tail and batch defaulted. Shared by `rocketkv eval` and this module's CLI;
+  raises ValueError naming the flag, before any model loads."""
+  try:
+    a.methods = parse_methods(a.methods) if a.methods else DEFAULT_METHODS
+  except ValueError as e:
+    raise ValueError(f"--methods: {e}") from None
+  a.modes = tuple(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
+  if not a.modes or set(a.modes) - set(MODES):
+    raise ValueError(f"--modes {','.join(a.modes) or '(none)'}: choose from {','.join(MODES)}")
+  a.tasks = tuple(dict.fromkeys(t.strip() for t in a.tasks.split(",") if t.strip()))
+  unknown = [t for t in a.tasks if t not in T.TASKS]
+  if unknown or not a.tasks:
+    raise ValueError(f"--tasks: unknown task(s) {', '.join(map(repr, unknown)) or 'none given'}: choose from "
+                     f"{', '.join(T.TASKS)}")
+  a.budgets = tuple(a.budgets or grid["budgets"])
+  a.contexts = tuple(a.contexts or grid["contexts"])
+  for k in ("samples", "fid_samples", "fid_tail", "batch"):
+    if getattr(a, k, None) is None:
+      setattr(a, k, grid[k])
+  if not a.samples and not a.fid_samples:
+    raise ValueError("--samples 0 and --fid-samples 0: nothing to measure")
+  if a.fid_samples and a.fid_tail >= min(a.contexts):
+    raise ValueError(f"--fid-tail {a.fid_tail} must be shorter than every context (the shortest is "
+                     f"{min(a.contexts)}): it is the teacher-forced end of a context-long sequence")
   return a
 
 
@@ -253,24 +278,6 @@ def modes_of(args) -> tuple[str, ...]:
   return tuple(getattr(args, "modes", None) or MODES)
 
 
-def task_key(r) -> tuple:
-  """A task row's identity: (context, mode, method, budget, task, seed); a row without a mode (written before
-  the modes existed) is query-aware."""
-  return (r["context"], r.get("mode", "aware"), r["method"], r["budget"], r["task"], r["seed"])
-
-
-def fidelity_key(r) -> tuple:
-  """A fidelity row's identity: (context, method, budget, sequences, tail). Fidelity has no mode: it always
-  compresses a prefix and teacher-forces the rest."""
-  return (r["context"], r["method"], r["budget"], r["sequences"], r["tail"])
-
-
-def skip_key(r) -> tuple:
-  """A skipped row's identity: (context, mode or None, method, budget, why)."""
-  mode = r.get("mode", None if r["why"].startswith("fidelity") else "aware")
-  return (r["context"], mode, r["method"], r["budget"], r["why"])
-
-
 def question_split(samples) -> int:
   """Tokens the query-agnostic mode feeds after compression: the longest question + answer prefix of the
   context's samples (one compression point per context, so one config per method and budget; a row with a
@@ -313,8 +320,7 @@ def run(args, progress=None, log=print, checkpoint=None, done=None, record=None)
   impl = getattr(args, "impl", "auto")
   workers = getattr(args, "compile_workers", None) or min(16, os.cpu_count() or 1)
   res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": getattr(args, "command_line", None) or
-                  "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+                  "command": getattr(args, "command_line", None) or " ".join(shlex.quote(x) for x in sys.argv),
                   "machine": machine(),
                   "model": getattr(args, "model_name", None) or (args.model if isinstance(args.model, str) else "given"),
                   "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
@@ -532,83 +538,7 @@ def _fidelity(args, runner, tok, C, plan, res, prog, record, ready, error):
     if prog: prog.advance()
 
 
-# ----------------------------------------------------------------------------- resumable runs (`rocketkv eval`)
-#
-# <out>.cells.jsonl, one JSON object a line, appended and flushed as each row is measured:
-#   {"kind": "meta", "version": 1, "settings": {...}}   first line: what every row depends on (model, dtype,
-#                                                       max_new, chat, fid_tail, no_diag, impl); a re-run
-#                                                       with other settings is refused
-#   {"kind": "run", "date": ..., "command": ..., "machine": {...}, "model_config": {...}}   each run that loaded the model
-#   {"kind": "tasks", <a task row of the result JSON>}       one prompt x mode x method x budget
-#   {"kind": "fidelity", <a fidelity row>}                    one context x method x budget
-#   {"kind": "skipped", <a skipped row>}                      a config the budget/context cannot make
-#   {"kind": "error", {context, mode, method, budget, error}}  a config that failed (compile or run); not a
-#                                                             cell: a re-run tries it again
-#   {"kind": "timing", "context": C, ...}                     where a context's time went (compile, total)
-# A last line cut short by a kill is ignored (and dropped by the next run's writer). Cells: a task cell (context, method, budget, task) is done when
-# its rows for seeds 0 .. samples-1 are there (or its config is skipped); a fidelity cell (context, method,
-# budget) when its row for these fid_samples and fid_tail is.
-
-CELLS_VERSION = 1
-RESUME_SETTINGS = ("model", "dtype", "max_new", "chat", "fid_tail", "no_diag", "impl")
-
-
-def resume_settings(args) -> dict:
-  return {k: getattr(args, k) for k in RESUME_SETTINGS}
-
-
-def read_cells(path: str) -> dict | None:
-  """The rows of a cells file: {"settings", "runs", "tasks", "fidelity", "skipped"}, or None when absent."""
-  if not os.path.exists(path):
-    return None
-  out = {"settings": None, "runs": [], "tasks": [], "fidelity": [], "skipped": [], "errors": [], "timing": {}}
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().split("\n")
-  for i, line in enumerate(lines):
-    if not line.strip():
-      continue
-    try:
-      rec = json.loads(line)
-    except json.JSONDecodeError:
-      if i >= len(lines) - 2:  # the last line, cut short by a kill
-        continue
-      raise ValueError(f"{path}: line {i + 1} is not JSON") from None
-    kind = rec.pop("kind", None)
-    if kind == "meta":
-      out["settings"] = rec.get("settings")
-    elif kind == "run":
-      out["runs"].append(rec)
-    elif kind in ("tasks", "fidelity", "skipped"):
-      out[kind].append(rec)
-    elif kind == "error":
-      out["errors"].append(rec)
-    elif kind == "timing":
-      out["timing"][str(rec.pop("context"))] = rec
-  return out
-
-
-class CellLog:
-  """Appends records to a cells file, one flushed line each (see above)."""
-
-  def __init__(self, path: str, settings: dict):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    started = os.path.exists(path) and os.path.getsize(path) > 0
-    if started:  # drop a last line cut short by a kill (read_cells ignores it), so the next record starts clean
-      with open(path, "rb+") as f:
-        data = f.read()
-        if not data.endswith(b"\n"):
-          f.truncate(data.rfind(b"\n") + 1)
-      started = os.path.getsize(path) > 0
-    self.f = open(path, "a", encoding="utf-8")
-    if not started:
-      self.write("meta", {"version": CELLS_VERSION, "settings": settings})
-
-  def write(self, kind: str, row: dict) -> None:
-    self.f.write(json.dumps({"kind": kind, **row}, default=str) + "\n")
-    self.f.flush()
-
-  def close(self):
-    self.f.close()
+# ----------------------------------------------------------------------------- resuming and the one driver
 
 
 def select(rows: dict, args) -> dict:
@@ -674,49 +604,97 @@ class RichProgress:
     self.p.stop()
 
 
-def main(argv=None):
-  """The CLI: runs the grid, appending every row to <out>.cells.jsonl (or --cells) as it is measured; the same
-  command again skips the cells already there (a run stopped by a time limit continues). Then writes <out>.json,
-  .md and _*.png (unless --no-render: `python -m benchmarks.accuracy.report CELLS ...` renders them later)."""
-  args = parse_args(argv)
-  log = lambda msg: print(msg, file=sys.stderr, flush=True)
-  cells_path = args.cells or args.out + ".cells.jsonl"
+class SettingsError(ValueError):
+  """A grid this run cannot measure as asked, found before measuring anything: the cells file holds rows of other
+  settings, or a context does not fit the model's max_len. The front ends exit with status 2."""
+
+
+def evaluate(args, out: str, *, command: str, cells_path: str | None = None, load_model=None, log=print,
+             render: bool = True) -> dict:
+  """The suite's one driver, behind `rocketkv eval` and `python -m rocketkv_jax.eval` (`python -m
+  benchmarks.accuracy` in a checkout): `args` is a completed grid (`complete_args`) plus model, dtype, max_new,
+  chat, no_diag, impl (and optionally compile_workers). Every row is appended to the cells file (default
+  <out>.cells.jsonl) as it is measured; the same grid again skips the cells already there, and does not even load
+  the model when every cell is done. Then writes <out>.json, <out>.md and <out>_*.png (plots need matplotlib),
+  unless `render` is False. `load_model()` returns (model, tokenizer); by default `models.load(args.model,
+  dtype=args.dtype)`. `command` is what the result records as the command line. Raises SettingsError (see it)."""
+  cells_path = cells_path or out + ".cells.jsonl"
   settings = resume_settings(args)
   prior = read_cells(cells_path)
   if prior is not None and prior["settings"] is not None and prior["settings"] != settings:
     diff = ", ".join(f"{k}: {prior['settings'].get(k)!r} there, {v!r} now" for k, v in settings.items()
                      if prior["settings"].get(k) != v)
-    print(f"error: {cells_path} holds cells measured with other settings ({diff})", file=sys.stderr)
-    sys.exit(2)
-  done = select(prior, args) if prior is not None else None
-  n_done, n_cells = cell_status(args, done or {"tasks": [], "fidelity": [], "skipped": []})
+    raise SettingsError(f"{cells_path} holds cells measured with other settings ({diff}): give another --out, or "
+                        "delete that file to start afresh")
+  rows = select(prior, args) if prior is not None else {"tasks": [], "fidelity": [], "skipped": []}
+  runs = prior["runs"] if prior is not None else []
+  n_done, n_cells = cell_status(args, rows)
   if n_done:
     log(f"{cells_path}: {n_done} of {n_cells} cells already done; skipping them")
-  if prior is not None and prior["runs"] and n_done == n_cells:  # nothing to measure: no model, no device time
-    log("every cell is done: not loading the model")
-    from benchmarks.accuracy.report import from_cells
-    res = {**from_cells(cells_path), **done}  # the meta of its runs, the rows of this grid
-    if not args.no_render:
-      res["summary"] = summarize(res)
-      for p in write_outputs(res, args.out):
-        log(f"wrote {p}")
-    return res
-  cells = CellLog(cells_path, settings)
-  command = "python -m benchmarks.accuracy " + " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
-  args.command_line = command
-  cells.write("run", {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      "command": command, "machine": machine(), "grid": grid_of(args)})
-  try:
-    res = run(args, progress=RichProgress, log=log, done=done, record=cells.write)
-  finally:
-    cells.close()
+  if runs and n_done == n_cells:  # nothing to measure: no model, no device time
+    log("every cell is done: not loading the model, only writing the report")
+    res = {**from_cells(cells_path), **rows}  # the meta of the runs that measured it, the rows of this grid
+    res["meta"]["grid"] = grid_of(args)
+    res["meta"]["haystack"] = {"files": T.haystack_files(), "sentences": len(T.haystack_sentences())}
+  else:
+    if load_model is None:
+      from rocketkv_jax.models import load
+      load_model = lambda: load(args.model, dtype=args.dtype, log=log)  # noqa: E731
+    model, tok = load_model()
+    cfg = model.config
+    too_long = [c for c in args.contexts if c + max(args.max_new, 1) > cfg.max_len]
+    if too_long:
+      raise SettingsError(f"context(s) {', '.join(map(str, too_long))} + --max-new {args.max_new} exceed the "
+                          f"model's max_len {cfg.max_len}")
+    this_run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": command, "machine": machine(), "grid": grid_of(args),
+                "model_config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+                                 "head_dim": cfg.head_dim, "max_len": cfg.max_len}}
+    cell_log = CellLog(cells_path, settings)
+    cell_log.write("run", this_run)
+    ran = {"tasks": 0, "fidelity": 0}
+
+    def record(kind, row):
+      cell_log.write(kind, row)
+      ran[kind] = ran.get(kind, 0) + 1
+
+    run_args = argparse.Namespace(**{**vars(args), "model": (model, tok), "model_name": args.model,
+                                     "command_line": command})
+    try:
+      res = run(run_args, progress=RichProgress, log=log, done=rows, record=record)
+    finally:
+      cell_log.close()
+    runs = runs + [this_run]
+    log(f"measured {ran['tasks']} task rows and {ran['fidelity']} fidelity rows; {n_done} of {n_cells} cells "
+        "came from earlier runs")
+  res["meta"]["runs"] = runs
   res["meta"]["cells"] = {"file": cells_path, "done_before": n_done, "total": n_cells}
-  if args.no_render:
+  if n_done:
+    res["meta"]["note"] = (f"resumed: {n_done} of {n_cells} cells measured by earlier runs ({len(prior['runs'])} "
+                           f"in {cells_path}); runtime counts this run only")
+  if not render:
     log(f"wrote {cells_path}")
     return res
-  for p in write_outputs(res, args.out):
+  res["summary"] = summarize(res)
+  for p in write_outputs(res, out):
     log(f"wrote {p}")
+  if not can_plot():
+    log("no plots: matplotlib is not installed (pip install 'rocketkv-jax[eval]')")
   return res
+
+
+def main(argv=None, prog: str = "python -m rocketkv_jax.eval"):
+  """The CLI (`prog` names it in the help and in the recorded command): runs the grid through `evaluate`, so the
+  same command again skips the cells already measured (a run stopped by a time limit continues); --no-render
+  writes only the cells file (`python -m rocketkv_jax.eval.report CELLS ... --out PREFIX` renders it later)."""
+  args = parse_args(argv, prog=prog)
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+  command = prog + " " + " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+  try:
+    return evaluate(args, args.out, command=command, cells_path=args.cells, log=log, render=not args.no_render)
+  except SettingsError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 def grid_of(args) -> dict:
