@@ -45,7 +45,8 @@ __all__ = [
     "prefill_dense", "prefill_dense_jit", "compress_layers", "embed_tokens", "decode_layer", "final_logits",
     "add_norm", "rope_heads", "prefill_qkv", "over_token_chunks", "rope_inv_freq", "apply_rope", "rms_norm",
     "causal_attention", "blocked_causal_attention", "from_params", "fuse_params", "prefill_extend", "fingerprint",
-    "prefill_extend_layer_jit", "extend_attention", "place_rows", "PromptScores", "score_tokens",
+    "prefill_extend_layer_jit", "extend_attention", "place_rows", "PromptScores", "score_tokens", "prefill_chunk",
+    "prefill_chunk_layer_jit",
 ]
 
 # The checkpoint families this model runs: Llama 2/3.x, Mistral (the same layers) and Qwen2 / Qwen2.5 (q/k/v biases).
@@ -690,6 +691,41 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
   o, cache = jax.lax.optimization_barrier((o, prefill_compress(q_all, k_all, v_all, start_B + new_len_B,
                                                                config=config, rows=rows)))
   return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), cache, k, v
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("buf_k_BSKH", "buf_v_BSKH"))
+def prefill_chunk_layer_jit(graphdef, state, x_BTD, buf_k_BSKH, buf_v_BSKH, start_B, *, cfg):
+  """One layer of one chunk of a prompt prefilled in chunks (the serving engine's chunked prefill): the chunk's
+  T tokens at positions start + i write their k / v into the prompt's buffers [B, S, K, H] (donated: updated in
+  place) and attend over [0, start + i] of them (`extend_attention`). No compression: the last chunk runs
+  `prefill_extend_layer_jit` over the buffers, which compresses the whole prompt. Returns (the layer's output
+  [B, T, D], buf_k, buf_v)."""
+  blk = nnx.merge(graphdef, state)
+  T = x_BTD.shape[1]
+  pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  q, k, v = prefill_qkv(blk, cfg, x_BTD, pos)
+  buf_k, buf_v = place_rows(buf_k_BSKH, k, start_B), place_rows(buf_v_BSKH, v, start_B)
+  o = extend_attention(q, buf_k, buf_v, start_B)
+  return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), buf_k, buf_v
+
+
+def prefill_chunk(model: Llama, tokens_BT, buffers, start_B, *, run_layer=None):
+  """One chunk of a chunked prefill (`prefill_chunk_layer_jit` per layer): tokens [B, T] at positions start + i
+  (right-padded: padding writes past the valid tokens, which the next chunk overwrites and the last one's
+  lengths mask). buffers: per layer (k, v) [B, S, K, H] on the device, valid in [0, start); donated. Returns the
+  per-layer buffers with the chunk written. run_layer: a stand-in taking (graphdef, state, x, buf_k, buf_v,
+  start) (the engine passes compiled executables)."""
+  cfg = model.config
+  if run_layer is None:
+    run_layer = functools.partial(prefill_chunk_layer_jit, cfg=cfg)
+  x = embed_tokens(model, jnp.asarray(tokens_BT, jnp.int32))
+  start_B = jnp.asarray(start_B, jnp.int32)
+  out = []
+  for blk, (k, v) in zip(model.layers, buffers):
+    graphdef, state = nnx.split(blk)
+    x, k, v = run_layer(graphdef, state, x, k, v, start_B)
+    out.append((k, v))
+  return tuple(out)
 
 
 def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config, *, seq_len=None, run_layer=None,

@@ -65,7 +65,8 @@ from flax import nnx
 from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models.generate import stop_ids as default_stop_ids
-from rocketkv_jax.models.llama import fingerprint, prefill_extend, prefill_extend_layer_jit, prefill_jit
+from rocketkv_jax.models.llama import (fingerprint, prefill_chunk, prefill_chunk_layer_jit, prefill_extend,
+                                       prefill_extend_layer_jit, prefill_jit)
 from rocketkv_jax.models.loop import LoopConfig, RowProcessing, RowSampling, decode_loop_jit
 from rocketkv_jax.models.sharding import cache_spec, default_impl, using
 from jax.sharding import NamedSharding, PartitionSpec
@@ -114,6 +115,8 @@ class EngineConfig:
   prefill_buckets: padded prompt lengths that prefill compiles for (sorted; max_prompt_tokens is added when
   missing); None for the default (`default_buckets`). max_queue: requests that may wait for a slot.
   method_overrides: fields of the method config (e.g. impl="xla"), given as extra keywords or as a dict.
+  prefill_chunk_tokens: 0 prefills each admitted prompt whole inside one step; n > 0 prefills at most about n
+  prompt tokens per step (chunked prefill, module doc), so decoding slots never wait for a whole long prefill.
   """
 
   method: str
@@ -128,18 +131,21 @@ class EngineConfig:
   history_spill_dir: str | None
   history_disk_bytes: int
   method_overrides: tuple[tuple[str, object], ...]
+  prefill_chunk_tokens: int
 
   def __init__(self, method: str = "rocketkv", token_budget: int = 256, max_slots: int = 8,
                max_prompt_tokens: int = 2048, max_new_tokens: int = 256, steps_per_call: int = 4,
                prefill_buckets: Sequence[int] | None = None, max_queue: int = 64, history_bytes: int = 0,
                history_spill_dir: str | None = None, history_disk_bytes: int = 0,
-               method_overrides: dict | Sequence[tuple[str, object]] | None = None, **overrides):
+               method_overrides: dict | Sequence[tuple[str, object]] | None = None, prefill_chunk_tokens: int = 0,
+               **overrides):
     get_method(method)  # ValueError naming an unknown method
     check_int("token_budget", token_budget, MIN_TOKEN_BUDGET)
     for name, value, low in (("max_slots", max_slots, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("steps_per_call", steps_per_call, 1),
                              ("max_queue", max_queue, 0), ("history_bytes", history_bytes, 0),
-                             ("history_disk_bytes", history_disk_bytes, 0)):
+                             ("history_disk_bytes", history_disk_bytes, 0),
+                             ("prefill_chunk_tokens", prefill_chunk_tokens, 0)):
       check_int(name, value, low)
     if prefill_buckets is None:
       buckets = default_buckets(max_prompt_tokens)
@@ -162,7 +168,8 @@ class EngineConfig:
                   max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                   steps_per_call=steps_per_call, prefill_buckets=buckets, max_queue=max_queue,
                   history_bytes=history_bytes, history_spill_dir=history_spill_dir,
-                  history_disk_bytes=history_disk_bytes, method_overrides=tuple(sorted(merged.items())))
+                  history_disk_bytes=history_disk_bytes, method_overrides=tuple(sorted(merged.items())),
+                  prefill_chunk_tokens=prefill_chunk_tokens)
     for k, v in values.items():
       object.__setattr__(self, k, v)
 
@@ -370,6 +377,7 @@ class Engine:
     self._processing = None  # (counts [B, V] int32, prompt_mask [B, V] bool): made for the first processed request
     self._process_rows = None  # (the active rows it was built for, their RowProcessing arrays on the device)
     self._inserts = itertools.count(1)
+    self._filling = None  # (request, its prefill's generator, seconds it queued): a prompt being prefilled
     # the batched caches: the shapes of a batch-1 prefill (the same for every bucket), max_slots rows of zeros
     # with length 0
     B, T = config.max_slots, config.prefill_buckets[0]
@@ -473,7 +481,8 @@ class Engine:
     self.validate(request)
     with self._lock:
       rid = request.request_id
-      if any(r.request_id == rid for r in self._queue) or any(a and a.request.request_id == rid for a in self._slots):
+      if (any(r.request_id == rid for r in self._queue) or any(a and a.request.request_id == rid for a in self._slots)
+          or (self._filling is not None and self._filling[0].request_id == rid)):
         raise ValueError(f"request_id={rid!r} is already queued or running")
       if len(self._queue) >= self.config.max_queue:
         raise QueueFull(f"the queue holds max_queue={self.config.max_queue} requests")
@@ -490,6 +499,12 @@ class Engine:
           self._arrived.pop(request_id, None)
           self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
           return True
+      if self._filling is not None and self._filling[0].request_id == request_id:
+        r = self._filling[0]
+        self._filling[1].close()
+        self._filling = None
+        self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
+        return True
       for i, a in enumerate(self._slots):
         if a is not None and a.request.request_id == request_id:
           self._slots[i], a.done = None, True
@@ -500,7 +515,7 @@ class Engine:
 
   def has_work(self) -> bool:
     with self._lock:
-      return bool(self._queue or self._pending or self._inflight is not None or
+      return bool(self._queue or self._pending or self._inflight is not None or self._filling is not None or
                   any(a is not None for a in self._slots))
 
   def stats(self) -> dict:
@@ -604,32 +619,82 @@ class Engine:
     return n
 
   def _prefill_over_history(self, request: Request) -> Prefilled:
+    """The whole of `_fill` at once (chunks, if any, back to back)."""
+    for _, prefilled in self._fill(request):
+      if prefilled is not None:
+        return prefilled
+
+  def _chunks(self, m: int) -> list[int]:
+    """Sizes of the chunks m new prompt tokens are prefilled in: prefill_chunk_tokens each, the last one longer
+    (up to prefill_chunk_tokens + prompt_queries) so that it holds the queries stage 1 reads; one chunk when
+    chunking is off or the method reads every query (H2O)."""
+    c, q = self.config.prefill_chunk_tokens, self.method_config.prompt_queries
+    if not c or q is None or m <= c:
+      return [m]
+    full = max(0, (m - max(q, 1)) // c)
+    return [c] * full + [m - full * c]
+
+  def _fill(self, request: Request):
+    """A request's prefill over the history (when kept; else over nothing), in `_chunks`: yields (tokens the
+    chunk prefilled, None) after each chunk but the last, then (its tokens, the Prefilled). A chunk writes its
+    K/V into per-layer buffers [1, S, K, H] on the device (`prefill_chunk`); the last runs `prefill_extend` over
+    them, which compresses the whole prompt; the new tokens' K/V then join the history."""
     ids = list(request.prompt_ids)
     n = len(ids)
-    seg, common = self.history.match(ids, request.cache_salt)
-    r = self._reuse(n, common)
-    S, T = self.bucket(n), self.bucket(n - r)
+    seg, common = self.history.match(ids, request.cache_salt) if self.history is not None else (None, 0)
+    r = self._reuse(n, common) if self.history is not None else 0
+    S, cfg = self.bucket(n), self.model.config
+    view = self.history.view(seg, r, S) if self.history is not None else [None] * cfg.n_layers
+    chunks, done = self._chunks(n - r), r
+    history = view
+    if len(chunks) > 1:  # the stored history on the device once, then each chunk written into it
+      zeros = lambda: self._place(jnp.zeros((1, S, cfg.n_kv_heads, cfg.head_dim), self.model.dtype))  # noqa: E731
+      history = [tuple(jax.device_put(x) for x in h) if h is not None else (zeros(), zeros()) for h in view]
+      C = chunks[0]  # every chunk but the last
+
+      def run_chunk(graphdef, state, *args):
+        exe = self._compiled(("chunk", S, C), lambda: prefill_chunk_layer_jit.lower(graphdef, state, *args, cfg=cfg))
+        return exe(state, *args)
+
+      for c in chunks[:-1]:
+        tokens = np.asarray([ids[done:done + c]], np.int32)
+        history = prefill_chunk(self.model, tokens, history, np.array([done], np.int32), run_layer=run_chunk)
+        done += c
+        self._prefilled += c
+        yield c, None
+    T, m = self.bucket(n - done), n - done
     tokens = np.zeros((1, T), np.int32)
-    tokens[0, :n - r] = ids[r:]
-    cfg = self.model.config
+    tokens[0, :m] = ids[done:]
 
     def run_layer(graphdef, state, *args):
       exe = self._compiled(("extend", S, T), lambda: prefill_extend_layer_jit.lower(
           graphdef, state, *args, cfg=cfg, config=self.method_config))
       return exe(state, *args)
 
-    logits, caches, new_kv = prefill_extend(self.model, tokens, np.array([n - r], np.int32),
-                                            self.history.view(seg, r, S), np.array([r], np.int32),
-                                            self.method_config, seq_len=S, run_layer=run_layer,
-                                            rows=self.plan(n, request.sampling.max_tokens))
-    for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
-      for x in kv:
-        x.copy_to_host_async()
-    self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
-                     request.cache_salt)
+    logits, caches, new_kv = prefill_extend(self.model, tokens, np.array([m], np.int32), history,
+                                            np.array([done], np.int32), self.method_config, seq_len=S,
+                                            run_layer=run_layer, rows=self.plan(n, request.sampling.max_tokens))
     self._reused += r
-    self._prefilled += n - r
-    return Prefilled(logits, caches, request, cached=r)
+    self._prefilled += m
+    if self.history is not None:
+      if done > r:  # the chunks' K/V are in the buffers, the last chunk's in new_kv
+        new_kv = [tuple(jnp.concatenate([h[:, r:done], x[:, :m]], axis=1) for h, x in zip(hist, kv))
+                  for hist, kv in zip(history, new_kv)]
+      for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
+        for x in kv:
+          x.copy_to_host_async()
+      self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
+                       request.cache_salt)
+    yield m, Prefilled(logits, caches, request, cached=r)
+
+  def _admission(self, request: Request):
+    """The generator of (prompt tokens prefilled, Prefilled or None) that admits a request: `_fill`'s chunks
+    when the request is prefilled over the history or chunked, else its whole prefill at once."""
+    whole = request.context is not None or request.sampling.prompt_logprobs is not None
+    if not whole and (self.history is not None or len(self._chunks(len(request.prompt_ids))) > 1):
+      self.validate(request)
+      return self._fill(request)
+    return iter([(len(request.prompt_ids), self.prefill(request))])
 
   # ------------------------------------------------------------------ contexts (query-agnostic reuse)
 
@@ -836,21 +901,36 @@ class Engine:
     return RowProcessing(*self._process_rows[1], counts=counts, prompt_mask=mask)
 
   def step(self) -> list[TokenEvent]:
-    """Admits queued requests into free slots (prefill + insert each), then one generate()."""
+    """Admits queued requests into free slots (prefill + insert each), then one generate(). With
+    prefill_chunk_tokens, the prefills of one step stop once they have taken that many prompt tokens: a long
+    prompt is prefilled one chunk per step, between decode calls (one prompt at a time, in arrival order)."""
     with self._lock:
-      while self._queue and None in self._slots:
-        req = self._queue.popleft()
-        arrived = self._arrived.pop(req.request_id, None)
-        waited = time.monotonic() - arrived if arrived is not None else 0.0
-        slot = self._slots.index(None)
+      budget, spent = self.config.prefill_chunk_tokens, 0
+      while not (budget and spent >= budget):
+        if self._filling is None:
+          if not (self._queue and None in self._slots):
+            break
+          req = self._queue.popleft()
+          arrived = self._arrived.pop(req.request_id, None)
+          waited = time.monotonic() - arrived if arrived is not None else 0.0
+          self._filling = (req, None, waited)
+        req, fill, waited = self._filling
         try:
-          self.insert(self.prefill(req), slot)
+          if fill is None:
+            fill = self._admission(req)
+            self._filling = (req, fill, waited)
+          n, prefilled = next(fill)
+          spent += n
+          if prefilled is not None:
+            self._filling = None
+            slot = self._slots.index(None)
+            self.insert(prefilled, slot)
+            self._slots[slot].queued_s = waited
         except Exception as e:  # noqa: BLE001 - this request fails alone; the others decode on
           log.exception("request %s failed in its prefill", req.request_id)
+          self._filling = None
           self._pending.append(TokenEvent(req.request_id, [], "", True, "error", prompt_tokens(req), 0,
                                           error=f"{type(e).__name__}: {e}"))
-          continue
-        self._slots[slot].queued_s = waited
       return self.generate()
 
 

@@ -144,3 +144,39 @@ def test_validation(engine_rk):
   ctx = engine_rk.compress_context(prompt(150, 2))
   with pytest.raises(ValueError, match="prompt_logprobs needs the prompt prefilled in full"):
     engine_rk.validate(Request("c", ids, SamplingParams(max_tokens=2, prompt_logprobs=0), context=ctx))
+
+
+@pytest.mark.parametrize("history", [0, 2**24])
+def test_chunked_prefill_equals_whole(model, history):  # noqa: F811
+  """prefill_chunk_tokens: a long prompt is prefilled a chunk per step while another request decodes; every
+  answer equals the whole-prefill engine's, the decoding request gets a token every step, and (with a history)
+  the stored K/V lets a second turn reuse the chunked prompt."""
+  kw = dict(KW, max_prompt_tokens=400, history_bytes=history)
+  whole = Engine(model, Tok(), EngineConfig(**kw))
+  chunked = Engine(model, Tok(), EngineConfig(**dict(kw, prefill_chunk_tokens=64)))
+  chunks = chunked._chunks(300)
+  q = chunked.method_config.prompt_queries
+  assert sum(chunks) == 300 and set(chunks[:-1]) == {64} and q <= chunks[-1] < 64 + q  # the last holds the window
+  short = Request("short", prompt(20, 1), SamplingParams(max_tokens=24))
+  long_ = Request("long", prompt(300, 2), SamplingParams(max_tokens=8))
+  want = {k: _tokens(v) for k, v in _events(whole, [short, long_]).items()}
+  chunked.submit(short)
+  chunked.step()  # short admitted and decoding
+  chunked.submit(long_)
+  out, steps_with_short = {}, 0
+  k = 0
+  while chunked.has_work():
+    events = chunked.step()
+    k += 1
+    for ev in events:
+      out.setdefault(ev.request_id, []).append(ev)
+    if k <= len(chunks):  # the long prompt takes a step per chunk: short advances in every one of them
+      steps_with_short += any(ev.request_id == "short" and ev.token_ids for ev in events)
+  assert {k: _tokens(v) for k, v in out.items()} == want
+  assert steps_with_short >= len(chunks) - 1
+  assert out["long"][-1].prompt_tokens == 300
+  if history:
+    turn2 = Request("t2", prompt(300, 2) + [5, 6, 7] * 20, SamplingParams(max_tokens=4))
+    ev = _events(chunked, [turn2])["t2"]
+    assert ev[-1].cached_tokens > 250
+    assert _tokens(ev) == _tokens(_events(whole, [turn2])["t2"])
