@@ -347,7 +347,8 @@ def _cmd_serve(args) -> int:
                                max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                                steps_per_call=args.steps_per_call, prefill_buckets=buckets, max_queue=args.max_queue,
                                history_bytes=int(args.history_gb * 2**30), history_spill_dir=args.history_spill_dir,
-                               history_disk_bytes=int(args.history_disk_gb * 2**30))
+                               history_disk_bytes=int(args.history_disk_gb * 2**30),
+                               prefill_chunk_tokens=args.prefill_chunk_tokens)
   if args.sessions_dir is not None and not engine_config.history_bytes:
     raise FlagError("--sessions-dir needs a history: set --history-gb > 0")
   from .sessions import DirError, SessionsDir, check_writable
@@ -607,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--max-queue", type=_number(int, low=0), default=64,
                  help="requests waiting for a slot before new ones get 429 (default 64)")
   s.add_argument("--steps-per-call", type=count, default=4, help="decode steps per engine call (default 4)")
+  s.add_argument("--prefill-chunk-tokens", type=_number(int, low=0), default=0,
+                 help="prompt tokens prefilled per engine step, between decode calls (chunked prefill: a long "
+                      "prompt no longer stalls the answers being decoded); 0 prefills each prompt whole (default)")
   s.add_argument("--prefill-buckets", default=None,
                  help="comma-separated prefill lengths compiled at most (default: the engine's choice)")
   s.add_argument("--served-model-name", default=None,
