@@ -24,7 +24,7 @@ A/B in one process (`--ab MODULE.FLAG=V1,V2`): each point is compiled once per v
 decode step reads while tracing, and the variants are timed in alternating rounds on the same caches, so the
 comparison does not carry the 0.1-0.3 ms that the same code's step moves between processes on the H200:
 
-  python -m benchmarks.decode --contexts 32k --methods rocketkv --ab rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False
+  python -m benchmarks.decode --contexts 32k --methods quest --ab rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,512
 """
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ import numpy as np
 from flax import nnx
 
 import rocketkv_jax as rk
-from rocketkv_jax import hsa
 from rocketkv_jax.kernels import hsa_scores
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.loop import LoopConfig, decode_loop_jit
@@ -208,7 +207,8 @@ def parse_ab(spec: str):
   name, sep, vals = spec.partition("=")
   mod_name, _, attr = name.rpartition(".")
   if not (sep and mod_name and attr):
-    raise SystemExit(f"--ab={spec!r} must be MODULE.FLAG=V1,V2 (e.g. rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False)")
+    raise SystemExit(f"--ab={spec!r} must be MODULE.FLAG=V1,V2 (e.g. "
+                     "rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,512)")
   try:
     module = importlib.import_module(mod_name)
   except ImportError as e:
@@ -371,8 +371,6 @@ def main(argv=None):
                   help="MODULE.FLAG=V1,V2: time each point once per value of a flag read while tracing, the "
                        "variants alternating in rounds within this process (one record per variant)")
   ap.add_argument("--ab-rounds", type=int, default=4, help="alternating rounds of --ab (timed steps split over them)")
-  ap.add_argument("--no-choice-in-append", action="store_true",
-                  help="HSA's channel choice by its own kernel, not by the append's (hsa.CHOICE_IN_APPEND off)")
   ap.add_argument("--mixed", default=None,
                   help="contexts of one mixed-length batch (one row each), timed against its longest row alone; "
                        "with it, --contexts and --batches are not run")
@@ -381,8 +379,6 @@ def main(argv=None):
                        "tokens (plan_limits)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
-  if args.no_choice_in_append:
-    hsa.CHOICE_IN_APPEND = False
   ab = parse_ab(args.ab) if args.ab else None
   if ab:
     if args.profile:
@@ -425,7 +421,7 @@ def main(argv=None):
                 device=dev.device_kind, jax=jax.__version__, command="python -m benchmarks.decode " + " ".join(
                     sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), mesh=args.mesh,
-                shape="tiny" if args.tiny else args.shape, choice_in_append=hsa.CHOICE_IN_APPEND,
+                shape="tiny" if args.tiny else args.shape,
                 gather_min_rows=hsa_scores.GATHER_MIN_ROWS, ab=args.ab,
                 ab_rounds=args.ab_rounds if args.ab else None)
 

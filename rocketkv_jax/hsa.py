@@ -21,14 +21,6 @@ from rocketkv_jax.budget import check_int
 from rocketkv_jax.cache import KVCache
 
 
-# Whether, with kernels, the token append's kernel also makes the step's channel choice (`cache_append`'s
-# choose_q), which the scoring then takes as it is: the choice kernel's launch folded into the append's, and
-# the gather scoring layout at every batch. The same selection either way (tests/core). On: H200, 32k, t=256,
-# RocketKV's decode step at batch 8 5.054 / 5.098 ms against 5.133 / 5.187 off in two runs, batch 1 4.814 /
-# 4.932 against 4.813 / 5.099 (benchmarks/results/stage2_h200_2026-12-02d/).
-CHOICE_IN_APPEND = True
-
-
 def select(config, cache: KVCache, q_BKGH, choice=None):
   """(idx, valid) [B, K, M]: the top-k slots of the step, the new token already appended, ties toward the
   lower slot; the first min(length, M) entries are valid. Each sequence scores with its own plan: its

@@ -12,8 +12,8 @@ from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, append_cho
 
 class HSAStage2Mixin:
   """What the methods whose stage 2 is HSA (hsa, rocketkv, rocketkv_plus) share: the selection (`hsa.select`),
-  its read bytes, and the decode step, which with `hsa.CHOICE_IN_APPEND` and kernels has the append's kernel
-  make the channel choice that the selection then takes (otherwise the shared step: append, select, attend)."""
+  its read bytes, and the decode step, which with kernels has the append's kernel make the channel choice that
+  the selection then takes (with XLA: the shared step, append, select, attend, the reference choosing)."""
 
   def select(self, cache, q_BKGH, choice=None):
     return hsa.select(self, cache, q_BKGH, choice=choice)
@@ -22,7 +22,11 @@ class HSAStage2Mixin:
     return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))
 
   def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
-    if not (hsa.CHOICE_IN_APPEND and ops.uses_kernels(self.impl)):
+    # With kernels, the choice kernel's launch is folded into the append's, and the scoring takes the gather
+    # layout at every batch: the same selection as append-then-select (tests/core/test_methods.py). H200, 32k,
+    # t=256, RocketKV's decode step at batch 8 5.054 / 5.098 ms against 5.133 / 5.187 with the scoring's own
+    # choice in two runs, batch 1 4.814 / 4.932 against 4.813 / 5.099 (benchmarks/results/stage2_h200_2026-12-02d/).
+    if not ops.uses_kernels(self.impl):  # the reference makes the choice inside `ops.hsa_select`
       return super().decode(cache, q_BKGH, k_new_BKH, v_new_BKH)
     cache, choice = append_choosing_at(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self, q_BKGH,
                                        hsa.topr(self, q_BKGH))

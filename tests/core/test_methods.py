@@ -258,33 +258,32 @@ def test_pallas_impl_matches_xla(method):
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
 @pytest.mark.parametrize("method", ["rocketkv", "hsa", "rocketkv_plus"])
-def test_choice_in_append_keeps_the_step(method, impl, monkeypatch):
-  """`hsa.CHOICE_IN_APPEND` on (the default: the channel choice made by the append's kernel, the scoring
-  taking it) and off (the scoring's own choice) give the same outputs and caches, over steps that run past
-  the capacity (length stops at it)."""
-  from rocketkv_jax import hsa
+def test_choice_in_append_keeps_the_step(method):
+  """With kernels the decode step has the append's kernel make the channel choice that the scoring takes; it
+  gives the same outputs and caches as the step in its parts (append, then select with the scoring's own
+  choice, then attend), over steps that run past the capacity (length stops at it)."""
   T, lengths, n_steps = 150, [150, 77], 4
-  config = dataclasses.replace(_config(method, 64, T, 2), impl=impl)  # capacity for 2 new tokens, 4 steps
+  config = dataclasses.replace(_config(method, 64, T, 2), impl="interpret")  # capacity for 2 new tokens, 4 steps
   q, k, v = _inputs(14, 2, T)
   steps = _steps(14, 2, n_steps)
   cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config)
 
+  def in_parts(c, q, k, v):
+    b, n, h = q.shape
+    c = config.append(c, k, v)
+    return config.attend(c, q.reshape(b, k.shape[1], n // k.shape[1], h)).reshape(b, n, h), c
 
-  def run():  # inside a jit, as a step past the capacity drops its token (eagerly it raises); traced anew
-    jax.clear_caches()  # the flags are read while tracing: no trace of the other setting may be reused
-    step = jax.jit(lambda c, q, k, v: rk.decode_step(c, q, k, v, config=config))
+  def run(step):  # inside a jit, as a step past the capacity drops its token (eagerly it raises)
+    step = jax.jit(step)
     outs, c = [], cache
     for qs, kn, vn in zip(*steps):
       out, c = step(c, qs, kn, vn)
       outs.append(np.asarray(out))
     return np.stack(outs), c
 
-  monkeypatch.setattr(hsa, "CHOICE_IN_APPEND", False)
-  want, want_cache = run()
-  monkeypatch.setattr(hsa, "CHOICE_IN_APPEND", True)
-  got, got_cache = run()
+  want, want_cache = run(in_parts)
+  got, got_cache = run(lambda c, q, k, v: rk.decode_step(c, q, k, v, config=config))
   np.testing.assert_array_equal(got, want)
   assert (np.asarray(got_cache.length) <= config.capacity).all()
   for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):

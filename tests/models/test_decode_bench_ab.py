@@ -5,34 +5,34 @@ import json
 import pytest
 
 from benchmarks import decode
-from rocketkv_jax import hsa
+from rocketkv_jax.kernels import cache_append
 
 
 def test_ab_times_each_variant_of_a_tracing_flag(tmp_path):
   out = tmp_path / "ab.jsonl"
   decode.main(["--tiny", "--contexts", "256", "--methods", "rocketkv", "--budgets", "64", "--batches", "1",
                "--steps", "8", "--chunk", "2", "--impl", "interpret", "--ab-rounds", "2",
-               "--ab", "rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False", "--out", str(out)])
+               "--ab", "rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,0", "--out", str(out)])
   recs = [json.loads(line) for line in out.read_text().splitlines()]
-  assert recs[0]["kind"] == "header" and recs[0]["ab"] == "rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False"
+  assert recs[0]["kind"] == "header" and recs[0]["ab"] == "rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,0"
   points = [r for r in recs if r["kind"] == "point"]
-  assert [p["ab_value"] for p in points] == ["True", "False"]
+  assert [p["ab_value"] for p in points] == ["16", "0"]
   for p in points:
     assert p["status"] == "ok" and p["ms_per_step"] > 0 and p["steps_timed"] == 8 and len(p["ab_round_ms"]) == 2
   # The flag changed the compiled step (the trace caches were cleared between the variants) ...
   assert points[0]["hlo_hash"] != points[1]["hlo_hash"]
   # ... and is back to its value after.
-  assert hsa.CHOICE_IN_APPEND is True
+  assert cache_append.ROWS_MAX_PAGE_SIZE == 16
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("CHOICE_IN_APPEND=True,False", "must be MODULE.FLAG=V1,V2"),
-    ("rocketkv_jax.hsa.CHOICE_IN_APPEND", "must be MODULE.FLAG=V1,V2"),
+    ("ROWS_MAX_PAGE_SIZE=16,0", "must be MODULE.FLAG=V1,V2"),
+    ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE", "must be MODULE.FLAG=V1,V2"),
     ("rocketkv_jax.nope.FLAG=1,2", "cannot import 'rocketkv_jax.nope'"),
     ("rocketkv_jax.hsa.NOPE=1,2", "has no attribute 'NOPE'"),
-    ("rocketkv_jax.hsa.CHOICE_IN_APPEND=True", "at least two distinct values"),
-    ("rocketkv_jax.hsa.CHOICE_IN_APPEND=True,True", "at least two distinct values"),
-    ("rocketkv_jax.hsa.CHOICE_IN_APPEND=yes,no", "must be Python literals"),
+    ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16", "at least two distinct values"),
+    ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,16", "at least two distinct values"),
+    ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=yes,no", "must be Python literals"),
 ])
 def test_ab_rejects_bad_specs(spec, match):
   with pytest.raises(SystemExit, match=match):
@@ -42,7 +42,7 @@ def test_ab_rejects_bad_specs(spec, match):
 def test_ab_refuses_more_steps_than_the_caches_hold_and_a_profile():
   with pytest.raises(SystemExit, match="decodes 528 steps per point; the caches hold 256"):
     decode.main(["--tiny", "--contexts", "256", "--steps", "256", "--chunk", "8",
-                 "--ab", "rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False"])
+                 "--ab", "rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,0"])
   with pytest.raises(SystemExit, match="--ab and --profile run apart"):
     decode.main(["--tiny", "--contexts", "256", "--profile", "/tmp/x",
-                 "--ab", "rocketkv_jax.hsa.CHOICE_IN_APPEND=True,False"])
+                 "--ab", "rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,0"])
