@@ -507,7 +507,7 @@ def _cmd_eval(args) -> int:
 
   try:
     runner.evaluate(args, args.out or f"rocketkv_eval_{_model_name(args.model)}", load_model=load_model, log=log,
-                    command="rocketkv eval " + " ".join(shlex.quote(x) for x in args.argv))
+                    command="rocketkv " + " ".join(shlex.quote(x) for x in args.argv))  # argv: "eval", flags
   except runner.SettingsError as e:
     raise FlagError(str(e)) from None
   return 0

@@ -119,3 +119,14 @@ def test_eval_context_beyond_max_len_exits_2(hf_dir, tmp_path, capsys):
   assert rc == 2
   assert "exceed the model's max_len 1024" in " ".join(capsys.readouterr().err.split())
   assert not os.path.exists(tmp_path / "ev.cells.jsonl")
+
+
+def test_eval_runs_the_suites_one_driver(tmp_path, monkeypatch):
+  """`rocketkv eval` is the suite's own driver (runner.evaluate) with the CLI's flags, not a copy of it."""
+  from rocketkv_jax.eval import runner
+  seen = {}
+  monkeypatch.setattr(runner, "evaluate", lambda args, out, **kw: seen.update(args=args, out=out, **kw))
+  assert main(["eval", "--contexts", "1k", "--budgets", "64", "--out", str(tmp_path / "x")]) == 0
+  assert seen["out"] == str(tmp_path / "x") and seen["command"].startswith("rocketkv eval --contexts 1k ")
+  assert seen["args"].methods == runner.DEFAULT_METHODS and seen["args"].budgets == (64,)
+  assert seen["args"].contexts == (1024,) and callable(seen["load_model"])
