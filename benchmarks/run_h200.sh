@@ -3,7 +3,7 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max turn2 mesh70b kernels_s2 profile391)
+#        serve32max serve32max_rk serve32chunk turn2 mesh70b kernels_s2 profile391)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
 # stage2_kernels part, which timed the fused selection kernel removed on 2026-12-04, with it.)
@@ -52,6 +52,14 @@ for part in "$@"; do
     mesh70b)  # issue 18, on a multi-GPU kind: the 70B shape, tensor parallel over 8 GPUs (the XLA path: the
               # kernels are not partitioned yet)
       run 580 --shape 70b --mesh 1,8 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
+    serve32chunk)  # issue 37: 8 slots, 16 requests of 32k admitted through engine.step(): whole prefills against
+                   # chunked prefill (2048 tokens per step), RocketKV; TPOT p99 / p50 is the figure
+      for c in 0 2048; do
+        serve 280 --methods rocketkv --token-budget 256 --prompt 32k --slots 8 --admission step --decode-reps 0 \
+          --prefill-chunk-tokens $c
+      done ;;
+    serve32max_rk)  # serve32max for RocketKV alone (the engine's steady step against the decode benchmark)
+      serve 540 --methods rocketkv --token-budget 256 --prompt 32k --slots max ;;
     turn2)  # a second turn of 512 / 4096 new tokens over a stored 32k first turn, against re-prefilling it all
       serve 300 --methods rocketkv --token-budget 256 --prompt 32k --slots "" --turn2 512,4096 ;;
     kernels_s2)  # the stage-2 kernels per layer at 32k, t=256 (the per-layer table; about 100-200 s)

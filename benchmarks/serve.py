@@ -105,7 +105,7 @@ def engine_config(args, method: str, slots: int) -> EngineConfig:
   return EngineConfig(method, token_budget=args.token_budget, max_slots=slots, max_prompt_tokens=args.prompt,
                       max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call,
                       prefill_buckets=(args.prompt,), max_queue=max(1, args.requests_for(slots)),
-                      method_overrides=overrides)
+                      method_overrides=overrides, prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
 def slot_bytes(model, tokenizer, args, method: str) -> int:
@@ -154,6 +154,12 @@ def warm_up(engine: Engine, prompt_ids: list[int], steps_per_call: int) -> dict:
   timings["compile_decode_s"] = time.perf_counter() - t
   if not (events and events[-1].finished) or engine.stats()["active_slots"]:
     raise RuntimeError(f"the warm-up request did not finish in one decode call: {events}")
+  if engine.config.prefill_chunk_tokens:  # the chunked prefill's executables (chunk, last chunk) through step()
+    engine.submit(Request("warm-up-chunked", prompt_ids, SamplingParams(max_tokens=n)))
+    t = time.perf_counter()
+    while engine.has_work():
+      engine.step()
+    timings["compile_chunked_s"] = time.perf_counter() - t
   compiles = engine.stats()["compiles"]
   # one warm prefill, timed; kept as the shared prefill and as the seed of the decode benchmark's caches
   t = time.perf_counter()
@@ -381,6 +387,8 @@ def parse_args(argv):
   ap.add_argument("--prompt", default="32k", help="prompt tokens of every request (e.g. 32k, 256)")
   ap.add_argument("--slots", default="1,8,32,max", help="comma list; 'max' = the most slots that fit")
   ap.add_argument("--steps-per-call", type=int, default=4, help="tokens per slot per decode call")
+  ap.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                  help="the engine's chunked prefill: prompt tokens prefilled per step (0: whole prompts)")
   ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens every request generates")
   ap.add_argument("--requests", type=int, default=None, help="requests per point (default 2 * slots)")
   ap.add_argument("--admission", choices=("auto", "step", "shared"), default="auto",
@@ -426,7 +434,8 @@ def main(argv=None):
               jax=jax.__version__, model="tiny" if args.tiny else "llama-3.1-8b-shape",
               xla_flags=os.environ.get("XLA_FLAGS", ""), copy_bandwidth_GBps=round(bw / 1e9, 1),
               weight_bytes=facts["weight_bytes"], token_budget=args.token_budget, prompt=args.prompt,
-              max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, admission=args.admission)
+              max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, admission=args.admission,
+              prefill_chunk_tokens=args.prefill_chunk_tokens)
   out = open(args.out, "a") if args.out else None
   records = []
 

@@ -662,7 +662,10 @@ class Engine:
         done += c
         self._prefilled += c
         yield c, None
-    T, m = self.bucket(n - done), n - done
+    m = n - done
+    # after chunks the last one is at most prefill_chunk_tokens + prompt_queries long: padded to a power of two
+    # (>= MIN_BUCKET), not to the prompt buckets (a 32k bucket would prefill the padding)
+    T = self.bucket(m) if done == r else min(S, max(MIN_BUCKET, 1 << (m - 1).bit_length()))
     tokens = np.zeros((1, T), np.int32)
     tokens[0, :m] = ids[done:]
 
