@@ -3,7 +3,8 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max serve32max_rk serve32chunk turn2 mesh70b kernels_s2 profile391)
+#        serve32max serve32max_rk serve32chunk turn2 mesh70b kernels_s2 profile391
+#        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
 # stage2_kernels part, which timed the fused selection kernel removed on 2026-12-04, with it.)
@@ -68,6 +69,31 @@ for part in "$@"; do
     profile391)  # the 32k largest-batch step profiled, with its compiled HLO kept (names the XLA fusions)
       run 150 --contexts 32k --methods rocketkv --budgets 256 --batches 391 --profile /tmp/p391 --profile-batches 391
       for f in /tmp/p391/*/decode_chunk.hlo.txt; do gzip -c "$f" > "$out/hlo_$(basename "$(dirname "$f")").txt.gz"; done ;;
+    serve_load_*)  # issue 37: the HTTP load benchmark (benchmarks/serve_load.py) against `rocketkv serve`, one
+      # (workload, method) per part: serve_load_long-gen_full, serve_load_long-gen_rocketkv, serve_load_doc-qa_full,
+      # ..._chat_..., ..._prefill-heavy_...; then serve_load_table (the side-by-side goodput table and the plot).
+      # The server loads no random weights (benchmarks.serve's Llama-3.1-8B shape is in-process only), so this is
+      # a REAL CHECKPOINT, labelled in every record: SERVE_LOAD_MODEL (default qwen2.5-1.5b, i.e. Qwen2.5-Coder-1.5B
+      # Q4_K_M dequantized to bf16: `rocketkv fetch qwen2.5-1.5b` where the index is reachable, or a GGUF path that
+      # travelled in parts). A bare device also needs the fastapi, starlette, pydantic(-core), uvicorn and gguf
+      # wheels (not in its image) and rocketkv_jax/models -> ../models. Knobs: SL_RATES, SL_REQUESTS, SL_SLOTS,
+      # SL_CHUNK (--prefill-chunk-tokens), SL_ARGS (more serve flags).
+      if [ "$part" = serve_load_table ]; then
+        python3 -m benchmarks.serve_load --table "$out/serve_load.jsonl" --plot "$out/serve_load.png" \
+          >"$out/serve_load_table.txt" 2>>"$out/log.txt"; cat "$out/serve_load_table.txt" >>"$out/log.txt"
+      else
+        m=${part##*_}; wl=${part#serve_load_}; wl=${wl%_*}
+        case $wl in long-gen) rates=0.1,0.25,0.5 ;; doc-qa) rates=0.5,1,2 ;; chat) rates=0.05,0.1,0.2 ;;
+                    *) rates=0.25,0.5,1 ;; esac
+        timeout 580 python3 -m benchmarks.serve_load --workload "$wl" --rates "${SL_RATES:-$rates}" \
+          --requests "${SL_REQUESTS:-16}" --slo-ttft 5 --slo-tpot 0.05 --out "$out/serve_load.jsonl" \
+          --server-log "$out/serve_load_server.log" --launch-timeout-s 400 \
+          --launch "--model ${SERVE_LOAD_MODEL:-qwen2.5-1.5b} --dtype bfloat16 --method $m --token-budget 256 \
+                    --max-prompt-tokens 36864 --max-new-tokens 2048 --max-slots ${SL_SLOTS:-32} --history-gb 48 \
+                    --prefill-buckets 1024,8192,16384,32768 --prefill-chunk-tokens ${SL_CHUNK:-0} \
+                    --cache /tmp/rkv_cache --log-level warning ${SL_ARGS:-}" \
+          >>"$out/log.txt" 2>&1 || echo "part exited $? : $part" >>"$out/log.txt"
+      fi ;;
     *) echo "unknown part $part" >>"$out/log.txt" ;;
   esac
 done

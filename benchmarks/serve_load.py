@@ -846,6 +846,10 @@ def main(argv=None) -> int:
     console.log(f"{rec['label']} {rec['workload']} rate={rec['rate']}: {rec['requests_ok']}/{rec['requests']} ok, "
                 f"goodput {rec['goodput']:.3f}/s, TTFT p50 {rec['ttft_s_p50']} s, TPOT p50 {rec['tpot_ms_p50']} ms")
 
+  def terminated(signum, frame):  # `timeout` and job control: unwind, so the launched server is stopped
+    raise KeyboardInterrupt(f"signal {signum}")
+
+  signal.signal(signal.SIGTERM, terminated)
   servers = [(args.url, None)] if args.launch is None else [(None, launch_args(a)) for a in args.launch]
   status = 0
   for url, launch in servers:
