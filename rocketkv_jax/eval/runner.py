@@ -631,7 +631,8 @@ def evaluate(args, out: str, *, command: str, cells_path: str | None = None, loa
   n_done, n_cells = cell_status(args, rows)
   if n_done:
     log(f"{cells_path}: {n_done} of {n_cells} cells already done; skipping them")
-  if runs and n_done == n_cells:  # nothing to measure: no model, no device time
+  rendered_only = bool(runs) and n_done == n_cells  # nothing to measure: no model, no device time
+  if rendered_only:
     log("every cell is done: not loading the model, only writing the report")
     res = {**from_cells(cells_path), **rows}  # the meta of the runs that measured it, the rows of this grid
     res["meta"]["grid"] = grid_of(args)
@@ -669,7 +670,9 @@ def evaluate(args, out: str, *, command: str, cells_path: str | None = None, loa
         "came from earlier runs")
   res["meta"]["runs"] = runs
   res["meta"]["cells"] = {"file": cells_path, "done_before": n_done, "total": n_cells}
-  if n_done:
+  if rendered_only:  # the runtime is the earlier runs'
+    res["meta"]["note"] = f"rendered from {cells_path}: every cell measured by its {len(runs)} earlier run(s)"
+  elif n_done:
     res["meta"]["note"] = (f"resumed: {n_done} of {n_cells} cells measured by earlier runs ({len(prior['runs'])} "
                            f"in {cells_path}); runtime counts this run only")
   if not render:

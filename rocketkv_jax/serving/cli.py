@@ -488,7 +488,7 @@ def _cmd_eval(args) -> int:
   """The accuracy suite's own driver (rocketkv_jax.eval.runner.evaluate) with this CLI's flags and model loading."""
   from rocketkv_jax.eval import runner
   err = _console(True)
-  log = lambda msg: err.log(msg)  # noqa: E731
+  log = lambda msg: err.log(msg, markup=False)  # noqa: E731  (method specs and extras carry [brackets])
   grid = runner.GRIDS["default"]
   try:  # method specs: a registered name, optionally with config overrides, e.g. rocketkv[topr=16]
     runner.complete_args(args, grid)
