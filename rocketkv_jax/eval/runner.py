@@ -13,7 +13,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import re
