@@ -4,7 +4,10 @@
 - no import of a private (underscore) name across modules, no `module._name` reach-in;
 - layers in one direction: the core never imports Flax, `models` or `serving`; kernels never import the core;
   `models` never imports `serving` (the top layer);
-- no import cycle among the project's modules.
+- no import cycle among the project's modules;
+- the package (rocketkv_jax, kernels, models) never imports `benchmarks` (a checkout's scripts, not installed),
+  by an import statement or by `importlib.import_module("benchmarks...")`;
+- nothing imports the removed fused selection kernel (`kernels/hsa_select.py`, issue 38).
 """
 import ast
 import pathlib
@@ -149,3 +152,46 @@ def test_no_import_cycles():
     if node not in state:
       visit(node, [node])
   assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def _is(mod: str, target: str) -> bool:
+  return mod == target or mod.startswith(target + ".")
+
+
+def _dynamic_imports(tree: ast.AST):
+  """(module, line) of each `importlib.import_module("...")` / `__import__("...")` with a constant name."""
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+        and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+             or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+      yield node.args[0].value, node.lineno
+
+
+def test_the_package_does_not_import_benchmarks():
+  """`rocketkv eval` and every other command run from a wheel, where `benchmarks` does not exist: the benchmarks
+  import the package, never the other way round."""
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if not name.startswith("rocketkv_jax"):
+      continue
+    imports = [(mod, line) for mod, _, line in _imports(name, tree)] + list(_dynamic_imports(tree))
+    found += [f"{path.relative_to(ROOT)}:{line}: imports {mod}" for mod, line in imports if _is(mod, "benchmarks")]
+  assert not found, "the package imports benchmarks:\n" + "\n".join(found)
+
+
+def test_nothing_imports_the_removed_fused_selection():
+  """`kernels/hsa_select.py` (the fused scoring + selection experiment, never on the decode path) was removed in
+  issue 38; no module may bring it back by an import."""
+  assert not (ROOT / "kernels" / "hsa_select.py").exists()
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if (ROOT / "benchmarks" / "results") in path.parents:  # the scratch scripts of past runs stay as history
+      continue
+    imports = [(mod, names, line) for mod, names, line in _imports(name, tree)]
+    imports += [(mod, [], line) for mod, line in _dynamic_imports(tree)]
+    for mod, names, line in imports:
+      if (any(_is(mod, m) for m in ("rocketkv_jax.kernels.hsa_select", "kernels.hsa_select"))
+          or (mod in ("rocketkv_jax.kernels", "kernels") and "hsa_select" in names)):
+        found.append(f"{path.relative_to(ROOT)}:{line}: imports {mod} {names}")
+  assert not found, "imports of the removed kernels/hsa_select.py:\n" + "\n".join(found)
