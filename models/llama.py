@@ -46,7 +46,7 @@ __all__ = [
     "add_norm", "rope_heads", "prefill_qkv", "over_token_chunks", "rope_inv_freq", "apply_rope", "rms_norm",
     "causal_attention", "blocked_causal_attention", "from_params", "fuse_params", "prefill_extend", "fingerprint",
     "prefill_extend_layer_jit", "extend_attention", "place_rows", "PromptScores", "score_tokens", "prefill_chunk",
-    "prefill_chunk_layer_jit",
+    "prefill_chunk_layer_jit", "offset_attention",
 ]
 
 # The checkpoint families this model runs: Llama 2/3.x, Mistral (the same layers) and Qwen2 / Qwen2.5 (q/k/v biases).
@@ -655,6 +655,66 @@ def extend_attention(q_BTNH, k_BSKH, v_BSKH, start_B):
   return out.transpose(1, 0, 2, 3, 4).reshape(B, nc * c, N, H)[:, :T]
 
 
+# offset_attention's sentinel key: its score (the log of its softmax weight), and the channels added to each head
+# (one carries the sentinel; cuDNN wants head dims that are multiples of 8). Chosen so that a part's normaliser Z
+# is resolved (Z / e^SENTINEL >~ 0.01) and its reciprocal stays a normal bf16 (Z <~ e^(SENTINEL + 83)): every
+# attention row whose largest score lies in about [SENTINEL + 5, SENTINEL + 72] = [-11, 56].
+SENTINEL_SCORE = -16.0
+SENTINEL_CHANNELS = 8
+
+
+def offset_attention(q_BTNH, hist_k_BSKH, hist_v_BSKH, k_BTKH, v_BTKH, start_B, *, impl: str = "auto"):
+  """GQA attention of T new tokens at positions start + i over a K/V history valid in [0, start) (positions past
+  it are ignored) and over themselves, causally: query i sees history [0, start) and new keys [0, i]. The prefill
+  of a chunk after earlier chunks and of a new turn after a stored history.
+
+  impl "masked": `extend_attention` over the history with the new keys written in (XLA; exact). "cudnn": two
+  cuDNN flash attentions, the history's (no mask, its length) and the new tokens' own (causal), merged by their
+  softmax normalisers: cuDNN returns none, so each part gets a sentinel key of known score SENTINEL_SCORE whose
+  value is 1 in an added channel, and that channel of the part's output, 1 / (1 + Z / e^SENTINEL), gives its
+  normaliser Z (bf16 precision: the merge's error is that of bf16 attention itself). "auto": cudnn for bf16 /
+  fp16 on a GPU (cuDNN aligns a causal mask top-left, so one call cannot offset it), else masked."""
+  if impl == "auto":
+    impl = "cudnn" if (jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)) else "masked"
+  if impl == "masked":
+    return extend_attention(q_BTNH, place_rows(hist_k_BSKH, k_BTKH, start_B), place_rows(hist_v_BSKH, v_BTKH, start_B),
+                            start_B)
+  if impl not in ("cudnn", "sentinel-xla"):
+    raise ValueError(f"{impl=} must be 'auto', 'masked' or 'cudnn'")
+  implementation = "cudnn" if impl == "cudnn" else "xla"  # "sentinel-xla": the same merge on any backend (tests)
+  B, T, N, H = q_BTNH.shape
+  S, K = hist_k_BSKH.shape[1], hist_k_BSKH.shape[2]
+  dt, E = q_BTNH.dtype, SENTINEL_CHANNELS
+  scale = 1.0 / math.sqrt(H)
+  unit = jnp.zeros((H + E,), dt).at[H].set(1)  # the queries' added channel; the sentinel's value
+  sent_k = jnp.zeros((H + E,), dt).at[H].set(SENTINEL_SCORE / scale)  # its key: score q.k * scale = SENTINEL
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, E)))  # noqa: E731
+  q = pad(q_BTNH) + unit
+  pos, st = jnp.arange(S)[None, :, None, None], start_B[:, None, None, None]
+  # the sentinel takes row `start` (callers' S > start: the history's buffer also holds the new tokens)
+  hist_k = jnp.where(pos < st, pad(hist_k_BSKH.astype(dt)), jnp.where(pos == st, sent_k, 0))
+  hist_v = jnp.where(pos < st, pad(hist_v_BSKH.astype(dt)), jnp.where(pos == st, unit, 0))
+  o_h = jax.nn.dot_product_attention(q, hist_k, hist_v, scale=scale, implementation=implementation,
+                                     query_seq_lengths=jnp.full((B,), T, jnp.int32),
+                                     key_value_seq_lengths=start_B.astype(jnp.int32) + 1)
+  # the new tokens' own part: a dummy first query, the sentinel as key 0, so that with the top-left causal mask
+  # query i + 1 (new token i) sees the sentinel and new keys [0, i]
+  q_own = jnp.concatenate([jnp.zeros((B, 1, N, H + E), dt), q], 1)
+  k_own = jnp.concatenate([jnp.broadcast_to(sent_k, (B, 1, K, H + E)), pad(k_BTKH.astype(dt))], 1)
+  v_own = jnp.concatenate([jnp.broadcast_to(unit, (B, 1, K, H + E)), pad(v_BTKH.astype(dt))], 1)
+  o_n = jax.nn.dot_product_attention(q_own, k_own, v_own, scale=scale, is_causal=True,
+                                     implementation=implementation)[:, 1:]
+  # part p's output is (U_p + w e) / (Z_p + w), w = e^SENTINEL: a_p = -log(channel H) = log(1 + Z_p / w); the
+  # merge (U_h + U_n) / (Z_h + Z_n), scaled by e^-max(a) against overflow
+  a_h = -jnp.log(jnp.maximum(o_h[..., H].astype(jnp.float32), 1e-38))
+  a_n = -jnp.log(jnp.maximum(o_n[..., H].astype(jnp.float32), 1e-38))
+  m = jnp.maximum(a_h, a_n)
+  w_h, w_n = jnp.exp(a_h - m), jnp.exp(a_n - m)
+  den = w_h + w_n - 2 * jnp.exp(-m)
+  out = (o_h[..., :H].astype(jnp.float32) * w_h[..., None] + o_n[..., :H].astype(jnp.float32) * w_n[..., None])
+  return (out / den[..., None]).astype(dt)
+
+
 def place_rows(buf_BSX, new_BTX, start_B):
   """buf [B, S, ...] with new [B, T, ...] written at [start, start + T) of each row (what falls past S is
   dropped; dynamic_update_slice alone would move the write back to fit)."""
@@ -687,7 +747,7 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
     o_all = jnp.pad(causal_attention(q_all, k_all, v_all), ((0, 0), (0, T), (0, 0), (0, 0)))
     o = jax.vmap(lambda o_, s_: jax.lax.dynamic_slice_in_dim(o_, s_, T, axis=0))(o_all, start_B)
   else:  # a few new tokens over a long history: only their rows of the scores
-    o = extend_attention(q, k_all, v_all, start_B)
+    o = offset_attention(q, hist_k_BSKH, hist_v_BSKH, k, v, start_B)
   o, cache = jax.lax.optimization_barrier((o, prefill_compress(q_all, k_all, v_all, start_B + new_len_B,
                                                                config=config, rows=rows)))
   return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), cache, k, v
@@ -697,15 +757,15 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
 def prefill_chunk_layer_jit(graphdef, state, x_BTD, buf_k_BSKH, buf_v_BSKH, start_B, *, cfg):
   """One layer of one chunk of a prompt prefilled in chunks (the serving engine's chunked prefill): the chunk's
   T tokens at positions start + i write their k / v into the prompt's buffers [B, S, K, H] (donated: updated in
-  place) and attend over [0, start + i] of them (`extend_attention`). No compression: the last chunk runs
+  place) and attend over [0, start + i] of them (`offset_attention`). No compression: the last chunk runs
   `prefill_extend_layer_jit` over the buffers, which compresses the whole prompt. Returns (the layer's output
   [B, T, D], buf_k, buf_v)."""
   blk = nnx.merge(graphdef, state)
   T = x_BTD.shape[1]
   pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   q, k, v = prefill_qkv(blk, cfg, x_BTD, pos)
+  o = offset_attention(q, buf_k_BSKH, buf_v_BSKH, k, v, start_B)
   buf_k, buf_v = place_rows(buf_k_BSKH, k, start_B), place_rows(buf_v_BSKH, v, start_B)
-  o = extend_attention(q, buf_k, buf_v, start_B)
   return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), buf_k, buf_v
 
 

@@ -160,3 +160,27 @@ def test_prompt_scores_equal_the_dense_forward(tiny_model, method, monkeypatch):
     np.testing.assert_array_equal(np.asarray(scores.top_ids)[b, :n - 1], ids)
     np.testing.assert_allclose(np.asarray(scores.top_logprobs)[b, :n - 1],
                                np.take_along_axis(lp[b, :n - 1], ids, -1), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("start", [0, 37, 90])
+def test_offset_attention_merge_equals_masked(dtype, start):
+  """offset_attention's sentinel merge (cuDNN's on a GPU; here the same merge on XLA) equals the masked reference
+  within bf16 attention's own error, for an empty history, a short one and one that fills the buffer."""
+  import jax.numpy as jnp
+  from rocketkv_jax.models.llama import offset_attention
+  rng = np.random.default_rng(start)
+  B, T, S, N, K, H = 2, 16, 128, 4, 2, 16
+  x = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
+  q, k, v = x(B, T, N, H, sc=2.0), x(B, T, K, H, sc=2.0), x(B, T, K, H)
+  hk, hv = x(B, S, K, H, sc=2.0), x(B, S, K, H)
+  st = jnp.asarray([start, min(start + 5, S - T)], jnp.int32)
+  want = np.asarray(offset_attention(q.astype(jnp.float32), hk.astype(jnp.float32), hv.astype(jnp.float32),
+                                     k.astype(jnp.float32), v.astype(jnp.float32), st, impl="masked"))
+  got = np.asarray(offset_attention(q, hk, hv, k, v, st, impl="sentinel-xla"), np.float32)
+  tol = 1e-5 if dtype == "float32" else 3e-2
+  np.testing.assert_allclose(got, want, atol=tol)
+  if dtype == "float32":  # junk past `start` in the history is never read
+    junk = hk.at[:, start + 5:].set(1e4)
+    got2 = np.asarray(offset_attention(q, junk, hv, k, v, st, impl="sentinel-xla"))
+    np.testing.assert_allclose(got2, want, atol=1e-5)
