@@ -52,7 +52,7 @@ class Served:
     self.thread.start()
     t0 = time.monotonic()
     while not self.server.started:
-      if not self.thread.is_alive() or time.monotonic() - t0 > 60:
+      if not self.thread.is_alive() or time.monotonic() - t0 > 600:  # warm-up compiles every executable
         raise RuntimeError("the server did not start")
       time.sleep(0.02)
     self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.api_key or "none",
