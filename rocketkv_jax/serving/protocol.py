@@ -17,14 +17,12 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engine import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE
+from .engine import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE
 
 __all__ = ["REFUSED", "ChatCompletionRequest", "ChatCompletionResponse", "CompletionRequest", "CompletionResponse",
            "DetokenizeRequest", "DetokenizeResponse", "ErrorResponse", "MAX_CACHE_SALT", "MAX_N", "MAX_STOP_STRINGS",
            "RequestError", "TokenizeRequest", "TokenizeResponse", "TokenizerInfo", "param_of", "parse"]
 
-MAX_INT32 = 2**31 - 1
-MAX_SEED = 2**32 - 1
 MAX_STOP_STRINGS = 16
 MAX_N = 16            # samples per prompt (`n`)
 MAX_CACHE_SALT = 256  # characters
@@ -146,7 +144,7 @@ class _Sampling(_Body):
     if len(v) > MAX_LOGIT_BIAS:
       raise ValueError(f"{len(v)} entries; at most {MAX_LOGIT_BIAS}")
     for key, bias in v.items():
-      if not key.isdigit() or int(key) > MAX_INT32:
+      if not (key.isascii() and key.isdigit()) or int(key) > MAX_INT32:
         raise ValueError(f"key {key!r} is not a token id")
       if not -100 <= bias <= 100:
         raise ValueError(f"bias {bias!r} of token {key} must be in [-100, 100]")
