@@ -33,11 +33,13 @@ def free_port() -> int:
 class LimitedServer:
   """A running server as `rocketkv serve` runs it: the engine, the app, the connection limits, uvicorn."""
 
-  def __init__(self, model, tok, limits: ConnectionLimits, *, warmup=False, drain_s=5.0, **engine_kw):
+  def __init__(self, model, tok, limits: ConnectionLimits, *, warmup=False, drain_s=5.0, server_kw=None,
+               **engine_kw):
     from rocketkv_jax.serving import Engine, EngineConfig
     from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
     self.engine = Engine(model, tok, EngineConfig(**dict(ENGINE, **engine_kw)))
-    self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, warmup=warmup))
+    self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, warmup=warmup,
+                                                                **(server_kw or {})))
     self.port = free_port()
     config = uvicorn_config(self.app, host="127.0.0.1", port=self.port, limits=limits, log_level="warning",
                             timeout_graceful_shutdown=drain_s + 5)
