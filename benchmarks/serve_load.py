@@ -25,7 +25,8 @@ counts come from `usage`). Every request sets `min_tokens = max_tokens` (the ser
 from another's history; doc-qa and chat share one salt per (workload, rate), so each point starts cold.
 
 Per request (streamed, `stream_options.include_usage`): TTFT (send to the first chunk with text), TPOT
-((last chunk - first text chunk) / (output tokens - 1)), end-to-end latency, prompt / output / cached tokens
+((last chunk - first text chunk) / (output tokens - 1)), end-to-end latency, the longest gap between two text
+chunks (`max_gap_s`: a decode stalled by another request's prefill shows here), prompt / output / cached tokens
 from `usage`. Per (workload, rate): p50 / p90 / p99 and mean of each, request throughput, output tokens/s,
 goodput (`--slo-ttft` s, `--slo-tpot` s), the server's engine stats from /metrics (and their change over the
 point), /version and /v1/models, and the method (from `--launch`'s flags, else `--label`): one JSON line each to
@@ -191,6 +192,8 @@ def summarize(results: list[dict], wall_s: float, slo_ttft: float, slo_tpot: flo
              cached_fraction=(round(sum(r["cached_tokens"] or 0 for r in ok)
                                     / max(1, sum(r["prompt_tokens"] or 0 for r in ok)), 4) if ok else None))
   rec |= _stats("ttft_s", ttft) | _stats("tpot_ms", tpot, 1e3, 3) | _stats("e2e_s", e2e)
+  rec |= _stats("max_gap_s", [r["max_gap_s"] for r in ok if r.get("max_gap_s") is not None])
+  rec["tpot_p99_over_p50"] = (round(rec["tpot_ms_p99"] / rec["tpot_ms_p50"], 3) if rec["tpot_ms_p50"] else None)
   return rec
 
 
@@ -339,11 +342,11 @@ class Client:
     """Sends a streamed request; returns its timings, token counts and text (ok False with `error` on failure)."""
     import aiohttp
     body = dict(body, model=self.model, stream=True, stream_options={"include_usage": True})
-    res = dict(ok=False, error=None, ttft_s=None, tpot_s=None, e2e_s=None, prompt_tokens=None,
+    res = dict(ok=False, error=None, ttft_s=None, tpot_s=None, e2e_s=None, max_gap_s=None, prompt_tokens=None,
                output_tokens=None, cached_tokens=None, finish_reason=None, text="")
     t0 = time.perf_counter()
     first = last = None
-    parts, usage = [], None
+    parts, usage, gap = [], None, 0.0
     try:
       async with self.s.post(self.url + path, json=body, headers=self.headers,
                              timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
@@ -378,6 +381,8 @@ class Client:
                   parts.append(text)
                   if first is None:
                     first = now
+                  else:
+                    gap = max(gap, now - last)
                   last = now
                 if c.get("finish_reason"):
                   res["finish_reason"] = c["finish_reason"]
@@ -396,6 +401,7 @@ class Client:
     res["output_tokens"] = n = usage.get("completion_tokens")
     res["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     res["e2e_s"] = round(end - t0, 6)
+    res["max_gap_s"] = round(gap, 6)
     if first is not None:
       res["ttft_s"] = round(first - t0, 6)
       if n and n > 1:
@@ -814,10 +820,13 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   from rich.console import Console
   console = Console(stderr=True)
+  out = Console()
+  if not out.is_terminal:  # a log file: the tables whole
+    out = Console(width=200)
   if args.table is not None:
     records = read_records(args.table)
-    print_table(records, Console())
-    compare_table(records, Console(), args.base, args.target)
+    print_table(records, out)
+    compare_table(records, out, args.base, args.target)
     if args.plot:
       plot(records, args.plot)
     return 0
@@ -871,7 +880,7 @@ def main(argv=None) -> int:
         rc = launched.stop()
         console.log(f"server stopped (exit status {rc})")
   if records:
-    print_table(records, Console())
+    print_table(records, out)
   if args.plot and records:
     plot(read_records(args.out) if args.out else records, args.plot)
     console.log(f"plot: {args.plot}")

@@ -66,7 +66,7 @@ def test_tiny_load_against_a_launched_server(tmp_path, capsys):
     assert 0 <= r["goodput"] <= r["request_throughput"] and r["good_requests"] <= r["requests_ok"]
     assert r["output_tokens_per_s"] > 0 and r["wall_s"] > 0
     for q in reqs:
-      assert 0 < q["ttft_s"] <= q["e2e_s"] and q["tpot_s"] > 0
+      assert 0 < q["ttft_s"] <= q["e2e_s"] and q["tpot_s"] > 0 and 0 <= q["max_gap_s"] <= q["e2e_s"]
     # min_tokens = max_tokens forced every answer to its full length
     assert r["min_tokens"] and r["output_tokens_exact"] is True
     assert all(q["output_tokens"] == spec.output_tokens == q["expected_tokens"] for q in reqs)
