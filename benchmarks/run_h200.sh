@@ -83,10 +83,11 @@ for part in "$@"; do
           >"$out/serve_load_table.txt" 2>>"$out/log.txt"; cat "$out/serve_load_table.txt" >>"$out/log.txt"
       else
         m=${part##*_}; wl=${part#serve_load_}; wl=${wl%_*}
-        case $wl in long-gen) rates=0.1,0.25,0.5 ;; doc-qa) rates=0.5,1,2 ;; chat) rates=0.05,0.1,0.2 ;;
-                    *) rates=0.25,0.5,1 ;; esac
+        # rates (chat: sessions/s) and requests (chat: sessions of 8 turns) sized to fit 580 s: untuned guesses
+        case $wl in long-gen) rates=0.25,0.5,1 n=16 ;; doc-qa) rates=0.5,1,2 n=16 ;; chat) rates=0.1,0.2,0.4 n=6 ;;
+                    *) rates=0.25,0.5,1 n=16 ;; esac
         timeout 580 python3 -m benchmarks.serve_load --workload "$wl" --rates "${SL_RATES:-$rates}" \
-          --requests "${SL_REQUESTS:-16}" --slo-ttft 5 --slo-tpot 0.05 --out "$out/serve_load.jsonl" \
+          --requests "${SL_REQUESTS:-$n}" --slo-ttft 5 --slo-tpot 0.05 --out "$out/serve_load.jsonl" \
           --server-log "$out/serve_load_server.log" --launch-timeout-s 400 \
           --launch "--model ${SERVE_LOAD_MODEL:-qwen2.5-1.5b} --dtype bfloat16 --method $m --token-budget 256 \
                     --max-prompt-tokens 36864 --max-new-tokens 2048 --max-slots ${SL_SLOTS:-32} --history-gb 48 \

@@ -333,7 +333,8 @@ class Client:
       return {}
 
   async def tokenize(self, text: str, special: bool = True) -> list[int]:
-    return (await self.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": special}))["tokens"]
+    body = {"model": self.model, "prompt": text, "add_special_tokens": special}
+    return (await self.post("/tokenize", body))["tokens"]
 
   async def detokenize(self, ids: list[int]) -> str:
     return (await self.post("/detokenize", {"model": self.model, "tokens": list(ids)}))["prompt"]
