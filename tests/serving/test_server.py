@@ -549,6 +549,19 @@ def test_disconnect_while_waiting_for_a_whole_answer(tiny):
   assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
 
 
+def test_disconnect_aborts_all_n_samples(tiny):
+  """n = 2 on one slot: sample 0 decodes, sample 1 waits in the queue; a client gone mid-stream frees both."""
+  gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
+  stream = tiny.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=64, temperature=1.0, n=2,
+                                          stream=True)
+  next(iter(stream))
+  tiny.wait_metric("rocketkv_queue_depth", lambda v: v == 1)
+  stream.close()
+  tiny.wait_metric("rocketkv_in_flight", lambda v: v == 0)
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
+  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 64
+
+
 def test_api_key_guards_all_but_health(tiny):
   port = tiny.port
   for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TINY_KEY}):
