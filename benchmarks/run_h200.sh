@@ -3,7 +3,7 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max serve32max_rk serve32chunk turn2 mesh70b kernels_s2 profile391
+#        serve32max serve32max_rk serve32chunk serve32arrive turn2 mesh70b kernels_s2 profile391
 #        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
@@ -58,6 +58,12 @@ for part in "$@"; do
       for c in 0 2048; do
         serve 280 --methods rocketkv --token-budget 256 --prompt 32k --slots 8 --admission step --decode-reps 0 \
           --prefill-chunk-tokens $c
+      done ;;
+    serve32arrive)  # issue 37: 12 requests of 32k arriving every 1.5 s at 8 slots, 256 new tokens each: a new prompt's
+                    # prefill while others decode; whole prefills against chunks of 1024 tokens
+      for c in 0 1024; do
+        serve 200 --methods rocketkv --token-budget 256 --prompt 32k --slots 8 --requests 12 --max-new-tokens 256 \
+          --admission step --arrival-s 1.5 --decode-reps 0 --prefill-chunk-tokens $c
       done ;;
     serve32max_rk)  # serve32max for RocketKV alone (the engine's steady step against the decode benchmark)
       serve 540 --methods rocketkv --token-budget 256 --prompt 32k --slots max ;;

@@ -171,25 +171,31 @@ def warm_up(engine: Engine, prompt_ids: list[int], steps_per_call: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- measurements
 
-def measure_turn1(engine: Engine, requests: list[Request], shared: Prefilled | None) -> dict:
-  """Runs `requests` (all submitted at t0) through `engine.step()` until every one has finished; returns the
-  per-run figures (module doc). `shared`: a prefill inserted into each free slot for the next request before
-  each step (admission `shared`), else None (the engine prefills every request inside step())."""
+def measure_turn1(engine: Engine, requests: list[Request], shared: Prefilled | None, arrival_s: float = 0.0) -> dict:
+  """Runs `requests` (all submitted at t0, or request i at t0 + i * arrival_s) through `engine.step()` until every
+  one has finished; returns the per-run figures (module doc). `shared`: a prefill inserted into each free slot for
+  the next request before each step (admission `shared`), else None (the engine prefills every request inside
+  step())."""
   spc = engine.config.steps_per_call
   submit_t, first_t, last_t = {}, {}, {}
   tokens_of = collections.Counter()
   tpot, steady_s, steady_tokens, admit_s = [], [], 0, 0.0
   pending = collections.deque(requests)
   t0 = time.perf_counter()
+  arrivals = collections.deque((t0 + i * arrival_s, r) for i, r in enumerate(requests)) if shared is None else None
   if shared is None:
-    while pending:
-      r = pending.popleft()
-      submit_t[r.request_id] = time.perf_counter()
-      engine.submit(r)
+    pending.clear()
   else:
     submit_t = {r.request_id: t0 for r in requests}
   calls, prev_busy, trace = 0, False, []
-  while pending or engine.has_work():
+  while pending or arrivals or engine.has_work():
+    while arrivals and arrivals[0][0] <= time.perf_counter():
+      _, r = arrivals.popleft()
+      submit_t[r.request_id] = time.perf_counter()
+      engine.submit(r)
+    if shared is None and not engine.has_work():  # nothing to run before the next arrival
+      time.sleep(max(0.0, arrivals[0][0] - time.perf_counter()))
+      continue
     if shared is not None:
       t = time.perf_counter()
       for slot in engine.free_slots():
@@ -328,7 +334,8 @@ def run_point(model, tokenizer, args, method: str, slots: int, facts: dict) -> d
   else:
     reqs = [Request(f"r{i}", random_prompt(rng, cfg.vocab_size, args.prompt),
                     SamplingParams(max_tokens=args.max_new_tokens, seed=i)) for i in range(n_req)]
-  rec.update(measure_turn1(engine, reqs, shared_p if admission == "shared" else None))
+  rec.update(measure_turn1(engine, reqs, shared_p if admission == "shared" else None,
+                           args.arrival_s if admission == "step" else 0.0))
   rec["compiles_after_run"] = engine.stats()["compiles"]
   del engine, reqs
   gc.collect()
@@ -387,6 +394,8 @@ def parse_args(argv):
   ap.add_argument("--prompt", default="32k", help="prompt tokens of every request (e.g. 32k, 256)")
   ap.add_argument("--slots", default="1,8,32,max", help="comma list; 'max' = the most slots that fit")
   ap.add_argument("--steps-per-call", type=int, default=4, help="tokens per slot per decode call")
+  ap.add_argument("--arrival-s", type=float, default=0.0,
+                  help="with admission step: request i arrives at i * this many seconds (0: all at once)")
   ap.add_argument("--prefill-chunk-tokens", type=int, default=0,
                   help="the engine's chunked prefill: prompt tokens prefilled per step (0: whole prompts)")
   ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens every request generates")
@@ -435,7 +444,7 @@ def main(argv=None):
               xla_flags=os.environ.get("XLA_FLAGS", ""), copy_bandwidth_GBps=round(bw / 1e9, 1),
               weight_bytes=facts["weight_bytes"], token_budget=args.token_budget, prompt=args.prompt,
               max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, admission=args.admission,
-              prefill_chunk_tokens=args.prefill_chunk_tokens)
+              prefill_chunk_tokens=args.prefill_chunk_tokens, arrival_s=args.arrival_s)
   out = open(args.out, "a") if args.out else None
   records = []
 

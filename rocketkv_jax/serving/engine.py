@@ -625,13 +625,15 @@ class Engine:
         return prefilled
 
   def _chunks(self, m: int) -> list[int]:
-    """Sizes of the chunks m new prompt tokens are prefilled in: prefill_chunk_tokens each, the last one longer
-    (up to prefill_chunk_tokens + prompt_queries) so that it holds the queries stage 1 reads; one chunk when
-    chunking is off or the method reads every query (H2O)."""
+    """Sizes of the chunks m new prompt tokens are prefilled in: prefill_chunk_tokens each, the last one at most
+    that (longer, up to prefill_chunk_tokens + prompt_queries, only where it would otherwise not hold the queries
+    stage 1 reads); one chunk when chunking is off or the method reads every query (H2O)."""
     c, q = self.config.prefill_chunk_tokens, self.method_config.prompt_queries
     if not c or q is None or m <= c:
       return [m]
-    full = max(0, (m - max(q, 1)) // c)
+    full = -(-m // c) - 1  # the last chunk is (0, c] tokens long ...
+    if m - full * c < max(q, 1):  # ... unless that is shorter than the window: then the last two are one
+      full -= 1
     return [c] * full + [m - full * c]
 
   def _fill(self, request: Request):
