@@ -720,6 +720,28 @@ def compare_table(records: list[dict], console, base: str = "full", target: str 
       row.append("inf" if a["goodput"] > 0 else "-")
     t.add_row(*row)
   console.print(t)
+  # per workload: each method's best goodput over the offered loads it was run at
+  best = Table(title=f"best goodput over the offered loads, per workload; ratio = {target} / {base}")
+  best.add_column("workload")
+  for m in methods:
+    best.add_column(f"{m} (at rate)", justify="right")
+  best.add_column(f"{target}/{base}", justify="right")
+  for wl in dict.fromkeys(w for w, _ in points):
+    row, got = [wl], {}
+    for m in methods:
+      rs = [r for (w, _, mm), r in cells.items() if w == wl and mm == m]
+      if not rs:
+        row.append("")
+        continue
+      r = max(rs, key=lambda r: r["goodput"])
+      got[m] = r["goodput"]
+      row.append(f"{r['goodput']:.3f} ({'burst' if r.get('rate') is None else format(r['rate'], 'g')})")
+    if target in got and base in got:
+      row.append(f"{got[target] / got[base]:.2f}x" if got[base] > 0 else ("inf" if got[target] > 0 else "-"))
+    else:
+      row.append("-")
+    best.add_row(*row)
+  console.print(best)
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -801,8 +823,10 @@ def parse_args(argv=None):
   wl.add_argument("--seed", type=int, default=0)
   wl.add_argument("--request-timeout-s", type=float, default=3600.0)
   rep = p.add_argument_group("report")
-  rep.add_argument("--slo-ttft", type=float, default=5.0, help="goodput's TTFT bound in seconds (default 5)")
-  rep.add_argument("--slo-tpot", type=float, default=0.05, help="goodput's TPOT bound in seconds (default 0.05)")
+  rep.add_argument("--slo-ttft", type=float, default=None,
+                   help="goodput's TTFT bound in seconds (default 5; --tiny: 30, for a CPU)")
+  rep.add_argument("--slo-tpot", type=float, default=None,
+                   help="goodput's TPOT bound in seconds (default 0.05; --tiny: 1, for a CPU)")
   rep.add_argument("--out", default=None, help="append one JSON line per (server, workload, rate) here")
   rep.add_argument("--plot", default=None, help="PNG: latency and goodput vs offered load (--out's whole file)")
   rep.add_argument("--table", default=None, metavar="FILE.jsonl",
@@ -814,6 +838,10 @@ def parse_args(argv=None):
     p.error("give --url or --launch (or --table FILE)")
   if args.duration is None and args.requests is None:
     args.requests = 4 if args.tiny else 16
+  if args.slo_ttft is None:
+    args.slo_ttft = 30.0 if args.tiny else 5.0
+  if args.slo_tpot is None:
+    args.slo_tpot = 1.0 if args.tiny else 0.05
   return args
 
 

@@ -64,6 +64,9 @@ def test_tiny_load_against_a_launched_server(tmp_path, capsys):
     for key in ("ttft_s", "tpot_ms", "e2e_s"):
       assert r[f"{key}_p50"] is not None and r[f"{key}_p50"] <= r[f"{key}_p90"] <= r[f"{key}_p99"], (name, key)
     assert 0 <= r["goodput"] <= r["request_throughput"] and r["good_requests"] <= r["requests_ok"]
+    assert (r["slo_ttft_s"], r["slo_tpot_s"]) == (30.0, 1.0)  # --tiny's CPU bounds
+    good = [q for q in reqs if q["ttft_s"] <= r["slo_ttft_s"] and q["tpot_s"] <= r["slo_tpot_s"]]
+    assert r["good_requests"] == len(good) and math.isclose(r["goodput"], len(good) / r["wall_s"], rel_tol=1e-2)
     assert r["output_tokens_per_s"] > 0 and r["wall_s"] > 0
     for q in reqs:
       assert 0 < q["ttft_s"] <= q["e2e_s"] and q["tpot_s"] > 0 and 0 <= q["max_gap_s"] <= q["e2e_s"]
