@@ -386,3 +386,19 @@ def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2):
   except Stop:
     pass
   assert seen == [TEMPLATE]
+
+
+def test_echo_logprobs_keep_a_stop_token(served, smollm2):
+  """lm-eval scores a continuation with token_logprobs[ctxlen:-1]: the last entry must be the generated token's
+  even when that token is a stop id (here the chat end-of-turn after a finished answer), as vLLM and OpenAI keep
+  it; dropping it would silently drop the continuation's last token from the score."""
+  _, tok = smollm2
+  msgs = [{"role": "user", "content": QUESTIONS[0]}]
+  answer = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+  assert answer.choices[0].finish_reason == "stop", answer
+  ids = tok.encode(tok.apply_chat(msgs)) + tok.encode(answer.choices[0].message.content)
+  r = _complete(served, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+  lp = r.choices[0].logprobs
+  assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+  assert len(lp.token_logprobs) == len(ids) + 1, (len(lp.token_logprobs), len(ids))
+  assert math.isfinite(lp.token_logprobs[-1]) and lp.token_logprobs[-1] <= 0
