@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engine import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE
+from .engine import (MAX_CACHE_SALT, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED,
+                     MAX_TEMPERATURE)
 
 __all__ = ["REFUSED", "ChatCompletionRequest", "ChatCompletionResponse", "CompletionRequest", "CompletionResponse",
            "DetokenizeRequest", "DetokenizeResponse", "ErrorResponse", "MAX_CACHE_SALT", "MAX_N", "MAX_STOP_STRINGS",
@@ -25,7 +26,6 @@ __all__ = ["REFUSED", "ChatCompletionRequest", "ChatCompletionResponse", "Comple
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16            # samples per prompt (`n`)
-MAX_CACHE_SALT = 256  # characters
 
 # Fields this server does not implement, accepted only at a neutral value (anything else is a 400 naming the
 # field): OpenAI's, then vLLM's sampling extensions.
