@@ -25,7 +25,7 @@ import numpy as np
 
 from rocketkv_jax import ops
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int, check_seq_len, check_tokens
-from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, kept_cache, slot_valid
+from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, check_alive, kept_cache, slot_valid
 from rocketkv_jax.kernels.checks import kt_num_pages
 
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
@@ -244,7 +244,10 @@ class MethodConfig:
 
   def check_room(self, cache: KVCache, steps: int = 1) -> None:
     """Raises ValueError when `steps` more decode steps would not fit (concrete lengths only: skipped
-    inside a caller's jit, where a step past capacity drops its token instead)."""
+    inside a caller's jit, where a step past capacity drops its token instead). A cache donated to an earlier
+    step (its arrays deleted) is named as such first: every decode entry point (decode_step, the models' decode
+    loops) checks its room here."""
+    check_alive("cache", cache)
     if self.evicts or isinstance(cache.length, jax.core.Tracer):
       return
     length = np.asarray(cache.length)

@@ -25,6 +25,7 @@ bound all of it:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import h11
 import uvicorn
@@ -34,6 +35,9 @@ MAX_CONNECTIONS = 1024
 KEEP_ALIVE_S = 5
 REQUEST_TIMEOUT_S = 30.0
 MAX_HEADER_BYTES = 32 * 1024
+# The order connections were opened in (the event loop's time is cached per turn under uvloop: many connections
+# accepted in one turn would tie).
+_OPENED = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +71,7 @@ class GuardedH11Protocol(H11Protocol):
 
   def connection_made(self, transport) -> None:
     super().connection_made(transport)
-    self.opened_at = self.loop.time()
+    self.opened = next(_OPENED)
     self.request_deadline = None
     self._arm_request_deadline()
     if len(self.connections) > self.limits.max_connections:
@@ -110,7 +114,7 @@ class GuardedH11Protocol(H11Protocol):
     idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol) and
             not c.transport.is_closing() and c.waiting_for_request()]
     if idle:
-      oldest = min(idle, key=lambda c: c.opened_at)
+      oldest = min(idle, key=lambda c: c.opened)
       self.logger.info("%d connections open (max %d): closed the oldest idle one, %s", len(self.connections),
                        self.limits.max_connections, oldest._peer())
       oldest.transport.close()

@@ -237,6 +237,18 @@ def test_pallas_without_a_gpu_is_named():
     rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=_mk("full", impl="pallas"))
 
 
+@pytest.mark.parametrize("method", ["full", "streaming_llm"])
+def test_a_donated_cache_is_named_by_the_room_check_of_every_decode_loop(method):
+  """`check_room` (decode_step's and the models' decode loops', `check_loop_args`) used to read the deleted
+  length and raise jax's RuntimeError; an evicting method skipped the check and failed deeper."""
+  q, k, v = _qkv()
+  cfg = _mk(method)
+  cache = rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=cfg)
+  rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=cfg)
+  with pytest.raises(ValueError, match=r"cache.k has been deleted: the cache was donated to an earlier call"):
+    cfg.check_room(cache, 4)
+
+
 def test_a_donated_cache_given_to_concat_caches_is_named_as_such():
   """It used to raise jax's RuntimeError from inside jnp.concatenate."""
   q, k, v = _qkv()
@@ -352,10 +364,11 @@ def test_the_decode_kernels_split_partials_carry_nan(num_splits):
   q, k, v = _qkv()
   qg = q[:, 0].reshape(B, K, N // K, H)
   kk, vv = k.transpose(0, 2, 1, 3).at[0, 1, 50].set(jnp.nan), v.transpose(0, 2, 1, 3)
-  out = np.asarray(dense_decode.dense_decode_attention(qg, kk, vv, jnp.array([T, T]), interpret=True, block_k=16,
-                                                       num_splits=num_splits))
+  out = np.asarray(dense_decode.dense_decode_attention(qg, kk, vv, jnp.array([T, T]), interpret=True,
+                                                       tuning=dense_decode.Tuning(block_k=16, num_splits=num_splits)))
   assert np.isnan(out[0, 1]).all() and np.isfinite(out[0, 0]).all() and np.isfinite(out[1]).all()
   idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, K, T))
-  out = np.asarray(sparse_decode.sparse_decode_attention(qg, kk, vv, idx, jnp.ones((B, K, T), bool), interpret=True,
-                                                         block_m=16, num_splits=num_splits))
+  out = np.asarray(sparse_decode.sparse_decode_attention(
+      qg, kk, vv, idx, jnp.ones((B, K, T), bool), interpret=True,
+      tuning=sparse_decode.Tuning(block_m=16, num_splits=num_splits)))
   assert np.isnan(out[0, 1]).all() and np.isfinite(out[0, 0]).all() and np.isfinite(out[1]).all()
