@@ -262,7 +262,8 @@ def measure_turn2(model, tokenizer, args, method: str, news: list[int]) -> list[
   kw = dict(method=method, token_budget=args.token_budget, max_slots=1, max_prompt_tokens=top,
             max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, prefill_buckets=buckets,
             method_overrides=overrides)
-  hist = Engine(model, tokenizer, EngineConfig(**kw, history_bytes=int(args.history_gb * 2**30)))
+  hist = Engine(model, tokenizer, EngineConfig(**kw, history_bytes=int(args.history_gb * 2**30),
+                                               history_device_bytes=int(args.history_device_gb * 2**30)))
   first = random_prompt(rng, cfg.vocab_size, args.prompt)
 
   def timed(engine, ids, rid):
@@ -415,6 +416,8 @@ def parse_args(argv):
                   help="comma list of new-token counts: also measure second-turn prefill over the stored history "
                        "against re-prefilling (e.g. 512,4096; '' skips it)")
   ap.add_argument("--history-gb", type=float, default=32.0, help="host memory of the --turn2 engine's history")
+  ap.add_argument("--history-device-gb", type=float, default=0.0,
+                  help="device tier of the --turn2 engine's history (recent sessions' K/V kept on the device)")
   ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
@@ -444,7 +447,8 @@ def main(argv=None):
               xla_flags=os.environ.get("XLA_FLAGS", ""), copy_bandwidth_GBps=round(bw / 1e9, 1),
               weight_bytes=facts["weight_bytes"], token_budget=args.token_budget, prompt=args.prompt,
               max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, admission=args.admission,
-              prefill_chunk_tokens=args.prefill_chunk_tokens, arrival_s=args.arrival_s)
+              prefill_chunk_tokens=args.prefill_chunk_tokens, arrival_s=args.arrival_s,
+              history_device_gb=args.history_device_gb)
   out = open(args.out, "a") if args.out else None
   records = []
 

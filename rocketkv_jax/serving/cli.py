@@ -348,7 +348,8 @@ def _cmd_serve(args) -> int:
                                steps_per_call=args.steps_per_call, prefill_buckets=buckets, max_queue=args.max_queue,
                                history_bytes=int(args.history_gb * 2**30), history_spill_dir=args.history_spill_dir,
                                history_disk_bytes=int(args.history_disk_gb * 2**30),
-                               prefill_chunk_tokens=args.prefill_chunk_tokens)
+                               prefill_chunk_tokens=args.prefill_chunk_tokens,
+                               history_device_bytes=int(args.history_device_gb * 2**30))
   if args.sessions_dir is not None and not engine_config.history_bytes:
     raise FlagError("--sessions-dir needs a history: set --history-gb > 0")
   from .sessions import DirError, SessionsDir, check_writable
@@ -639,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--history-gb", type=_number(float, low=0), default=4.0,
                  help="host memory for the K/V history of past prompts, so a conversation's next turn (or a new "
                       "question after a long context) prefills only its new tokens (default 4; 0 = off)")
+  s.add_argument("--history-device-gb", type=_number(float, low=0), default=0.0,
+                 help="of the history, the most recent sessions' K/V kept on the device (GiB, default 0): a next "
+                      "turn over them needs no copy from host memory")
   s.add_argument("--history-spill-dir", default=None,
                  help="move history that no longer fits in host memory to files here (default: drop it)")
   s.add_argument("--history-disk-gb", type=_number(float, low=0), default=16.0,

@@ -115,7 +115,9 @@ class EngineConfig:
   prefill_buckets: padded prompt lengths that prefill compiles for (sorted; max_prompt_tokens is added when
   missing); None for the default (`default_buckets`). max_queue: requests that may wait for a slot.
   method_overrides: fields of the method config (e.g. impl="xla"), given as extra keywords or as a dict.
-  prefill_chunk_tokens: 0 prefills each admitted prompt whole inside one step; n > 0 prefills at most about n
+  history_device_bytes: of the history, the most recent segments' K/V kept on the device (no copy to or from the
+  host for a next turn over them; `history.py`), at most this many bytes. prefill_chunk_tokens: 0 prefills each
+  admitted prompt whole inside one step; n > 0 prefills at most about n
   prompt tokens per step (chunked prefill, module doc), so decoding slots never wait for a whole long prefill.
   """
 
@@ -132,20 +134,22 @@ class EngineConfig:
   history_disk_bytes: int
   method_overrides: tuple[tuple[str, object], ...]
   prefill_chunk_tokens: int
+  history_device_bytes: int
 
   def __init__(self, method: str = "rocketkv", token_budget: int = 256, max_slots: int = 8,
                max_prompt_tokens: int = 2048, max_new_tokens: int = 256, steps_per_call: int = 4,
                prefill_buckets: Sequence[int] | None = None, max_queue: int = 64, history_bytes: int = 0,
                history_spill_dir: str | None = None, history_disk_bytes: int = 0,
                method_overrides: dict | Sequence[tuple[str, object]] | None = None, prefill_chunk_tokens: int = 0,
-               **overrides):
+               history_device_bytes: int = 0, **overrides):
     get_method(method)  # ValueError naming an unknown method
     check_int("token_budget", token_budget, MIN_TOKEN_BUDGET)
     for name, value, low in (("max_slots", max_slots, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("steps_per_call", steps_per_call, 1),
                              ("max_queue", max_queue, 0), ("history_bytes", history_bytes, 0),
                              ("history_disk_bytes", history_disk_bytes, 0),
-                             ("prefill_chunk_tokens", prefill_chunk_tokens, 0)):
+                             ("prefill_chunk_tokens", prefill_chunk_tokens, 0),
+                             ("history_device_bytes", history_device_bytes, 0)):
       check_int(name, value, low)
     if prefill_buckets is None:
       buckets = default_buckets(max_prompt_tokens)
@@ -169,7 +173,7 @@ class EngineConfig:
                   steps_per_call=steps_per_call, prefill_buckets=buckets, max_queue=max_queue,
                   history_bytes=history_bytes, history_spill_dir=history_spill_dir,
                   history_disk_bytes=history_disk_bytes, method_overrides=tuple(sorted(merged.items())),
-                  prefill_chunk_tokens=prefill_chunk_tokens)
+                  prefill_chunk_tokens=prefill_chunk_tokens, history_device_bytes=history_device_bytes)
     for k, v in values.items():
       object.__setattr__(self, k, v)
 
@@ -396,6 +400,7 @@ class Engine:
     if config.history_bytes:
       self.history = HistoryStore(cfg.n_layers, (cfg.n_kv_heads, cfg.head_dim), np.dtype(model.dtype),
                                   max_bytes=config.history_bytes, spill_dir=config.history_spill_dir,
+                                  max_device_bytes=config.history_device_bytes,
                                   max_disk_bytes=config.history_disk_bytes)
 
   def plan_summary(self) -> str:
@@ -525,6 +530,7 @@ class Engine:
                   max_slots=self.config.max_slots, tokens_generated=self._tokens_generated,
                   kv_bytes_device=cache_nbytes(self._caches), compiles=len(self._executables),
                   kv_bytes_host=h.host_bytes() if h else 0, kv_bytes_disk=h.disk_bytes() if h else 0,
+                  kv_bytes_history_device=h.device_bytes() if h else 0,
                   history_segments=len(h.segments) if h else 0, prompt_tokens_reused=self._reused,
                   prompt_tokens_prefilled=self._prefilled)
 
@@ -685,11 +691,14 @@ class Engine:
       if done > r:  # the chunks' K/V are in the buffers, the last chunk's in new_kv
         new_kv = [tuple(jnp.concatenate([h[:, r:done], x[:, :m]], axis=1) for h, x in zip(hist, kv))
                   for hist, kv in zip(history, new_kv)]
-      for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
-        for x in kv:
-          x.copy_to_host_async()
-      self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
-                       request.cache_salt)
+      if self.history.max_device_bytes:  # the device tier keeps them where they are (it moves old ones out)
+        self.history.add(ids, [k[0] for k, _ in new_kv], [v[0] for _, v in new_kv], r, request.cache_salt)
+      else:
+        for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
+          for x in kv:
+            x.copy_to_host_async()
+        self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
+                         request.cache_salt)
     yield m, Prefilled(logits, caches, request, cached=r)
 
   def _admission(self, request: Request):

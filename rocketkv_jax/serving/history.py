@@ -13,6 +13,11 @@ Generated tokens are not taken from the decode cache: when the next turn's promp
 answer's tokens are prefilled with the rest of the new turn (dense, exact K/V; the chat template may also
 render them differently from what was sampled).
 
+Device tier: with `max_device_bytes`, the most recently added segments keep their K/V on the device (the arrays the
+prefill produced, never copied to the host) up to that many bytes, and a view of them is assembled on the device:
+a new turn over a recent history then costs its own prefill, not a copy of the history from host memory. Past the
+limit the least recently used device segments move to host memory.
+
 Memory: at most `max_bytes` of host memory; past it, the least recently used segments without children
 are dropped (or, with `spill_dir`, moved to disk as memory-mapped files, up to `max_disk_bytes`). Spill files
 hold other clients' K/V: they are private (mode 0600, in a 0700 folder `spill_dir/history-*` locked by this
@@ -37,6 +42,8 @@ import tempfile
 import threading
 import weakref
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import saved
@@ -53,7 +60,7 @@ __all__ = ["HistoryStore", "HistoryView", "Segment"]
 class Segment:
   """Tokens [start, start + n) of a path whose first `start` tokens are the parent's (None: start 0).
 
-  k, v: per layer [n, K, H] NumPy arrays (memory-mapped once spilled to disk)."""
+  k, v: per layer [n, K, H] NumPy arrays (memory-mapped once spilled to disk), or device arrays (on_device)."""
 
   parent: Segment | None
   start: int
@@ -64,6 +71,7 @@ class Segment:
   children: int = 0
   on_disk: bool = False
   salt: str = ""
+  on_device: bool = False
 
   def __post_init__(self):
     before = self.parent.path[:self.start] if self.parent is not None else np.zeros(0, np.int32)
@@ -102,6 +110,13 @@ class HistoryView:
       raise IndexError(layer)
     if not self.pieces:
       return None
+    if any(seg.on_device for seg, _, _ in self.pieces):  # assembled on the device, host pieces copied there
+      out = []
+      for name in ("k", "v"):
+        parts = [jnp.asarray(getattr(seg, name)[layer][lo:hi]) for seg, lo, hi in self.pieces]
+        parts.append(jnp.zeros((self.padded_len - self.length,) + tuple(self.kv_shape), self.dtype))
+        out.append(jnp.concatenate(parts)[None])
+      return tuple(out)
     out = []
     for name in ("k", "v"):
       buf = np.empty((1, self.padded_len) + tuple(self.kv_shape), self.dtype)  # one pass: pieces, then zeros
@@ -147,9 +162,10 @@ class HistoryStore:
   """The host-side K/V of every stored token path (module doc). Thread-safe."""
 
   def __init__(self, n_layers: int, kv_shape: tuple[int, int], dtype, *, max_bytes: int,
-               spill_dir: str | None = None, max_disk_bytes: int = 0):
+               spill_dir: str | None = None, max_disk_bytes: int = 0, max_device_bytes: int = 0):
     self.n_layers, self.kv_shape, self.dtype = n_layers, tuple(kv_shape), np.dtype(dtype)
     self.max_bytes, self.max_disk_bytes = int(max_bytes), int(max_disk_bytes)
+    self.max_device_bytes = int(max_device_bytes)
     self.spill_dir = None
     self._spill_lock_fd = None
     if spill_dir is not None:
@@ -170,7 +186,11 @@ class HistoryStore:
 
   def host_bytes(self) -> int:
     with self._lock:
-      return sum(s.nbytes for s in self.segments if not s.on_disk)
+      return sum(s.nbytes for s in self.segments if not s.on_disk and not s.on_device)
+
+  def device_bytes(self) -> int:
+    with self._lock:
+      return sum(s.nbytes for s in self.segments if s.on_device)
 
   def disk_bytes(self) -> int:
     with self._lock:
@@ -227,7 +247,9 @@ class HistoryStore:
   def add(self, prompt, new_k, new_v, reused: int, salt: str = "") -> Segment | None:
     """Stores the K/V of prompt positions [reused, len(prompt)) (new_k / new_v: per layer [n, K, H] with
     n >= len(prompt) - reused, or longer, padding ignored) for requests of this salt. Only what no stored path of
-    the salt already holds is kept. Returns the segment that holds the whole prompt (None if it did not fit)."""
+    the salt already holds is kept. Device arrays stay on the device while the device tier has room (module doc);
+    anything else is copied to host memory. Returns the segment that holds the whole prompt (None if it did not
+    fit)."""
     prompt = np.asarray(prompt, np.int32)
     n = len(prompt)
     with self._lock:
@@ -239,11 +261,15 @@ class HistoryStore:
         self.dropped += 1
         return None
       lo, hi = start - reused, n - reused
+      on_device = ((hi - lo) * self.token_bytes() <= self.max_device_bytes
+                   and all(isinstance(x, jax.Array) for x in (*new_k, *new_v)))
+      if on_device:
+        keep = lambda x: x[lo:hi].astype(self.dtype)  # noqa: E731
+      else:
+        keep = lambda x: np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype)  # noqa: E731
       new = Segment(parent=self._owner(seg, start) if seg is not None else None, start=start,
-                    tokens=prompt[start:],
-                    k=[np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype) for x in new_k],
-                    v=[np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype) for x in new_v],
-                    last_used=next(self._clock), salt=salt)
+                    tokens=prompt[start:], k=[keep(x) for x in new_k], v=[keep(x) for x in new_v],
+                    last_used=next(self._clock), salt=salt, on_device=on_device)
       if new.nbytes > self.max_bytes:
         self.dropped += 1
         return None
@@ -257,16 +283,19 @@ class HistoryStore:
   def _shrink(self, keep: Segment | None = None) -> None:
     """Least recently used childless segments leave host memory (to disk with spill_dir, room permitting)
     until host bytes <= max_bytes; `keep` and its chain stay."""
+    while self.device_bytes() > self.max_device_bytes:  # least recently used device segments to host memory
+      self._to_host(min((s for s in self.segments if s.on_device), key=lambda s: s.last_used))
     protected = set()
     s = keep
     while s is not None:
       protected.add(id(s))
       s = s.parent
     while self.host_bytes() > self.max_bytes:
-      leaves = [s for s in self.segments if s.children == 0 and not s.on_disk and id(s) not in protected]
+      leaves = [s for s in self.segments if s.children == 0 and not s.on_disk and not s.on_device
+                and id(s) not in protected]
       if not leaves:
         # only chains in use (or parents of spilled segments) remain in host memory: spill parents too
-        leaves = [s for s in self.segments if not s.on_disk and id(s) not in protected]
+        leaves = [s for s in self.segments if not s.on_disk and not s.on_device and id(s) not in protected]
         if not leaves or self.spill_dir is None:
           break
       victim = min(leaves, key=lambda s: s.last_used)
@@ -281,6 +310,14 @@ class HistoryStore:
       if not leaves:
         break
       self._drop(min(leaves, key=lambda s: s.last_used))
+
+  def _to_host(self, seg: Segment) -> None:
+    """A device segment's K/V copied to host memory (every layer's copy started before the first is waited for)."""
+    for x in (*seg.k, *seg.v):
+      x.copy_to_host_async()
+    seg.k = [np.asarray(x) for x in seg.k]
+    seg.v = [np.asarray(x) for x in seg.v]
+    seg.on_device = False
 
   def _spill_files(self, seg: Segment) -> list[str]:
     base = os.path.join(self.spill_dir, f"seg{id(seg):x}")

@@ -181,3 +181,34 @@ def test_chunked_prefill_equals_whole(model, history):  # noqa: F811
     ev = _events(chunked, [turn2])["t2"]
     assert ev[-1].cached_tokens > 250
     assert _tokens(ev) == _tokens(_events(whole, [turn2])["t2"])
+
+
+def test_device_history_tier(model, tmp_path):  # noqa: F811
+  """history_device_bytes: recent histories stay on the device (no host copy), a next turn over them equals the
+  host-history engine's, older ones move to host memory past the limit, and a save holds both."""
+  kw = dict(KW, max_prompt_tokens=400, history_bytes=2**24)
+  host = Engine(model, Tok(), EngineConfig(**kw))
+  dev = Engine(model, Tok(), EngineConfig(**dict(kw, history_device_bytes=2**24)))
+  turn1 = [Request(f"a{i}", prompt(150, 20 + i), SamplingParams(max_tokens=4)) for i in range(2)]
+  for e in (host, dev):
+    _events(e, turn1)
+  assert dev.stats()["kv_bytes_host"] == 0 and dev.stats()["kv_bytes_history_device"] > 0
+  assert all(s.on_device for s in dev.history.segments)
+  turn2 = [Request(f"b{i}", prompt(150, 20 + i) + [9, 8, 7] * 10, SamplingParams(max_tokens=6)) for i in range(2)]
+  want = {k: (_tokens(v), v[-1].cached_tokens) for k, v in _events(host, turn2).items()}
+  got = {k: (_tokens(v), v[-1].cached_tokens) for k, v in _events(dev, turn2).items()}
+  assert got == want and all(c > 100 for _, c in got.values())
+  # a limit of one segment's bytes: the older segments move to the host, their data unchanged
+  seg_bytes = dev.history.segments[0].nbytes
+  before = [np.asarray(x).copy() for x in dev.history.segments[0].k]
+  dev.history.max_device_bytes = seg_bytes
+  _events(dev, [Request("c", prompt(150, 40), SamplingParams(max_tokens=2))])  # adding one shrinks the tier
+  assert dev.stats()["kv_bytes_history_device"] <= seg_bytes and dev.stats()["kv_bytes_host"] > 0
+  assert not dev.history.segments[0].on_device
+  for a, b in zip(before, dev.history.segments[0].k):
+    np.testing.assert_array_equal(np.asarray(b), a)
+  n = dev.save_history(tmp_path / "h")
+  loaded = Engine(model, Tok(), EngineConfig(**kw))
+  assert loaded.load_history(tmp_path / "h") == n
+  again = {k: (_tokens(v), v[-1].cached_tokens) for k, v in _events(loaded, turn2).items()}
+  assert again == want
