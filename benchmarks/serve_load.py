@@ -785,7 +785,8 @@ def plot(records: list[dict], path: str) -> None:
       ax.legend(fontsize=7)
     row[0].set_title(f"{wl}: time to first token")
     row[1].set_title(f"{wl}: time per output token")
-    row[2].set_title(f"{wl}: goodput (TTFT <= {slo['slo_ttft_s']:g} s, TPOT <= {slo['slo_tpot_s'] * 1e3:g} ms)")
+    row[2].set_title(f"{wl}: goodput (TTFT<={slo['slo_ttft_s']:g}s, TPOT<={slo['slo_tpot_s'] * 1e3:g}ms)",
+                     fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
