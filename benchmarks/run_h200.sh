@@ -3,7 +3,7 @@
 # 10 minutes (each part bounded, so a slow compile cannot cost the rest).
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
-#        serve32max serve32max_rk serve32chunk serve32arrive turn2dev turn2 mesh70b kernels_s2 profile391
+#        serve32max serve32max_rk serve32chunk serve32arrive prefill_flops turn2dev turn2 mesh70b kernels_s2 profile391
 #        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
@@ -67,6 +67,9 @@ for part in "$@"; do
       done ;;
     serve32max_rk)  # serve32max for RocketKV alone (the engine's steady step against the decode benchmark)
       serve 540 --methods rocketkv --token-budget 256 --prompt 32k --slots max ;;
+    prefill_flops)  # issue 37: prefill FLOP/s against the measured matmul rate, whole and in chunks of 2048, 4k-128k
+      timeout 500 python3 -m benchmarks.prefill_flops --contexts 4k,8k,16k,32k,64k,128k --chunk-tokens 2048 \
+        --out "$out/prefill_flops.jsonl" >>"$out/log.txt" 2>&1 || echo "part exited $? : prefill_flops" >>"$out/log.txt" ;;
     turn2dev)  # issue 37: the second turn with the history's device tier (8 GiB: the first turn's K/V stays on the GPU)
       serve 300 --methods rocketkv --token-budget 256 --prompt 32k --slots "" --turn2 512,4096 --history-device-gb 8 ;;
     turn2)  # a second turn of 512 / 4096 new tokens over a stored 32k first turn, against re-prefilling it all
