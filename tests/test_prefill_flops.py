@@ -15,4 +15,5 @@ def test_prefill_flops_tiny(tmp_path):
   per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.ffn_dim
   want = 2 * 256 * per_layer * c.n_layers + 2 * 256 ** 2 * c.n_heads * c.head_dim * c.n_layers + 2 * c.dim * c.vocab_size
   assert prefill_flops.prefill_flops(c, 256) == want
-  assert rec["of_matmul"] > 0 and rec["chunked_of_whole"] == round(rec["chunked_prefill_s"] / rec["prefill_s"], 3)
+  assert rec["of_matmul"] > 0
+  assert abs(rec["chunked_of_whole"] - rec["chunked_prefill_s"] / rec["prefill_s"]) < 0.01 * rec["chunked_of_whole"] + 1e-3
