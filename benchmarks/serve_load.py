@@ -308,7 +308,9 @@ class Client:
   """The HTTP side: JSON calls, the server's info, and one streamed request timed."""
 
   def __init__(self, session, url: str, model: str, api_key: str | None, timeout_s: float):
-    self.s, self.url, self.model, self.timeout_s = session, url.rstrip("/"), model, timeout_s
+    url = url.rstrip("/")
+    url = url[:-3] if url.endswith("/v1") else url  # the server's root: /health, /tokenize and /v1/... below it
+    self.s, self.url, self.model, self.timeout_s = session, url, model, timeout_s
     self.headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
 
   async def get(self, path: str):
