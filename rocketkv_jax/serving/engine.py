@@ -53,7 +53,6 @@ import functools
 import itertools
 import logging
 import math
-import threading
 import time
 from typing import Sequence
 
@@ -199,7 +198,9 @@ class SamplingParams:
   request's, before that many tokens; a stop string may still end it), repetition_penalty in (0, 10] (1 is off;
   over prompt and output tokens), frequency_penalty and presence_penalty in [-2, 2] (over output tokens).
   logprobs: None, or k in [0, MAX_LOGPROBS]: each token's raw log-probability and the k most likely
-  (`TokenLogprob`); prompt_logprobs: the same for the prompt's tokens.
+  (`TokenLogprob`); prompt_logprobs: the same for the prompt's tokens. ignore_eos: the model's EOS and
+  end-of-turn ids do not end the answer (vLLM's; the request's own stop_ids and stop_strings still do), so it
+  runs to max_tokens (what load benchmarks ask for), without the processed kind min_tokens would need.
   """
 
   max_tokens: int = 64
@@ -216,6 +217,7 @@ class SamplingParams:
   logit_bias: tuple[tuple[int, float], ...] = ()
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  ignore_eos: bool = False
 
   @property
   def processed(self) -> bool:
@@ -257,6 +259,8 @@ class SamplingParams:
       if not (low < v if name == "repetition_penalty" else low <= v) or not v <= high:
         raise ValueError(f"{name}={v!r} must be in {'(' if name == 'repetition_penalty' else '['}{low:g}, {high:g}]")
       object.__setattr__(self, name, float(v))
+    if not isinstance(self.ignore_eos, bool):
+      raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
     check_int("min_tokens", self.min_tokens, 0)
     if self.min_tokens > self.max_tokens:
       raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
@@ -348,8 +352,9 @@ def insert_jit(caches, logits_BV, one_caches, one_logits_1V, slot):
 
 
 class Engine:
-  """Continuous batching over `config.max_slots` slots (module doc). Thread-safe: submit / abort may be called
-  while another thread runs step()."""
+  """Continuous batching over `config.max_slots` slots (module doc). Not thread-safe: one thread owns it (the
+  server's `runner.EngineRunner`: every submit, abort and step travels to that thread), as JetStream's and vLLM's
+  engine cores are driven by one loop."""
 
   def __init__(self, model, tokenizer, config: EngineConfig, *, mesh=None):
     if not isinstance(config, EngineConfig):
@@ -370,7 +375,6 @@ class Engine:
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
     self._graphdef, self._state = nnx.split(model)
     self._executables: dict = {}
-    self._lock = threading.RLock()
     self._queue: collections.deque[Request] = collections.deque()
     self._slots: list[RequestState | None] = [None] * config.max_slots
     self._pending: list[TokenEvent] = []  # abort events, emitted by the next step
@@ -484,65 +488,59 @@ class Engine:
   def submit(self, request: Request) -> None:
     """Validates and queues a request. Raises ValueError (bad request, duplicate id) or QueueFull."""
     self.validate(request)
-    with self._lock:
-      rid = request.request_id
-      if (any(r.request_id == rid for r in self._queue) or any(a and a.request.request_id == rid for a in self._slots)
-          or (self._filling is not None and self._filling[0].request_id == rid)):
-        raise ValueError(f"request_id={rid!r} is already queued or running")
-      if len(self._queue) >= self.config.max_queue:
-        raise QueueFull(f"the queue holds max_queue={self.config.max_queue} requests")
-      self._queue.append(request)
-      self._arrived[rid] = time.monotonic()
+    rid = request.request_id
+    if (any(r.request_id == rid for r in self._queue) or any(a and a.request.request_id == rid for a in self._slots)
+        or (self._filling is not None and self._filling[0].request_id == rid)):
+      raise ValueError(f"request_id={rid!r} is already queued or running")
+    if len(self._queue) >= self.config.max_queue:
+      raise QueueFull(f"the queue holds max_queue={self.config.max_queue} requests")
+    self._queue.append(request)
+    self._arrived[rid] = time.monotonic()
 
   def abort(self, request_id: str) -> bool:
     """Drops a queued or running request (its slot is freed at once); the next step() emits its final event
     (finish_reason "abort"). False when no such request is queued or running."""
-    with self._lock:
-      for r in self._queue:
-        if r.request_id == request_id:
-          self._queue.remove(r)
-          self._arrived.pop(request_id, None)
-          self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
-          return True
-      if self._filling is not None and self._filling[0].request_id == request_id:
-        r = self._filling[0]
-        self._filling[1].close()
-        self._filling = None
+    for r in self._queue:
+      if r.request_id == request_id:
+        self._queue.remove(r)
+        self._arrived.pop(request_id, None)
         self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
         return True
-      for i, a in enumerate(self._slots):
-        if a is not None and a.request.request_id == request_id:
-          self._slots[i], a.done = None, True
-          self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(a.request),
-                                          a.completion, a.cached))
-          return True
+    if self._filling is not None and self._filling[0].request_id == request_id:
+      r = self._filling[0]
+      self._filling[1].close()
+      self._filling = None
+      self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
+      return True
+    for i, a in enumerate(self._slots):
+      if a is not None and a.request.request_id == request_id:
+        self._slots[i], a.done = None, True
+        self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(a.request),
+                                        a.completion, a.cached))
+        return True
     return False
 
   def has_work(self) -> bool:
-    with self._lock:
-      return bool(self._queue or self._pending or self._inflight is not None or self._filling is not None or
-                  any(a is not None for a in self._slots))
+    return bool(self._queue or self._pending or self._inflight is not None or self._filling is not None or
+                any(a is not None for a in self._slots))
 
   def stats(self) -> dict:
-    with self._lock:
-      h = self.history
-      return dict(queue_depth=len(self._queue), active_slots=sum(a is not None for a in self._slots),
-                  max_slots=self.config.max_slots, tokens_generated=self._tokens_generated,
-                  kv_bytes_device=cache_nbytes(self._caches), compiles=len(self._executables),
-                  kv_bytes_host=h.host_bytes() if h else 0, kv_bytes_disk=h.disk_bytes() if h else 0,
-                  kv_bytes_history_device=h.device_bytes() if h else 0,
-                  history_segments=len(h.segments) if h else 0, prompt_tokens_reused=self._reused,
-                  prompt_tokens_prefilled=self._prefilled)
+    h = self.history
+    return dict(queue_depth=len(self._queue), active_slots=sum(a is not None for a in self._slots),
+                max_slots=self.config.max_slots, tokens_generated=self._tokens_generated,
+                kv_bytes_device=cache_nbytes(self._caches), compiles=len(self._executables),
+                kv_bytes_host=h.host_bytes() if h else 0, kv_bytes_disk=h.disk_bytes() if h else 0,
+                kv_bytes_history_device=h.device_bytes() if h else 0,
+                history_segments=len(h.segments) if h else 0, prompt_tokens_reused=self._reused,
+                prompt_tokens_prefilled=self._prefilled)
 
   def reset_counters(self) -> None:
     """Zeroes the counters `stats()` reports (tokens generated, prompt tokens reused and prefilled): after a
     warm-up, so /metrics counts client traffic only. Compiled pieces and the history are kept."""
-    with self._lock:
-      self._tokens_generated = self._reused = self._prefilled = 0
+    self._tokens_generated = self._reused = self._prefilled = 0
 
   def free_slots(self) -> list[int]:
-    with self._lock:
-      return [i for i, a in enumerate(self._slots) if a is None]
+    return [i for i, a in enumerate(self._slots) if a is None]
 
   @property
   def decode_state(self):
@@ -619,8 +617,7 @@ class Engine:
       raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
     request = Request("remember", list(prompt_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt)
     self.validate(request)
-    with self._lock:
-      self._prefill_over_history(request)
+    self._prefill_over_history(request)
     seg, n = self.history.match(request.prompt_ids, cache_salt)
     return n
 
@@ -718,8 +715,7 @@ class Engine:
     with `context=` then continue copies of its cache. Never stored in or taken from the history."""
     probe = Request("context", list(prompt_ids), SamplingParams(max_tokens=self.config.max_new_tokens))
     self.validate(probe)
-    with self._lock:
-      logits, caches = self._prefill_alone(probe)
+    logits, caches = self._prefill_alone(probe)
     return Context(list(prompt_ids), logits, caches)
 
   def _feed(self, logits, caches, tokens: list[int]):
@@ -791,20 +787,20 @@ class Engine:
 
   def insert(self, prefilled: Prefilled, slot: int) -> None:
     """Writes a prefilled request into a free slot; it decodes from the next generate()."""
-    with self._lock:
-      if not 0 <= slot < self.config.max_slots or self._slots[slot] is not None:
-        raise ValueError(f"slot={slot} is not a free slot (free: {self.free_slots()})")
-      logits, caches = prefilled
-      slot_j = np.int32(slot)
-      exe = self._compiled(("insert",), lambda: insert_jit.lower(self._caches, self._logits, caches, logits, slot_j))
-      self._caches, self._logits = exe(self._caches, self._logits, caches, logits, slot_j)
-      self._logits, self._caches = self._keep_placement(self._logits, self._caches)
-      req = prefilled.request
-      if req.sampling.processed:
-        self._restart_processing(slot, req)
-      self._slots[slot] = RequestState(
-          request=req, prompt_tokens=prompt_tokens(req), stops=frozenset(self.stop_ids) | frozenset(req.sampling.stop_ids),
-          cached=getattr(prefilled, "cached", 0), scores=getattr(prefilled, "scores", None), serial=next(self._inserts))
+    if not 0 <= slot < self.config.max_slots or self._slots[slot] is not None:
+      raise ValueError(f"slot={slot} is not a free slot (free: {self.free_slots()})")
+    logits, caches = prefilled
+    slot_j = np.int32(slot)
+    exe = self._compiled(("insert",), lambda: insert_jit.lower(self._caches, self._logits, caches, logits, slot_j))
+    self._caches, self._logits = exe(self._caches, self._logits, caches, logits, slot_j)
+    self._logits, self._caches = self._keep_placement(self._logits, self._caches)
+    req = prefilled.request
+    if req.sampling.processed:
+      self._restart_processing(slot, req)
+    self._slots[slot] = RequestState(
+        request=req, prompt_tokens=prompt_tokens(req),
+          stops=frozenset(() if req.sampling.ignore_eos else self.stop_ids) | frozenset(req.sampling.stop_ids),
+        cached=getattr(prefilled, "cached", 0), scores=getattr(prefilled, "scores", None), serial=next(self._inserts))
 
   def _restart_processing(self, slot: int, req: Request) -> None:
     """Zeroes row `slot`'s output token counts and marks its prompt's tokens (context included), for the
@@ -829,28 +825,27 @@ class Engine:
     never idles while the host checks stops, detokenizes and admits requests. A request's tokens therefore
     arrive one generate() after they were computed, and a row that finished keeps decoding for one more call
     (its tokens are dropped). Once no slot is active, generate() only reads the last call."""
-    with self._lock:
-      events, self._pending = self._pending, []
-      previous, self._inflight = self._inflight, None
-      active = [(i, a) for i, a in enumerate(self._slots) if a is not None]
-      if active:
-        self._inflight = (self._launch(active), active)
-      if previous is not None:
-        (tokens, scores), rows = previous
-        tokens = np.asarray(tokens)
-        scores = None if scores is None else [np.asarray(x) for x in scores]
-        for i, a in rows:
-          if a.done:  # finished in an earlier call or aborted
-            continue
-          event = advance(self.tokenizer, a, tokens[i].tolist(), None if scores is None else [x[i] for x in scores])
-          if event is not None:
-            events.append(event)
-            self._tokens_generated += len(event.token_ids)
-            if event.finished:
-              a.done = True
-              if self._slots[i] is a:
-                self._slots[i] = None
-      return events
+    events, self._pending = self._pending, []
+    previous, self._inflight = self._inflight, None
+    active = [(i, a) for i, a in enumerate(self._slots) if a is not None]
+    if active:
+      self._inflight = (self._launch(active), active)
+    if previous is not None:
+      (tokens, scores), rows = previous
+      tokens = np.asarray(tokens)
+      scores = None if scores is None else [np.asarray(x) for x in scores]
+      for i, a in rows:
+        if a.done:  # finished in an earlier call or aborted
+          continue
+        event = advance(self.tokenizer, a, tokens[i].tolist(), None if scores is None else [x[i] for x in scores])
+        if event is not None:
+          events.append(event)
+          self._tokens_generated += len(event.token_ids)
+          if event.finished:
+            a.done = True
+            if self._slots[i] is a:
+              self._slots[i] = None
+    return events
 
   def _launch(self, active):
     """Queues one decode call for the active rows (asynchronous); returns (its tokens [B, steps_per_call], its
@@ -918,33 +913,32 @@ class Engine:
     """Admits queued requests into free slots (prefill + insert each), then one generate(). With
     prefill_chunk_tokens, the prefills of one step stop once they have taken that many prompt tokens: a long
     prompt is prefilled one chunk per step, between decode calls (one prompt at a time, in arrival order)."""
-    with self._lock:
-      budget, spent = self.config.prefill_chunk_tokens, 0
-      while not (budget and spent >= budget):
-        if self._filling is None:
-          if not (self._queue and None in self._slots):
-            break
-          req = self._queue.popleft()
-          arrived = self._arrived.pop(req.request_id, None)
-          waited = time.monotonic() - arrived if arrived is not None else 0.0
-          self._filling = (req, None, waited)
-        req, fill, waited = self._filling
-        try:
-          if fill is None:
-            fill = self._admission(req)
-            self._filling = (req, fill, waited)
-          n, prefilled = next(fill)
-          spent += n
-          if prefilled is not None:
-            self._filling = None
-            slot = self._slots.index(None)
-            self.insert(prefilled, slot)
-            self._slots[slot].queued_s = waited
-        except Exception as e:  # noqa: BLE001 - this request fails alone; the others decode on
-          log.exception("request %s failed in its prefill", req.request_id)
+    budget, spent = self.config.prefill_chunk_tokens, 0
+    while not (budget and spent >= budget):
+      if self._filling is None:
+        if not (self._queue and None in self._slots):
+          break
+        req = self._queue.popleft()
+        arrived = self._arrived.pop(req.request_id, None)
+        waited = time.monotonic() - arrived if arrived is not None else 0.0
+        self._filling = (req, None, waited)
+      req, fill, waited = self._filling
+      try:
+        if fill is None:
+          fill = self._admission(req)
+          self._filling = (req, fill, waited)
+        n, prefilled = next(fill)
+        spent += n
+        if prefilled is not None:
           self._filling = None
-          self._pending.append(TokenEvent(req.request_id, [], "", True, "error", prompt_tokens(req), 0,
-                                          error=f"{type(e).__name__}: {e}"))
-      return self.generate()
+          slot = self._slots.index(None)
+          self.insert(prefilled, slot)
+          self._slots[slot].queued_s = waited
+      except Exception as e:  # noqa: BLE001 - this request fails alone; the others decode on
+        log.exception("request %s failed in its prefill", req.request_id)
+        self._filling = None
+        self._pending.append(TokenEvent(req.request_id, [], "", True, "error", prompt_tokens(req), 0,
+                                        error=f"{type(e).__name__}: {e}"))
+    return self.generate()
 
 

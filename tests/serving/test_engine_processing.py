@@ -212,3 +212,18 @@ def test_device_history_tier(model, tmp_path):  # noqa: F811
   assert loaded.load_history(tmp_path / "h") == n
   again = {k: (_tokens(v), v[-1].cached_tokens) for k, v in _events(loaded, turn2).items()}
   assert again == want
+
+
+def test_ignore_eos(engine_rk):
+  """ignore_eos: the model's EOS no longer ends the answer (it is kept as a token), the request's own stop ids
+  still do."""
+  ids = prompt(100, 5)
+  eos = engine_rk.stop_ids[0]
+  ev = _events(engine_rk, [Request("i", ids, SamplingParams(max_tokens=5, logit_bias={eos: 100.0},
+                                                            ignore_eos=True))])["i"]
+  assert _tokens(ev) == [eos] * 5 and ev[-1].finish_reason == "length"
+  ev = _events(engine_rk, [Request("j", ids, SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={9: 100.0},
+                                                            stop_ids=(9,)))])["j"]
+  assert _tokens(ev) == [] and ev[-1].finish_reason == "stop"
+  with pytest.raises(ValueError, match="ignore_eos"):
+    SamplingParams(ignore_eos=1)
