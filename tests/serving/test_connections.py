@@ -144,6 +144,27 @@ def test_silent_and_slowloris_clients_are_closed_at_the_request_deadline(fast_li
       s.close()
 
 
+def test_a_body_trickled_past_the_deadline_is_cut(fast_limits):
+  """Headers whole, the body a byte at a time: the request deadline covers the body too."""
+  body = json.dumps(dict(model=MODEL, prompt="hi", max_tokens=1)).encode()
+  with socket.create_connection(("127.0.0.1", fast_limits.port), timeout=10) as sock:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body))
+    t0 = time.monotonic()
+    cut = False
+    try:
+      for b in body[:-1]:
+        sock.sendall(bytes([b]))
+        time.sleep(0.2)
+        if time.monotonic() - t0 > 4:
+          break
+    except (BrokenPipeError, ConnectionResetError):
+      cut = True
+    assert cut or closed_by_server(sock, 1.0)
+    assert time.monotonic() - t0 < 4.5
+  assert health(fast_limits.port) == 200
+
+
 def test_idle_keep_alive_connections_close_after_keep_alive_s(fast_limits):
   with socket.create_connection(("127.0.0.1", fast_limits.port), timeout=10) as sock:
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
