@@ -206,13 +206,15 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+LAUNCH_PREFIX = ("rocketkv", "serve")
+
+
 def launch_args(text: str) -> list[str]:
   """`rocketkv serve`'s flags from --launch's string ('rocketkv serve' / 'serve' in front are dropped)."""
   args = shlex.split(text)
-  if args[:1] == ["rocketkv"]:
-    args = args[1:]
-  if args[:1] == ["serve"]:
-    args = args[1:]
+  for word in LAUNCH_PREFIX:  # the CLI's name, then the subcommand
+    if args[:1] == [word]:
+      args = args[1:]
   return args
 
 
