@@ -537,7 +537,7 @@ def _model_name(model: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   from rocketkv_jax import METHODS
-  from rocketkv_jax.budget import MIN_TOKEN_BUDGET
+  from rocketkv_jax.budget import MAX_TOKENS, MIN_TOKEN_BUDGET
   from rocketkv_jax.models import catalog
 
   from .connections import KEEP_ALIVE_S, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
@@ -545,15 +545,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   sub = p.add_subparsers(dest="command", required=True)
   count = _number(int, low=1)
+  # Token counts: the caches hold lengths and positions as int32 (a larger value used to pass here and fail
+  # only after the model loaded, without naming the flag).
+  tokens = _number(int, low=1, high=MAX_TOKENS, high_text="2**31 - 1")
 
   def common(sp, max_new_tokens: int):
     sp.add_argument("--model", default="smollm2",
                     help=f"'smollm2' (embedded SmolLM2-135M-Instruct GGUF), a fetched catalog model "
                          f"({', '.join(catalog.ALIASES)}: `rocketkv fetch ALIAS` first), a .gguf path or a HF "
                          "Llama dir")
-    sp.add_argument("--token-budget", type=_number(int, low=MIN_TOKEN_BUDGET), default=256,
+    sp.add_argument("--token-budget", type=_number(int, low=MIN_TOKEN_BUDGET, high=MAX_TOKENS, high_text="2**31 - 1"),
+                    default=256,
                     help=BUDGET_HELP.format(min=MIN_TOKEN_BUDGET))
-    sp.add_argument("--max-new-tokens", type=count, default=max_new_tokens,
+    sp.add_argument("--max-new-tokens", type=tokens, default=max_new_tokens,
                     help=f"tokens to generate at most (default {max_new_tokens})")
     sp.add_argument("--cache", default=None,
                     help="converted-weight cache dir (default $ROCKETKV_CACHE or ~/.cache/rocketkv_jax); compiled "
@@ -605,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--port", type=_number(int, low=0, high=65535), default=8000,
                  help="port (default 8000; 0 = any free port)")
   s.add_argument("--max-slots", type=count, default=8, help="requests decoded at once (default 8)")
-  s.add_argument("--max-prompt-tokens", type=count, default=2048, help="longest prompt accepted (default 2048)")
+  s.add_argument("--max-prompt-tokens", type=tokens, default=2048, help="longest prompt accepted (default 2048)")
   s.add_argument("--max-queue", type=_number(int, low=0), default=64,
                  help="requests waiting for a slot before new ones get 429 (default 64)")
   s.add_argument("--steps-per-call", type=count, default=4, help="decode steps per engine call (default 4)")
