@@ -237,12 +237,15 @@ def call(op: str, *args, impl: str, **kwargs):
 
 
 def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, impl):
-  """Exact attention of each query head over its KV head's slots [0, length): out [B, K, G, H]."""
+  """Exact attention of each query head over its KV head's slots [0, length): out [B, K, G, H]. A NaN in an
+  attended key or value gives NaN (`jax.nn.dot_product_attention`'s NaN in, NaN out); slots past length are never
+  read; no valid slot gives 0."""
   return call("dense_decode_attention", q_BKGH, k_BKSH, v_BKSH, length_B, impl=impl)
 
 
 def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl):
-  """Exact attention over the slots idx[b, k, m] where valid: out [B, K, G, H]."""
+  """Exact attention over the slots idx[b, k, m] where valid: out [B, K, G, H]. NaN in an attended key or value
+  gives NaN; invalid entries are never read; none valid gives 0."""
   return call("sparse_decode_attention", q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, impl=impl)
 
 
@@ -274,7 +277,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
   pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing. With choose_q (the
   step's query) and topr, HSA's channel choice of each row follows (`hsa_select`'s choice=; the kernel makes it
   in the same launch). The kernel rebuilds the open page from its K rows when the new key has the cache's dtype
-  and the page is small (`cache_append`'s kt_update="auto"); the XLA path folds the key into the page: the
+  and the page is small (`cache_append.resolve_kt_update`); the XLA path folds the key into the page: the
   same pages whenever each page holds its rows' min/max, as every cache's do. page_size_B, topr_B: None, or
   [B] int32, row b's page size in [1, page_size] (its slot s goes to page s // ps_b) and the choice's top-r in
   [1, topr] (`cache_append`'s)."""
