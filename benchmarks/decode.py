@@ -45,23 +45,14 @@ import numpy as np
 from flax import nnx
 
 import rocketkv_jax as rk
-from rocketkv_jax.kernels import hsa_scores
-from rocketkv_jax.models import llama
+from rocketkv_jax.kernels import triton_util
+from rocketkv_jax.models import llama, shapes
 from rocketkv_jax.models.loop import LoopConfig, decode_loop_jit
 from rocketkv_jax.models.sharding import default_impl, make_mesh, shard_batch, shard_model, using
 
-LLAMA_31_8B = llama.LlamaConfig(
-    vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
-    rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    norm_eps=1e-5, tie_embeddings=False, max_len=131072 + 1024)
-LLAMA_31_70B = llama.LlamaConfig(
-    vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672,
-    rope_theta=500000.0, rope_scaling=LLAMA_31_8B.rope_scaling, norm_eps=1e-5, tie_embeddings=False,
-    max_len=131072 + 1024)
+# the shapes live in the package (`models/shapes.py`: also `rocketkv serve --model random:llama-3.1-8b`)
+LLAMA_31_8B, LLAMA_31_70B, TINY = shapes.LLAMA_31_8B, shapes.LLAMA_31_70B, shapes.TINY
 SHAPES = {"8b": LLAMA_31_8B, "70b": LLAMA_31_70B}
-TINY = llama.LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
-                         tie_embeddings=False, max_len=8192)
 NEW_TOKENS = 256  # max_new_tokens every plan is made for (capacity holds warm-up + timed steps)
 
 
@@ -422,7 +413,7 @@ def main(argv=None):
                     sys.argv[1:] if argv is None else argv), model="tiny" if args.tiny else "llama-3.1-8b-shape",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), mesh=args.mesh,
                 shape="tiny" if args.tiny else args.shape,
-                gather_min_rows=hsa_scores.GATHER_MIN_ROWS, ab=args.ab,
+                sm_count=triton_util.sm_count(), ab=args.ab,
                 ab_rounds=args.ab_rounds if args.ab else None)
 
   def emit(rec):

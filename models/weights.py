@@ -29,7 +29,7 @@ import warnings
 
 import numpy as np
 
-from . import catalog, hub
+from . import catalog, hub, shapes
 from .llama import MODEL_TYPES, LlamaConfig, from_params, fuse_params
 from .tokenizer import TextTokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
 
@@ -690,7 +690,7 @@ def checkpoint_dtype(path: str) -> str:
 
 def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, use_cache: bool = True,
          log=None, mesh=None):
-  """(model, tokenizer) from "smollm2", an alias of `catalog` ("qwen2.5-1.5b": `rocketkv fetch` first), a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
+  """(model, tokenizer) from "smollm2", "random:<shape>" (`shapes`: random bf16 weights, for speed), an alias of `catalog` ("qwen2.5-1.5b": `rocketkv fetch` first), a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
   mistral or qwen2), or a hub id "org/name" found in the local Hugging Face cache (`hub.resolve`: nothing is
   downloaded; HF_HUB_CACHE / HF_HOME say where the cache is).
 
@@ -707,6 +707,11 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
   """
   import jax.numpy as jnp
   log = log or (lambda msg: None)
+  if shapes.is_random(source):  # a named shape with random weights and a byte-level stand-in tokenizer
+    model, tok = shapes.random_model(source, None if dtype == "auto" else dtype, mesh)
+    log(f"{source}: random {jnp.dtype(model.dtype).name} weights of the {source[len(shapes.PREFIX):]} shape "
+        f"(speed measurements only: its text is noise)")
+    return model, tok
   if source == "smollm2":
     path = smollm2_path()
   elif catalog.is_alias(source):  # a model `rocketkv fetch` assembled from the package index

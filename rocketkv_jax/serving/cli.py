@@ -118,8 +118,11 @@ def _methods_list(text: str) -> tuple[str, ...]:
 def _check_model_source(model: str) -> None:
   """Fails fast, before any loading, when the model's file or folder (or the smollm2 package, or a hub id's
   checkpoint in the local Hugging Face cache) is missing."""
-  from rocketkv_jax.models import catalog, hub
+  from rocketkv_jax.models import catalog, hub, shapes
   from rocketkv_jax.models.weights import smollm2_path
+  if shapes.is_random(model):
+    shapes.shape(model)  # ValueError naming the known shapes
+    return
   if model == "smollm2":
     smollm2_path()  # CheckpointError (a ValueError) naming the missing package or file
     return
