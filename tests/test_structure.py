@@ -43,6 +43,8 @@ def _layer(name: str) -> str:
     return "models"
   if name.startswith("rocketkv_jax.serving"):
     return "serving"
+  if name.startswith("rocketkv_jax.eval"):  # the accuracy suite: on top of the models, beside serving
+    return "eval"
   if name.startswith("rocketkv_jax"):
     return "core"
   return name.split(".")[0]
@@ -65,7 +67,7 @@ def _imports(name: str, tree: ast.AST, *, top_level_only: bool = False):
       yield mod, [a.name for a in node.names], node.lineno
 
 
-_PROJECT = ("core", "kernels", "models", "serving", "benchmarks", "tests")
+_PROJECT = ("core", "kernels", "models", "serving", "eval", "benchmarks", "tests")
 
 
 def test_no_method_name_tests_outside_methods():
@@ -109,9 +111,10 @@ def test_no_private_names_across_modules():
 
 
 @pytest.mark.parametrize("layer,forbidden", [
-    ("core", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving")),
-    ("kernels", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving")),
-    ("models", ("rocketkv_jax.serving",)),
+    ("core", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving", "rocketkv_jax.eval")),
+    ("kernels", ("flax", "rocketkv_jax.models", "rocketkv_jax.serving", "rocketkv_jax.eval")),
+    ("models", ("rocketkv_jax.serving", "rocketkv_jax.eval")),
+    ("eval", ("rocketkv_jax.serving",)),
 ])
 def test_layers_import_downwards(layer, forbidden):
   found = []
