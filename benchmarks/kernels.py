@@ -47,9 +47,9 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 import rocketkv_jax as rk  # noqa: E402
 from rocketkv_jax import ops  # noqa: E402
 from rocketkv_jax.cache import KVCache, build_kt_pages  # noqa: E402
-from rocketkv_jax.kernels.hsa_scores import hsa_page_partials  # noqa: E402
+from rocketkv_jax.kernels.hsa_scores import Tuning as ScoresTuning, hsa_page_partials  # noqa: E402
 from rocketkv_jax.kernels.page_topk import hsa_page_topk  # noqa: E402
-from rocketkv_jax.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
+from rocketkv_jax.kernels.sparse_decode import Tuning as SparseTuning, sparse_decode_attention  # noqa: E402
 from rocketkv_jax.kernels.dense_decode import (dense_decode_attention,  # noqa: E402
                                                dense_decode_attention_reference)
 
@@ -342,23 +342,21 @@ def main():
                        err_attention=err_a)
           run_point("sparse_step", "pallas", step_p, sets, nbytes, extra)
           run_point("sparse_step", "xla", step_x, sets, nbytes, extra)
-          # The scoring kernel alone: one program per page block (the default) or one per (b, k) row walking
-          # its blocks.
-          # Layout "rank" ranks the channels in every program; "gather" chooses them once per row in XLA
-          # (that XLA prep is inside the timed call) and reads only the chosen rows.
-          for layout in ("rank", "gather"):
-            for split in (True, False):
-              score = jax.jit(lambda q, kn, vn, c, split=split, layout=layout: hsa_page_partials(
-                  q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret,
-                  split_pages=split, layout=layout))
-              run_point("hsa_scores", f"pallas {layout} split_pages={split}", score, sets,
-                        B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
+          # The scoring kernel alone, its channel choice (the row_channels kernel) inside the timed call: one
+          # program per page block or one per (b, k) row walking its blocks (`hsa_scores.pick_tuning` picks by
+          # rows). The impl names keep the "gather" of the records from before the rank layout's removal.
+          for split in (True, False):
+            score = jax.jit(lambda q, kn, vn, c, split=split: hsa_page_partials(
+                q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret,
+                tuning=ScoresTuning(split_pages=split)))
+            run_point("hsa_scores", f"pallas gather split_pages={split}", score, sets,
+                      B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
           # The sparse attention kernel alone on one fixed selection: the default split grid (partials merged
           # by an XLA epilogue) against one block per (b, k) row that normalises itself.
           idx_s, valid_s = cfg_p.select(c, q)
-          for name, tune in (("default", {}), ("num_splits=1 block_m=128", dict(num_splits=1, block_m=128))):
+          for name, tune in (("default", None), ("num_splits=1 block_m=128", SparseTuning(num_splits=1, block_m=128))):
             attend = jax.jit(lambda q, kn, vn, c, tune=tune: sparse_decode_attention(
-                q, c.k, c.v, idx_s, valid_s, interpret=interpret, **tune))
+                q, c.k, c.v, idx_s, valid_s, interpret=interpret, tuning=tune))
             run_point("sparse_attn", f"pallas {name}", attend, sets, B * K_HEADS * 2 * topk * H * 2,
                       dict(extra, err_vs_xla=rel_err(attend(*sets[0]), ops.sparse_decode_attention(
                           q, c.k, c.v, idx_s, valid_s, impl="xla"))))

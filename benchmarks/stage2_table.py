@@ -12,6 +12,7 @@ overrides are listed under the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -19,37 +20,40 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.kernels import G, H, K_HEADS
-from rocketkv_jax.kernels.hsa_scores import GATHER_MIN_ROWS, GATHER_ROW_PROGRAMS_MIN_ROWS
+from benchmarks.kernels import G, H, K_HEADS, rocketkv_config
+from rocketkv_jax.kernels import hsa_scores
 
-# tune_hsa.py records (no "kind") stand for the decode path's scoring kernel at the defaults: 4 warps, 1 stage
-# and block_p 64 (what hsa_page_partials picks at 32k context, t=256 from 256 rows: a [64, 64] gather tile).
-TUNE_DEFAULTS = dict(block_p=64, warps=4, stages=1)
 KERNELS = (("append", "append"), ("select", "HSA selection"), ("attn", "sparse attention"))
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def auto_layout(B: int) -> tuple[str, bool]:
-  """(layout, split_pages) that hsa_page_partials picks for B * K_HEADS rows (layout="auto")."""
-  rows = B * K_HEADS
-  layout = "gather" if rows >= GATHER_MIN_ROWS else "rank"
-  return layout, not (layout == "gather" and rows >= GATHER_ROW_PROGRAMS_MIN_ROWS)
+@functools.cache
+def decode_tuning(B: int, L: int = 32768, t: int = 256) -> hsa_scores.Tuning:
+  """The scoring kernel's launch parameters on the decode path at batch B, context L and budget t: the kernel's
+  own heuristic (`hsa_scores.pick_tuning`) at RocketKV's plan (its KT pages and top-r), on this device (the
+  H200's SM count where no GPU is visible)."""
+  cfg = rocketkv_config(L, t, "xla")
+  return hsa_scores.pick_tuning(B, K_HEADS, cfg.num_kt_pages, cfg.topr)
 
 
-def scores_layout(r):
-  """(layout, split_pages) of an HSA scoring record (kernels.py or tune_hsa.py at its defaults), else None."""
+def is_decode_scoring(r, B: int) -> bool:
+  """Whether r is an HSA scoring record at the decode path's launch parameters (`decode_tuning`): kernels.py's
+  records at its split (their channel choice by the row_channels kernel), tune_hsa.py's at all of them. The
+  in-kernel "rank" layout, removed in issue 38, is never the decode path's."""
+  tuning = decode_tuning(B, r["L"], r["t"])
   if r.get("kind") == "hsa_scores":
-    m = re.fullmatch(r"pallas (rank|gather) split_pages=(True|False)", r.get("impl", ""))
-    return (m[1], m[2] == "True") if m else None
-  if "kind" not in r and "layout" in r and all(r.get(k) == v for k, v in TUNE_DEFAULTS.items()):
-    return r["layout"], bool(r["split"])
-  return None
+    m = re.fullmatch(r"pallas gather split_pages=(True|False)", r.get("impl", ""))
+    return bool(m) and (m[1] == "True") == tuning.split_pages
+  if r.get("kind") in (None, "scores") and r.get("layout") == "gather":  # tune_hsa.py (older records: no kind)
+    return ((bool(r.get("split")), r.get("block_p"), r.get("warps"), r.get("stages")) ==
+            (tuning.split_pages, tuning.block_p, tuning.num_warps, tuning.num_stages))
+  return False
 
 
 MATCH = {
     "append": lambda r, B: r.get("kind") == "append" and r.get("impl") == "pallas",
     "select": lambda r, B: r.get("kind") == "hsa_select" and r.get("impl") == "pallas two-kernel",
-    "scores": lambda r, B: scores_layout(r) == auto_layout(B),
+    "scores": is_decode_scoring,
     "attn": lambda r, B: r.get("kind") == "sparse_attn" and r.get("impl") == "pallas default",
     "layer": lambda r, B: r.get("kind") == "layer_step" and r.get("impl") == "pallas",
 }
@@ -181,13 +185,13 @@ def table_lines(table):
   return lines
 
 
-def scores_lines(table):
-  lines = ["| B | rows | layout (auto) | us | floor us | x |", "|---|---|---|---|---|---|"]
+def scores_lines(table, L: int, t: int):
+  lines = ["| B | rows | grid (pick_tuning) | us | floor us | x |", "|---|---|---|---|---|---|"]
   for B, row in table.items():
-    layout, split = auto_layout(B)
+    tuning = decode_tuning(B, L, t)
     c = cells(row["scores"][0])
-    lines.append(f"| {B} | {B * K_HEADS} | {layout}, {'page blocks' if split else 'row programs'} | "
-                 f"{c[0]} | {c[2]} | {c[3]} |")
+    lines.append(f"| {B} | {B * K_HEADS} | {'page blocks' if tuning.split_pages else 'row programs'}, "
+                 f"block_p {tuning.block_p} | {c[0]} | {c[2]} | {c[3]} |")
   return lines
 
 
@@ -235,7 +239,8 @@ def render(sources, L: int = 32768, t: int = 256, batches=None, command: str = "
       "Per layer, microseconds of GPU kernels per call from a profiler trace (dispatch excluded; the benchmark "
       "loop's copies of its non-donated cache too, listed in the notes). Kernels as the "
       "decode path runs them: append = `cache_append` (impl pallas, per step of a 16-step loop); HSA selection = "
-      "the two-kernel path (scores, layout picked by row count, then page top-k); sparse attention = the default "
+      "the two-kernel path (scores on the grid hsa_scores.pick_tuning picks, then page top-k); sparse attention = "
+      "the default "
       "split grid. floor = the point's bytes (what it must move: the chosen KT rows, the selected K/V rows, the "
       "appended rows and KT page) at the device-to-device copy bandwidth measured in the same run; x = us / "
       "floor. stage 2 = the three kernels summed against their floors summed; layer step = the whole decode step "
@@ -249,7 +254,8 @@ def render(sources, L: int = 32768, t: int = 256, batches=None, command: str = "
   ]
   if any(row["hsa_fallback"] for row in table.values()):
     parts += ["\\* no two-kernel selection record: the scoring kernel alone (top-k not included).", ""]
-  parts += ["HSA scoring kernel alone, the layout `auto` picks:", "", *scores_lines(table), ""]
+  parts += ["HSA scoring kernel alone, on the grid `hsa_scores.pick_tuning` picks:", "", *scores_lines(table, L, t),
+            ""]
   notes = notes_lines(table)
   if notes:
     parts += ["Notes:", "", *notes, ""]

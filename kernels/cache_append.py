@@ -6,7 +6,7 @@ Row slot[b, k] of k[b, k] / v[b, k] becomes k_new[b, k] / v_new[b, k]. With KT p
 k_new), otherwise min/max take the element-wise min/max with k_new. One program per (b, k) writes one K row
 and one V row, and the values of one page column of kt_min and kt_max that change, in place
 (input_output_aliases), so nothing else of the cache moves. The page's old min/max come from its K rows
-before the slot (contiguous), or from the KT column itself (`kt_update`). This replaces two XLA scatters and a
+before the slot (contiguous), or from the KT column itself (`resolve_kt_update`). This replaces two XLA scatters and a
 separate KT kernel, three launch-bound launches per layer on the H200, by one. Given the step's query and top_r
 (`choose_q`, `topr`), each program also makes HSA's channel choice for its row (`hsa_scores.row_channels_body`):
 the stage-2 scoring's choice kernel folded into this launch.
@@ -35,7 +35,9 @@ def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min
                            page_size_B=None, topr_B=None, **unused_tuning):
   """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
   with its page updated when KT pages are given, plus `append_choice(choose_q, topr, kt dtype, topr_B)` when
-  `choose_q` is given. A slot outside [0, S) changes nothing. kt_update, page_size_B: see `cache_append`."""
+  `choose_q` is given. A slot outside [0, S) changes nothing. page_size_B: see `cache_append`. kt_update: how the
+  page's old min/max is taken, "fold", "rows" or "auto" (`resolve_kt_update`: the kernel's rule); the two agree
+  on pages that hold their rows' min/max (`cache_append`)."""
   del unused_tuning
   return (_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
                             page_size=page_size, kt_update=kt_update, page_size_B=page_size_B) +
@@ -89,7 +91,7 @@ def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP
   return (k, v, *kt)
 
 
-# The largest page for which kt_update="auto" rebuilds the page from its K rows: the program holds
+# The largest page for which the kernel (kt_update "auto") rebuilds the page from its K rows: the program holds
 # next_pow2(page_size) rows of H channels in registers (one warp), so above this the column fold is taken.
 # Quest's pages are far larger (2 * S / t slots: 257 at 32k and t=256), and with "rows" for every page size
 # its 32k decode step went from 5.17 ms to 9.60 ms on the H200 (benchmarks/results/stage2_h200_2026-12-02d/);
@@ -238,10 +240,10 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
       raise ValueError(f"topr={topr!r} must be an int in [1, H={H}] with choose_q")
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "kt_update", "topr"])
+@functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "topr"])
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                 page_size: int = 1, interpret: bool = False, num_warps: int | None = None, kt_update: str = "auto",
-                 choose_q=None, topr: int = 0, page_size_B=None, topr_B=None):
+                 page_size: int = 1, interpret: bool = False, num_warps: int | None = None, choose_q=None,
+                 topr: int = 0, page_size_B=None, topr_B=None):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
   slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
   pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts
@@ -262,23 +264,22 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   how a decode past capacity inside a caller's jit is dropped instead of written out of range. The KT pages
   take each (b, k)'s own slot; the methods with KT pages use one slot per sequence.
 
-  kt_update: "fold" (the page's min/max folded with k_new in float32: reads the page's KT column, strided by
-  the row of P pages: each value its own memory sector), "rows" (the page's min/max recomputed from its K rows
-  up to the slot, as the cache holds them: at most page_size - 1 contiguous K rows instead of the KT column;
-  a value is stored only where it differs from the min/max of the rows before the slot, or at the page's
-  first slot, so a page that does not hold its rows' min/max keeps its other values) or "auto" ("rows" when
-  k_new has the cache's dtype and page_size <= ROWS_MAX_PAGE_SIZE, else "fold"). The two
-  agree when k_new has the cache's dtype and the KT page holds the min/max of its rows (as
-  `cache.build_kt_pages` and every append keep it): rounding to the KT dtype commutes with min and max. H200,
-  32k context, t=256 (539 pages of 3), us per layer: 391 x 8 rows fold 73, rows 51; 108 x 8 fold 8.5, rows 5.6
-  (benchmarks/results/stage2_h200_2026-12-02b).
+  The page's old min/max (`resolve_kt_update`): when k_new has the cache's dtype and page_size <=
+  ROWS_MAX_PAGE_SIZE, recomputed from its K rows up to the slot, as the cache holds them ("rows": at most
+  page_size - 1 contiguous K rows instead of the KT column; a value is stored only where it differs from the
+  min/max of the rows before the slot, or at the page's first slot, so a page that does not hold its rows'
+  min/max keeps its other values); else the page's KT column folded with k_new in float32 ("fold": strided by
+  the row of P pages, each value its own memory sector). The two agree when k_new has the cache's dtype and the
+  KT page holds the min/max of its rows (as `cache.build_kt_pages` and every append keep it): rounding to the
+  KT dtype commutes with min and max. H200, 32k context, t=256 (539 pages of 3), us per layer: 391 x 8 rows fold
+  73, rows 51; 108 x 8 fold 8.5, rows 5.6 (benchmarks/results/stage2_h200_2026-12-02b).
 
   The outputs alias the cache inputs (input_output_aliases): inside a jitted step whose cache is donated (or
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
   _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q,
               topr, page_size_B, topr_B)
-  kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH, page_size)
+  kt_update = resolve_kt_update("auto", k_BKSH, k_new_BKH, page_size)
   B, K = k_BKSH.shape[:2]
   if num_warps is None:
     num_warps = 1 if choose_q is None else row_channels_warps(B * K)

@@ -8,6 +8,7 @@ they may hold anything, NaN included.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -20,11 +21,28 @@ from jax.experimental.pallas import triton as pltriton
 from rocketkv_jax.kernels.attention_reference import masked_attention_reference
 from rocketkv_jax.kernels.checks import check_qkv
 from rocketkv_jax.kernels.splitk import (finish_split_outputs, init_partials, online_softmax_update, split_grid,
-                                         split_outputs, store_split_outputs)
-from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, dot_precision, load_query_group
+                                         split_outputs, splits_for, store_split_outputs)
+from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, dot_precision, load_query_group, sm_count
 
-# Programs to aim for: a few waves over the H200's 132 SMs.
-_TARGET_PROGRAMS = 4 * 132
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """The kernel's launch parameters; a field left None is `pick_tuning`'s."""
+  block_k: int | None = None  # slots per inner-loop block (a power of two >= 16)
+  num_splits: int | None = None  # grid splits of S per (b, k) row (at most its blocks)
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+
+def pick_tuning(B: int, K: int, H: int, given: Tuning | None = None) -> Tuning:
+  """The launch parameters at this shape on this device, the fields `given` sets kept: block_k 64 at H = 128
+  (128 below), splits for about 4 programs per SM of the device (`sm_count`: a few waves; a rule of thumb, no
+  A/B recorded), 4 warps, 2 stages."""
+  given = given or Tuning()
+  return Tuning(block_k=(64 if H == 128 else 128) if given.block_k is None else given.block_k,
+                num_splits=splits_for(4 * sm_count(), B * K) if given.num_splits is None else given.num_splits,
+                num_warps=4 if given.num_warps is None else given.num_warps,
+                num_stages=2 if given.num_stages is None else given.num_stages)
 
 
 def dense_decode_attention_reference(q_BKGH, k_BKSH, v_BKSH, length_B, **unused_tuning):
@@ -68,11 +86,9 @@ def _dense_decode_kernel(
   store_split_outputs(out_refs, partials, row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=["interpret", "block_k", "num_splits", "num_warps",
-                                             "num_stages"])
+@functools.partial(jax.jit, static_argnames=["interpret", "tuning"])
 def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, interpret: bool = False,
-                           block_k: int | None = None, num_splits: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2):
+                           tuning: Tuning | None = None):
   """Flash-decoding attention of q[b,k,g] over k/v[b,k, :length[b]], scale 1/sqrt(H).
 
   Args:
@@ -80,18 +96,18 @@ def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, interpret: bool 
     k_BKSH, v_BKSH: cache, same dtype as q. Slots >= length[b] may hold junk (NaN/inf).
     length_B: int32 valid slots per sequence; values are clipped to [0, S]. A sequence with
       length 0 gets output 0.
-    block_k: slots per inner-loop block (power of two >= 16). num_splits: grid splits of S.
+    tuning: launch parameters (`Tuning`); None, or its None fields: `pick_tuning`'s.
   Returns:
     out_BKGH in q's dtype.
   """
   B, K, G, H, S = check_qkv(q_BKGH, k_BKSH, v_BKSH)
   if length_B.shape != (B,):
     raise ValueError(f"length_B.shape={length_B.shape} must be ({B},)")
-  if block_k is None:
-    block_k = 64 if H == 128 else 128
+  tuning = pick_tuning(B, K, H, tuning)
+  block_k = tuning.block_k
   if block_k < MIN_DOT_DIM or block_k & (block_k - 1):
     raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_DOT_DIM}")
-  split_len, num_splits = split_grid(S, block_k, num_splits, _TARGET_PROGRAMS, B * K)
+  split_len, num_splits = split_grid(S, block_k, tuning.num_splits)
 
   kernel = functools.partial(_dense_decode_kernel, block_k=block_k,
                              split_len=split_len, sm_scale=1.0 / math.sqrt(H))
@@ -107,7 +123,7 @@ def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, interpret: bool 
       ],
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
       interpret=interpret,
       name="rocketkv_dense_decode",
   )(q_BKGH, k_BKSH, v_BKSH, length_B.astype(jnp.int32))

@@ -1,20 +1,14 @@
 """HSA page scores (RocketKV stage 2, ALGORITHM.md section 3) with a Pallas Triton kernel.
 
 KT pages are channel-major [B, K, H, P]. The grid is (B, K, page blocks) (or (B, K, 1) with a loop over the
-row's page blocks). Two layouts; `layout="auto"` picks by row count (B * K):
+row's page blocks: `Tuning.split_pages`). The channels are chosen once per (b, k) row before the scoring: by the
+append kernel in the decode step (`cache_append`'s choose_q), else by a small Pallas kernel (`row_channels`:
+sort-free ranks from [H, RANK_CHUNK] compares, ties toward the lower channel, each chosen channel stored at its
+slot; its reference in XLA is `row_channels_reference`: lax.top_k, same ties). Each scoring program gets the
+group's query on the chosen channels [G, Rp], their row indices and signs, and 1 / tau, and gathers only the
+chosen rows, top-r rounded up to 16 rows in power-of-two pieces ([64 + 16, block_p] at 67).
 
-- "rank" (few rows): each program takes the group's query [G, H] and does the whole per-(b, k) selection
-  itself, so nothing runs between the query and the kernel: the top-r channels of sum_g |q_g| (sort-free
-  ranks from [H, H] compares: ties toward the lower channel), the signs of the group's summed query on them,
-  the per-head temperatures tau_g. It then reads only the selected channel rows (masked loads of the
-  [H, block_p] tile).
-- "gather" (from 16 rows): the channels are chosen once per row before the scoring kernel, by a small Pallas
-  kernel (`row_channels`: the same ranks, each chosen channel stored at its slot; its reference in XLA is
-  `row_channels_reference`: lax.top_k, same ties), and each scoring program gets the group's query on the
-  chosen channels [G, Rp], their row indices and signs, and 1 / tau: no per-program ranking, and a compact
-  gather of the chosen rows, top-r rounded up to 16 rows in power-of-two pieces ([64 + 16, block_p] at 67).
-
-Either way each chosen row is read from the min or the max page summary only (by that sign): R * block_p
+Each chosen row is read from the min or the max page summary only (by that sign): R * block_p
 values per program. It writes each head's scaled page scores s/tau and a partial softmax (max,
 weighted sum) over its pages (`hsa_page_partials`). `hsa_page_scores` normalises them in XLA (per head over
 all pages, then the group mean); the decode path hands them to `page_topk.hsa_page_topk` instead, which
@@ -27,6 +21,7 @@ that load nothing. A row's result is what the row gives alone with static page_s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,11 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, check_row_values
 from rocketkv_jax.kernels.triton_util import (MASK_VALUE, MIN_DOT_DIM, cdiv, dot_precision, load_query_group,
                                               masked_scatter, next_pow2, page_slots, pow2_pieces, row_blocks,
-                                              with_absent_refs)
-
-_TARGET_PROGRAMS = 2 * 132
-# Elements of a program's [H, block_p] page tile (block_p = 64 at H = 128).
-_TILE_ELEMS = 8192
+                                              sm_count, with_absent_refs)
 
 
 def _temperature(qr_GR, qf_GH):
@@ -138,7 +129,7 @@ def _chosen_rows(kt_min_ref, kt_max_ref, rows, page, use_max, use_min, page_ok, 
   """A tile of the chosen channels' page summaries, [len(rows), len(page)] in dot_dtype: tile row i is KT row
   rows[i] of kt_max where use_max[i], of kt_min where use_min[i], 0 where neither (a channel not chosen, a
   pad); the pages where page_ok is False are read from neither array and are 0. Every masked-off lane loads 0,
-  so a row is the sum of its two loads, one of them 0: no selects. The gather layout's tile. H200, decode step
+  so a row is the sum of its two loads, one of them 0: no selects. The scoring's tile. H200, decode step
   A/B in one process against the selects it replaced (32k, t=256): batch 391 16.96 -> 16.52 ms, batch 1 5.08 ->
   5.06, batch 8 5.23 -> 5.22 (benchmarks/results/stage2_h200_2026-12-02g)."""
   zero = jnp.zeros((), kt_max_ref.dtype)
@@ -173,70 +164,8 @@ def _store_block_partials(s_ref, m_ref, l_ref, row_ok, block: int, slot, s, m, l
   pltriton.store(l_ref.at[pl.ds(0, Gp), slot], l, mask=row_ok)
 
 
-def rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref, *, first_block,
-                      num_blocks: int, store_from, topr: int, block_p: int, page_size: int, num_pages: int,
-                      dot_dtype, page_size_ref=None, topr_ref=None):
-  """The "rank" layout's work for one program: choose the group's channels (q_ref [G, H]), then score page
-  blocks [first_block, first_block + num_blocks) of the row, block first_block + i's (s, m, l) stored at
-  column store_from + i of s_ref / m_ref / l_ref (`_store_block_partials`). page_size_ref, topr_ref ([] int32, or None: the static page_size / topr): the row's own."""
-  H = q_ref.shape[1]
-  ps = page_size if page_size_ref is None else page_size_ref[...]
-  q_in, row_ok = load_query_group(q_ref)  # [Gp >= 16, H], pad rows 0: Triton's dot needs 16 rows
-  q = q_in.astype(jnp.float32)
-  use_max, use_min, _ = _choose_channels(q_ref, q, topr if topr_ref is None else topr_ref[...])
-  chosen = use_max | use_min
-  # Hoisted out of the page loop: the group on the chosen channels (0 elsewhere) and 1 / tau per head.
-  q_r = jnp.where(chosen[None, :], q, 0.0)
-  inv_tau = 1.0 / _temperature(q_r, q)  # [Gp]
-  q_r = q_r.astype(dot_dtype)
-  prec = dot_precision(dot_dtype)
-  length = jnp.clip(length_ref[...], 0, num_pages * ps)
-
-  def page_block(i, carry):
-    p0 = (first_block + i) * block_p
-    page = p0 + jnp.arange(block_p)
-    n = page_slots(length, page, ps)
-    p_ok = (n > 0) & (page < num_pages)
-    # Each selected channel row is fetched from exactly one of kt_min / kt_max, the others not at all, and
-    # no page past P is; masked lanes are dropped by the wheres. (Not `_chosen_rows`: with it this layout's
-    # kernel measured 6.0 us at batch 1, 32k, t=256, against 5.3-5.35 us with the wheres in two earlier runs;
-    # not an A/B: benchmarks/results/stage2_h200_2026-12-02g.)
-    rows_H, cols = jnp.arange(H)[:, None], page[None, :]
-    rep_max = pltriton.load(kt_max_ref.at[rows_H, cols], mask=use_max[:, None] & p_ok[None, :])
-    rep_min = pltriton.load(kt_min_ref.at[rows_H, cols], mask=use_min[:, None] & p_ok[None, :])
-    rep = jnp.where(use_max[:, None], rep_max.astype(dot_dtype), rep_min.astype(dot_dtype))
-    rep = jnp.where(chosen[:, None] & p_ok[None, :], rep, jnp.zeros((), dot_dtype))  # [H, block_p]
-    # s[g, p] = sum over the chosen channels of q[g, c] * rep[c, p]
-    _store_block_partials(s_ref, m_ref, l_ref, row_ok, block_p, store_from + i,
-                          *_block_partials(_score_dot(q_r, rep, prec), inv_tau, n, p_ok))
-    return carry
-
-  lax.fori_loop(0, num_blocks, page_block, 0)
-
-
-def _hsa_scores_kernel(
-    # inputs
-    q_ref,  # [G, H]
-    kt_min_ref,  # [H, P]
-    kt_max_ref,  # [H, P]
-    length_ref,  # []
-    page_size_ref,  # [] the row's page size, or None: page_size
-    topr_ref,  # [] the row's top-r, or None: topr
-    # outputs
-    s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
-    m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
-    l_ref,  # [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
-    *,
-    blocks_per_program: int,
-    **kw,
-):
-  rank_score_blocks(q_ref, kt_min_ref, kt_max_ref, length_ref, s_ref, m_ref, l_ref,
-                    first_block=pl.program_id(2) * blocks_per_program, num_blocks=blocks_per_program,
-                    store_from=0, page_size_ref=page_size_ref, topr_ref=topr_ref, **kw)
-
-
 def choice_dot_dtype(q_dtype, kt_dtype):
-  """The dtype of the scoring dot (and of the gather layout's chosen query): bf16 queries against bf16 or
+  """The dtype of the scoring dot (and of the chosen query): bf16 queries against bf16 or
   float8 pages multiply exactly in a bf16 dot; anything float32: float32."""
   exact_in_bf16 = (jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16) and
                    jnp.dtype(kt_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2)))
@@ -261,7 +190,7 @@ def row_channels_warps(rows: int) -> int:
 
 
 def row_channels_reference(q_BKGH, topr: int, dot_dtype, topr_B=None):
-  """The gather layout's per-row preparation, once per (b, k) row, in XLA: the group's top-r channels of
+  """The scoring's per-row channel choice, once per (b, k) row, in XLA: the group's top-r channels of
   sum_g |q_g| (lax.top_k: ties toward the lower channel, as the scores' reference), in rank order, padded to
   Rp = max(16, next_pow2(topr)) entries. Returns q_BKGR (the group's query on those channels, in `dot_dtype`,
   0 on pads), ch_BKR int32 (channel index, 0 on pads), use_max_BKR int32 (1: score against kt_max, the
@@ -327,8 +256,8 @@ def row_channels_body(
 @functools.partial(jax.jit, static_argnames=["topr", "dot_dtype", "interpret", "num_warps"])
 def row_channels(q_BKGH, topr: int, dot_dtype, *, interpret: bool = False, num_warps: int | None = None,
                  topr_B=None):
-  """`row_channels_reference` as one small Pallas kernel, a program per (b, k) row: the in-kernel ranks of
-  the rank layout, each chosen channel stored at its slot. The same outputs (inv_tau up to float32 summation
+  """`row_channels_reference` as one small Pallas kernel, a program per (b, k) row: sort-free ranks
+  (`_choose_channels`), each chosen channel stored at its slot. The same outputs (inv_tau up to float32 summation
   order); replaces lax.top_k's sort and the XLA gathers, pads and reductions around it (faster at every row
   count timed: see ROW_CHANNELS_TWO_WARPS_MIN_ROWS). num_warps None: `row_channels_warps`. topr_B: as the
   reference's (each program loads its row's value)."""
@@ -376,8 +305,10 @@ def _hsa_scores_gather_kernel(
     kt_max_ref,  # [H, P]
     length_ref,  # []
     page_size_ref,  # [] the row's page size, or None: page_size (its top-r is in the choice: pads past it)
-    # outputs: as _hsa_scores_kernel
-    s_ref, m_ref, l_ref,
+    # outputs
+    s_ref,  # [G, blocks_per_program * block_p] float32: s/tau of each head, MASK_VALUE on empty pages
+    m_ref,  # [G, blocks_per_program] float32: per page block, max of s/tau over its non-empty pages
+    l_ref,  # [G, blocks_per_program] float32: per page block, sum over those of n[p] * exp(s/tau - m)
     *,
     block_p: int,
     blocks_per_program: int,
@@ -385,7 +316,6 @@ def _hsa_scores_gather_kernel(
     num_pages: int,
     pieces: tuple,
     dot_dtype,
-    load_mask: str,
 ):
   # The chosen slots as power-of-two pieces of the top-r rounded up to 16 (67 -> 64 + 16), not all Rp slots
   # (67 -> 128): one [size, block_p] tile and dot per piece, the dots summed. H200, decode step A/B in one
@@ -408,14 +338,14 @@ def _hsa_scores_gather_kernel(
     page = p0 + jnp.arange(block_p)
     n = page_slots(length, page, ps)
     p_ok = (n > 0) & (page < num_pages)
-    # Only the chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max.
-    # load_mask "pages": only the valid pages of them; "rows": every page inside the array (junk pages too,
-    # see below), a mask constant along the pages, so that Triton vectorises the loads when a KT row is a
-    # multiple of 16 bytes (`kt_num_pages` pads every cache's rows so). H200, 391 x 8 rows: 539 pages (odd
-    # stride) "rows" 25-30% slower than "pages"; 544 pages "rows" about 2x faster (results/stage2_h200_2026-12-02).
-    # With "rows", the pages past the length inside the array are loaded, junk and all: the dot keeps each
-    # page's column to itself, and `_block_partials` masks the score of every such page.
-    ld_ok = p_ok if load_mask == "pages" else page < num_pages
+    # Only the chosen rows are addressed (a gather of whole row segments), each from kt_min or kt_max, every
+    # page inside the array (junk pages too, see below): a mask constant along the pages, so that Triton
+    # vectorises the loads when a KT row is a multiple of 16 bytes (`kt_num_pages` pads every cache's rows so).
+    # H200, 391 x 8 rows: 544 pages about 2x faster than masking the loads to the valid pages; at 539 pages
+    # (odd stride) 25-30% slower (results/stage2_h200_2026-12-02; the valid-pages mask was removed in issue 38).
+    # The pages past the length inside the array are loaded, junk and all: the dot keeps each page's column
+    # to itself, and `_block_partials` masks the score of every such page.
+    ld_ok = page < num_pages
     dot = None
     for q, ch, use_max, use_min in per_piece:
       rep = _chosen_rows(kt_min_ref, kt_max_ref, ch, page, use_max, use_min, ld_ok, dot_dtype)
@@ -427,31 +357,27 @@ def _hsa_scores_gather_kernel(
   lax.fori_loop(0, blocks_per_program, page_block, 0)
 
 
-# Rows (B * K) from which `layout="auto"` picks the gather layout (channels chosen once per row before the
-# scoring kernel) over in-kernel ranking, and from which the gather layout runs one program per row rather than one per
-# page block. H200, 32k context, t=256 (K=8, 539 pages, R=60), us per layer (tune_hsa,
-# benchmarks/results/stage2_h200_2026-12-02c/; the gather layout with its row_channels kernel, both kernels):
-#   B=1: rank 5.35, gather 4.77 (2.48 + 2.29: a second launch); B=8: rank 16.1, gather 6.7; B=32: rank 46.4,
-#   gather 13.4. Earlier (stage2_h200_2026-12-01): B=108: rank 121, gather 78 (page blocks) / 84 (rows);
-#   B=391: rank 375, gather 251 (page blocks) / 223 (rows).
-# Rechecked with the vectorised loads and the pieces, decode step A/B (results/stage2_h200_2026-12-02h): rows /
-# page blocks, 32k batch 391 16.38 / 17.14 ms, 128k batch 489 19.23 / 20.85 ms.
-GATHER_MIN_ROWS = 16
+# Rows (B * K) from which the scoring runs one program per row rather than one per page block. H200, 32k
+# context, t=256 (K=8), us per layer: B=108 78 (page blocks) / 84 (rows), B=391 251 / 223 (stage2_h200_2026-12-01);
+# rechecked with the vectorised loads and the pieces, decode step A/B (results/stage2_h200_2026-12-02h): rows /
+# page blocks, 32k batch 391 16.38 / 17.14 ms, 128k batch 489 19.23 / 20.85 ms. (The in-kernel "rank" layout for
+# fewer than 16 rows, unused since the decode step's choice is made by the append kernel, was removed in issue 38:
+# B=1 rank 5.35 us against 4.77 for a separate choice kernel plus this one, results/stage2_h200_2026-12-02c/.)
 GATHER_ROW_PROGRAMS_MIN_ROWS = 2048
-# (num_warps, num_stages) of the gather layout, one program per row / per page block. 32k, t=256,
+# (num_warps, num_stages) of the scoring, one program per row / per page block. 32k, t=256,
 # 544 pages, vectorised loads, us per layer (tune_hsa, benchmarks/results/stage2_h200_2026-12-02/): rows at
 # 391 x 8: 2 warps 2 stages 103, 2/1 114, 4/2 113, 4/1 125; page blocks at 108 x 8: 2/1 33.6, 4/1 35.5; at
-# 32 x 8: 2/1 9.6, 4/1 10.3. The rank layout keeps 4 warps, 1 stage.
+# 32 x 8: 2/1 9.6, 4/1 10.3.
 ROW_PROGRAM_WARPS_STAGES = (2, 2)
 PAGE_BLOCK_WARPS_STAGES = (2, 1)
-# The gather layout's channel choice is the row_channels kernel at every row count: against XLA's top_k and its
+# The channel choice outside the decode step is the row_channels kernel at every row count: against XLA's top_k and its
 # glue (`row_channels_reference`), us per layer (tune_hsa, results/stage2_h200_2026-12-02c): 864 rows kernel
 # 8.6-9.5, XLA 17.0 (top_k 4.6, the rest gathers and pads; whole scoring 43.5 vs 51.4); 3128 rows kernel 23.0
 # (2 warps; 27.7 at 4), XLA 29.4 (top_k 12.0; whole scoring with the kernel at 4 warps 129.5 vs 132.2).
 # row_channels' warps: 4 below ROW_CHANNELS_TWO_WARPS_MIN_ROWS rows of B * K, 2 from there (scatter, us:
 # 64 rows 4 warps 2.53, 2 warps 4.00; 256 rows 3.58 / 4.34; 864 rows 8.79 / 8.56; 3128 rows 27.0 / 23.0).
 ROW_CHANNELS_TWO_WARPS_MIN_ROWS = 512
-# Elements of a gather-layout program's [largest piece, block_p] tile: block_p = 64 when the top-r rounds to
+# Elements of a scoring program's [largest piece, block_p] tile: block_p = 64 when the top-r rounds to
 # 64 rows or to 64 + 16. H200, decode step A/Bs in one process, ms (results/stage2_h200_2026-12-02h), the
 # pieces on throughout: 32k t=256 (one piece of 64), tile of 2048 / 4096 / 8192 elements (block_p 32 / 64 /
 # 128): batch 391 17.05 / 16.39-16.46 / 16.87, batch 8 5.12 / 5.11-5.16 / 5.18; 64k t=256 (64 + 16), block_p 32 /
@@ -460,20 +386,46 @@ ROW_CHANNELS_TWO_WARPS_MIN_ROWS = 512
 _GATHER_TILE_ELEMS = 4096
 
 
-@functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "block_p", "split_pages",
-                                             "num_warps", "num_stages", "layout", "load_mask"])
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """The scoring kernel's launch parameters; a field left None is `pick_tuning`'s."""
+  block_p: int | None = None  # pages per block (a power of two >= 16)
+  split_pages: bool | None = None  # one program per page block (True), or one per row walking its blocks
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+
+def pick_tuning(B: int, K: int, P: int, topr: int, given: Tuning | None = None) -> Tuning:
+  """The launch parameters at this shape on this device, the fields `given` sets kept: one program per row from
+  GATHER_ROW_PROGRAMS_MIN_ROWS rows of B * K, per page block below; block_p for enough page blocks to fill the
+  device (about 2 programs per SM, `sm_count`), between 32 pages and a tile of _GATHER_TILE_ELEMS elements of
+  the largest piece of the chosen rows; the warps and stages of ROW_PROGRAM_WARPS_STAGES /
+  PAGE_BLOCK_WARPS_STAGES."""
+  given = given or Tuning()
+  split_pages = B * K < GATHER_ROW_PROGRAMS_MIN_ROWS if given.split_pages is None else given.split_pages
+  block_p = given.block_p
+  if block_p is None:
+    want = cdiv(P, max(1, cdiv(2 * sm_count(), B * K)))
+    largest_piece = pow2_pieces(topr, MIN_DOT_DIM)[0][1]
+    block_p = min(max(32, _GATHER_TILE_ELEMS // largest_piece), max(32, next_pow2(want)))
+  warps, stages = PAGE_BLOCK_WARPS_STAGES if split_pages else ROW_PROGRAM_WARPS_STAGES
+  return Tuning(block_p=block_p, split_pages=split_pages,
+                num_warps=warps if given.num_warps is None else given.num_warps,
+                num_stages=stages if given.num_stages is None else given.num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=["topr", "page_size", "interpret", "tuning"])
 def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int,
-                      interpret: bool = False, block_p: int | None = None, split_pages: bool | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None, layout: str = "auto",
-                      load_mask: str = "auto", choice=None, page_size_B=None, topr_B=None):
+                      interpret: bool = False, tuning: Tuning | None = None, choice=None, page_size_B=None,
+                      topr_B=None):
   """The HSA kernel's per-page-block partials of each head's softmax over the valid slots: what
   `hsa_page_scores` normalises in XLA and `page_topk.hsa_page_topk` selects from directly.
 
   Args:
     q_BKGH: queries (bf16 or f32), the new token already appended to the cache.
     kt_min_BKHP, kt_max_BKHP: per-page element-wise key min / max, channel-major, P pages (a cache holds
-      `checks.kt_num_pages`: ceil(S / page_size) rounded up to 16), dtype f32, bf16 or float8_e5m2 (upcast to
-      f32). Pages with no valid slot may hold junk.
+      `checks.kt_num_pages`: ceil(S / page_size) rounded up to 16, so that the loads vectorise), dtype f32, bf16
+      or float8_e5m2 (upcast to f32). Pages with no valid slot may hold junk.
     length_B: int32 valid slots per sequence (clipped to the P pages' slots).
     topr: channels scored, the group's top-r of sum_g |q_g| (ties toward the lower channel), in [1, H]; with
       topr_B, the largest (it sets the shapes).
@@ -485,18 +437,9 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
       ranked r_b and later are not read, nor in tau. With a choice given, the choice holds it (made with the
       same topr_B) and topr_B is not used here.
     A row's outputs are what the row gives alone with page_size = ps_b and topr = r_b, at the same P.
-    split_pages: one program per page block (True), or one program per row looping over its blocks; None:
-      page blocks, except the gather layout from GATHER_ROW_PROGRAMS_MIN_ROWS rows.
-    layout: "rank" (each program ranks the group's channels itself: nothing runs before the kernel, best when
-      rows are few), "gather" (the channels chosen once per row before the kernel; programs read only the
-      chosen rows, compacted) or "auto" (gather from GATHER_MIN_ROWS rows of B * K).
-    load_mask: the gather layout's loads: "pages" (only the valid pages), "rows" (every page of the array,
-      junk zeroed after the load: vectorised loads when a KT row is a multiple of 16 bytes) or "auto" ("rows"
-      exactly then).
-    choice: the gather layout's per-row channel choice, already made (`row_channels`' four outputs, e.g. by
-      `cache_append`'s kernel); given, the layout is "gather" and no choice kernel runs here.
-    num_warps, num_stages: None: the measured best of the layout (ROW_PROGRAM_WARPS_STAGES,
-      PAGE_BLOCK_WARPS_STAGES; 4 warps and 1 stage for "rank").
+    tuning: launch parameters (`Tuning`); None, or its None fields: `pick_tuning`'s.
+    choice: the per-row channel choice, already made (`row_channels`' four outputs, e.g. by `cache_append`'s
+      kernel in the decode step); None: the `row_channels` kernel makes it first.
   Returns:
     s_BKGP float32 [B, K, G, P_pad]: each head's s/tau per page (MASK_VALUE on empty pages, P_pad the
       pages rounded up to whole blocks); m_BKGN, l_BKGN [B, K, G, num_blocks]: per page block, the max of
@@ -517,45 +460,35 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
   check_row_values("page_size_B", page_size_B, B)
   check_row_values("topr_B", topr_B, B)
-  if layout == "auto":
-    layout = "gather" if B * K >= GATHER_MIN_ROWS or choice is not None else "rank"
-  if choice is not None and layout != "gather":
-    raise ValueError(f"a choice given makes the layout 'gather', not {layout!r}")
-  if layout not in ("rank", "gather"):
-    raise ValueError(f"layout={layout!r} must be 'rank', 'gather' or 'auto'")
-  if load_mask == "auto":
-    load_mask = "rows" if (P * jnp.dtype(kt_min_BKHP.dtype).itemsize) % 16 == 0 else "pages"
-  if load_mask not in ("pages", "rows"):
-    raise ValueError(f"load_mask={load_mask!r} must be 'pages', 'rows' or 'auto'")
   Rp = chosen_slots(topr)
-  pieces = pow2_pieces(topr, MIN_DOT_DIM)  # the gather layout's (start, rows) of each tile, largest first
-  if block_p is None:
-    # Enough page blocks to fill the GPU, between 32 pages and a tile per program ([H, block_p] when
-    # ranking in the kernel, [largest piece, block_p] when gathering the chosen rows).
-    want = cdiv(P, max(1, cdiv(_TARGET_PROGRAMS, B * K)))
-    tile = _TILE_ELEMS // H if layout == "rank" else _GATHER_TILE_ELEMS // pieces[0][1]
-    block_p = min(max(32, tile), max(32, next_pow2(want)))
-  if split_pages is None:
-    split_pages = not (layout == "gather" and B * K >= GATHER_ROW_PROGRAMS_MIN_ROWS)
-  if layout == "rank":
-    warps, stages = 4, 1
-  else:
-    warps, stages = PAGE_BLOCK_WARPS_STAGES if split_pages else ROW_PROGRAM_WARPS_STAGES
-  num_warps = warps if num_warps is None else num_warps
-  num_stages = stages if num_stages is None else num_stages
+  pieces = pow2_pieces(topr, MIN_DOT_DIM)  # (start, rows) of each tile, largest first
+  tuning = pick_tuning(B, K, P, topr, tuning)
+  block_p = tuning.block_p
   if block_p < MIN_DOT_DIM or block_p & (block_p - 1):
     raise ValueError(f"block_p={block_p} must be a power of two >= {MIN_DOT_DIM}")
   num_blocks = cdiv(P, block_p)
   P_pad = num_blocks * block_p
-  bpp = 1 if split_pages else num_blocks
+  bpp = 1 if tuning.split_pages else num_blocks
   dot_dtype = choice_dot_dtype(q_BKGH.dtype, kt_min_BKHP.dtype)
   kt_spec = pl.BlockSpec((None, None, H, P), lambda b, k, j: (b, k, 0, 0))
-  length_spec = pl.BlockSpec((None,), lambda b, k, j: (b,))  # also each per-row value's: one scalar per program
-  # The per-row values given (None ones are not inputs: the kernel then uses the static value).
-  rows = [x.astype(jnp.int32) for x in (page_size_B, topr_B) if x is not None]
-  call = functools.partial(
-      pl.pallas_call,
+  length_spec = pl.BlockSpec((None,), lambda b, k, j: (b,))  # also the row's page size: one scalar per program
+  if choice is None:
+    choice = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret, topr_B=topr_B)
+  check_choice(choice, B, K, G, topr, dot_dtype)
+  q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = choice
+  kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp, pieces=pieces,
+                             page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
+  rows = [] if page_size_B is None else [page_size_B.astype(jnp.int32)]  # topr_B is in the choice
+  return pl.pallas_call(
+      with_absent_refs(kernel, [True] * 7 + [page_size_B is not None] + [True] * 3),
       grid=(B, K, num_blocks // bpp),
+      in_specs=[
+          pl.BlockSpec((None, None, G, Rp), lambda b, k, j: (b, k, 0, 0)),
+          pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
+          pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
+          pl.BlockSpec((None, None, G), lambda b, k, j: (b, k, 0)),
+          kt_spec, kt_spec, length_spec,
+      ] + [length_spec] * len(rows),
       out_specs=[
           pl.BlockSpec((None, None, G, bpp * block_p), lambda b, k, j: (b, k, 0, j)),
           pl.BlockSpec((None, None, G, bpp), lambda b, k, j: (b, k, 0, j)),
@@ -566,36 +499,10 @@ def hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, 
           jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
           jax.ShapeDtypeStruct((B, K, G, num_blocks), jnp.float32),
       ],
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret)
-  length_B = length_B.astype(jnp.int32)  # clipped in the kernels
-  if layout == "gather":
-    if choice is None:
-      choice = row_channels(q_BKGH, topr, dot_dtype, interpret=interpret, topr_B=topr_B)
-    check_choice(choice, B, K, G, topr, dot_dtype)
-    q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG = choice
-    kernel = functools.partial(_hsa_scores_gather_kernel, block_p=block_p, blocks_per_program=bpp, pieces=pieces,
-                               page_size=page_size, num_pages=P, dot_dtype=dot_dtype, load_mask=load_mask)
-    rows = rows[:1] if page_size_B is not None else []  # topr_B is in the choice
-    return call(
-        with_absent_refs(kernel, [True] * 7 + [page_size_B is not None] + [True] * 3),
-        in_specs=[
-            pl.BlockSpec((None, None, G, Rp), lambda b, k, j: (b, k, 0, 0)),
-            pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
-            pl.BlockSpec((None, None, Rp), lambda b, k, j: (b, k, 0)),
-            pl.BlockSpec((None, None, G), lambda b, k, j: (b, k, 0)),
-            kt_spec, kt_spec, length_spec,
-        ] + [length_spec] * len(rows),
-        name="rocketkv_hsa_scores_gather",
-    )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B, *rows)
-  kernel = functools.partial(_hsa_scores_kernel, topr=topr, block_p=block_p, blocks_per_program=bpp,
-                             page_size=page_size, num_pages=P, dot_dtype=dot_dtype)
-  return call(
-      with_absent_refs(kernel, [True] * 4 + [page_size_B is not None, topr_B is not None] + [True] * 3),
-      in_specs=[pl.BlockSpec((None, None, G, H), lambda b, k, j: (b, k, 0, 0)), kt_spec, kt_spec,
-                length_spec] + [length_spec] * len(rows),
-      name="rocketkv_hsa_scores",
-  )(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *rows)
+      compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+      interpret=interpret,
+      name="rocketkv_hsa_scores_gather",
+  )(q_BKGR, ch_BKR, use_max_BKR, inv_tau_BKG, kt_min_BKHP, kt_max_BKHP, length_B.astype(jnp.int32), *rows)
 
 
 def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, page_size_B=None):
@@ -613,13 +520,13 @@ def normalize_partials(s_BKGP, m_BKGN, l_BKGN, length_B, *, page_size: int, page
 
 
 def hsa_page_scores(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr: int, page_size: int, page_size_B=None,
-                    topr_B=None, **tuning):
+                    topr_B=None, **kw):
   """HSA group page scores [B, K, P] float32: mean over the group of each head's softmax over valid
   slots; a probability per page (each of the page's n[p] valid slots gets it; sum_p n[p] * scores[p]
-  == 1), -inf on pages with no valid slot. Arguments as `hsa_page_partials`."""
+  == 1), -inf on pages with no valid slot. Arguments as `hsa_page_partials` (kw: interpret, tuning, choice)."""
   P = kt_min_BKHP.shape[-1]
   s, m, l = hsa_page_partials(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, topr=topr, page_size=page_size,
-                              page_size_B=page_size_B, topr_B=topr_B, **tuning)
+                              page_size_B=page_size_B, topr_B=topr_B, **kw)
   if page_size_B is not None:
     page_size_B = page_size_B.astype(jnp.int32)
   length = jnp.clip(length_B.astype(jnp.int32), 0, P * (page_size if page_size_B is None else page_size_B))

@@ -279,9 +279,9 @@ def _call(kernel, inputs, length_B, B, K, M, interpret, num_warps, name, page_si
   )(*inputs, *rows)
 
 
-@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret", "num_warps"])
+@functools.partial(jax.jit, static_argnames=["page_size", "k", "num_slots", "interpret"])
 def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, interpret: bool = False,
-              num_warps: int = 4, page_size_B=None):
+              page_size_B=None):
   """The top-k slots per (b, k) when every valid slot of page p scores scores_BKP[..., p].
 
   Args:
@@ -306,7 +306,7 @@ def page_topk(scores_BKP, length_B, *, page_size: int, k: int, num_slots: int, i
     raise ValueError(f"scores_BKP.dtype={scores_BKP.dtype} must be float32 or bfloat16")
   kernel = functools.partial(_page_topk_kernel, page_size=page_size, k=k, num_pages=P, num_slots=num_slots)
   return _call(kernel, (scores_BKP.astype(jnp.float32),), length_B, B, K, min(k, num_slots), interpret,
-               num_warps, "rocketkv_page_topk", page_size_B)
+               4, "rocketkv_page_topk", page_size_B)
 
 
 # Rows (B * K) from which `hsa_page_topk` runs one warp per row instead of two: its bisection's reductions then

@@ -123,9 +123,9 @@ def _check_args(qkv_BX, pos_B, inv_freq_half, n_heads, n_kv_heads, head_dim):
   check_dtype("inv_freq_half", inv_freq_half.dtype, (jnp.float32,))
 
 
-@functools.partial(jax.jit, static_argnames=["n_heads", "n_kv_heads", "head_dim", "interpret", "num_warps"])
+@functools.partial(jax.jit, static_argnames=["n_heads", "n_kv_heads", "head_dim", "interpret"])
 def qkv_rope(qkv_BX, pos_B, inv_freq_half, *, n_heads: int, n_kv_heads: int, head_dim: int,
-             interpret: bool = False, num_warps: int = 1):
+             interpret: bool = False):
   """Returns (q_BNH, k_BKH, v_BKH) of the fused projection qkv_BX [B, (N + 2K) * H] of one token per row
   at absolute position pos_B[b]: q and k rotated (rotate-half RoPE with the per-pair inverse frequencies
   inv_freq_half [H/2], float32, e.g. with Llama-3 scaling), v copied; all in qkv's dtype. Equal to
@@ -150,7 +150,7 @@ def qkv_rope(qkv_BX, pos_B, inv_freq_half, *, n_heads: int, n_kv_heads: int, hea
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
       interpret=interpret,
       name="rocketkv_qkv_rope",
   )(qkv_BX.reshape(B, N + 2 * K, H), pos_B.astype(jnp.int32), inv_freq_half))

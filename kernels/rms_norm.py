@@ -82,8 +82,8 @@ def _check_args(x_BD, delta_BD, w_D, eps):
     raise ValueError(f"eps={eps} must be > 0")
 
 
-@functools.partial(jax.jit, static_argnames=["eps", "interpret", "num_warps"])
-def add_rms_norm(x_BD, delta_BD, w_D, *, eps: float, interpret: bool = False, num_warps: int = 4):
+@functools.partial(jax.jit, static_argnames=["eps", "interpret"])
+def add_rms_norm(x_BD, delta_BD, w_D, *, eps: float, interpret: bool = False):
   """Returns (h_BD, normed_BD): the residual stream h = x + delta (in x's dtype) and RMSNorm(h) scaled by
   w (in result_type(w, x)), equal to `add_rms_norm_reference` up to the order of the row's float32 sum.
   With delta_BD None, h is x itself (nothing is written for it)."""
@@ -108,7 +108,7 @@ def add_rms_norm(x_BD, delta_BD, w_D, *, eps: float, interpret: bool = False, nu
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="rocketkv_add_rms_norm" if delta_BD is not None else "rocketkv_rms_norm",
   )(*args)

@@ -11,6 +11,7 @@ them, so the slots they point at may hold NaN.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -23,10 +24,28 @@ from jax.experimental.pallas import triton as pltriton
 from rocketkv_jax.kernels.attention_reference import masked_attention_reference
 from rocketkv_jax.kernels.checks import check_qkv
 from rocketkv_jax.kernels.splitk import (finish_split_outputs, init_partials, online_softmax_update, split_grid,
-                                         split_outputs, store_split_outputs)
-from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, dot_precision, load_query_group
+                                         split_outputs, splits_for, store_split_outputs)
+from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, dot_precision, load_query_group, sm_count
 
-_TARGET_PROGRAMS = 2 * 132
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """The kernel's launch parameters; a field left None is `pick_tuning`'s."""
+  block_m: int | None = None  # index entries per inner-loop block (a power of two >= 16)
+  num_splits: int | None = None  # grid splits of M per (b, k) row (at most its blocks; 1: no XLA merge)
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+
+def pick_tuning(B: int, K: int, M: int, given: Tuning | None = None) -> Tuning:
+  """The launch parameters at this shape on this device, the fields `given` sets kept: block_m 32 up to M = 256
+  (64 above), splits for about 2 programs per SM of the device (`sm_count`; a rule of thumb, no A/B recorded),
+  4 warps, 2 stages."""
+  given = given or Tuning()
+  return Tuning(block_m=(32 if M <= 256 else 64) if given.block_m is None else given.block_m,
+                num_splits=splits_for(2 * sm_count(), B * K) if given.num_splits is None else given.num_splits,
+                num_warps=4 if given.num_warps is None else given.num_warps,
+                num_stages=2 if given.num_stages is None else given.num_stages)
 
 
 def sparse_decode_attention_reference(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, **unused_tuning):
@@ -77,12 +96,9 @@ def _sparse_decode_kernel(
   store_split_outputs(out_refs, partials, row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=["interpret", "block_m", "num_splits", "num_warps",
-                                             "num_stages"])
-def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
-                            interpret: bool = False, block_m: int | None = None,
-                            num_splits: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2):
+@functools.partial(jax.jit, static_argnames=["interpret", "tuning"])
+def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, interpret: bool = False,
+                            tuning: Tuning | None = None):
   """Exact attention of q[b,k,g] over the K/V slots idx[b,k,m] where valid[b,k,m].
 
   Args:
@@ -90,6 +106,7 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
       unless a valid entry selects it.
     idx_BKM: int32 slot ids in [0, S) (clipped if not). Duplicates count twice.
     valid_BKM: bool; invalid entries are ignored. All invalid: output 0.
+    tuning: launch parameters (`Tuning`); None, or its None fields: `pick_tuning`'s.
   Returns:
     out_BKGH in q's dtype.
   """
@@ -104,11 +121,11 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
     raise ValueError(f"idx_BKM.dtype={idx_BKM.dtype} must be an integer type")
   if valid_BKM.dtype != jnp.bool_:
     raise ValueError(f"valid_BKM.dtype={valid_BKM.dtype} must be bool")
-  if block_m is None:
-    block_m = 32 if M <= 256 else 64
+  tuning = pick_tuning(B, K, M, tuning)
+  block_m = tuning.block_m
   if block_m < MIN_DOT_DIM or block_m & (block_m - 1):
     raise ValueError(f"block_m={block_m} must be a power of two >= {MIN_DOT_DIM}")
-  split_m, num_splits = split_grid(M, block_m, num_splits, _TARGET_PROGRAMS, B * K)
+  split_m, num_splits = split_grid(M, block_m, tuning.num_splits)
 
   kernel = functools.partial(_sparse_decode_kernel, block_m=block_m, split_m=split_m,
                              sm_scale=1.0 / math.sqrt(H))
@@ -125,7 +142,7 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *,
       ],
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
       interpret=interpret,
       name="rocketkv_sparse_decode",
   )(q_BKGH, k_BKSH, v_BKSH, idx_BKM.astype(jnp.int32), valid_BKM)

@@ -11,12 +11,15 @@ from jax.experimental.pallas import triton as pltriton
 from rocketkv_jax.kernels.triton_util import MASK_VALUE, cdiv
 
 
-def split_grid(n: int, block: int, num_splits: int | None, target_programs: int, rows: int) -> tuple[int, int]:
-  """(split length, splits) cutting `n` items into splits of whole `block`s: `num_splits` if given, else
-  enough for about `target_programs` programs over `rows` (b, k) rows; never an empty split."""
+def splits_for(target_programs: int, rows: int) -> int:
+  """Splits per (b, k) row for about `target_programs` programs over `rows` rows (the launch heuristics')."""
+  return cdiv(target_programs, rows)
+
+
+def split_grid(n: int, block: int, num_splits: int) -> tuple[int, int]:
+  """(split length, splits) cutting `n` items into at most `num_splits` splits of whole `block`s; never an
+  empty split."""
   blocks = cdiv(n, block)
-  if num_splits is None:
-    num_splits = cdiv(target_programs, rows)
   num_splits = max(1, min(num_splits, blocks))
   split_len = cdiv(blocks, num_splits) * block
   return split_len, cdiv(n, split_len)

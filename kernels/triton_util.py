@@ -1,8 +1,10 @@
-"""Triton-level helpers shared by the kernel bodies: the mask value, Triton's size rules, the padded query
-group of a decode kernel, and `masked_scatter`, the one place where interpret mode and compiled Triton code
-differ (its docstring says why). No dependency on the rocketkv_jax core."""
+"""Triton-level helpers shared by the kernel bodies: the mask value, Triton's size rules, the device's SM count
+(`sm_count`, which the kernels' launch heuristics read), the padded query group of a decode kernel, and
+`masked_scatter`, the one place where interpret mode and compiled Triton code differ (its docstring says why).
+No dependency on the rocketkv_jax core."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -13,6 +15,18 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 # Triton's dot needs every dimension >= 16.
 MIN_DOT_DIM = 16
+
+# The SM count where no GPU is visible (CPU tests, interpret mode, lowering for an abstract device): the H200's,
+# the GPU the launch heuristics were tuned on.
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count() -> int:
+  """Streaming multiprocessors of the first device when it is a GPU (its `core_count`), else DEFAULT_SM_COUNT.
+  The kernels' grids aim at a few waves of programs over them."""
+  device = jax.devices()[0]
+  count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+  return int(count) if count else DEFAULT_SM_COUNT
 
 
 def next_pow2(n: int) -> int:

@@ -65,10 +65,14 @@ def check_choose(args, H, kw, interpret, num_warps=None, G=4, topr=21):
   np.testing.assert_allclose(np.asarray(out[-1]), np.asarray(ref[-1]), rtol=1e-6)
 
 
-def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0, num_warps=1, kt_update="fold"):
+def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, seed=0, num_warps=1, fold=False):
+  """The kernel against the reference (kt_update "auto": the kernel's rule, "rows" for keys of the cache's dtype
+  on pages up to ROWS_MAX_PAGE_SIZE). fold: float32 keys into the (bf16) cache, which take the "fold"."""
   slot = slots(B, K, S, page_size, per_head)
   args = make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot, seed)
-  kw = dict(page_size=page_size, kt_update=kt_update)
+  if fold:
+    args = args[:2] + tuple(x.astype(jnp.float32) for x in args[2:4]) + args[4:]
+  kw = dict(page_size=page_size)
   ref = cache_append_reference(*args, **kw)
   out = cache_append(*[jnp.copy(x) for x in args], interpret=interpret, num_warps=num_warps, **kw)
   assert_same(out, ref)
@@ -83,9 +87,9 @@ def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, see
   ok = np.asarray((slot >= 0) & (slot < S))
   s = np.clip(np.asarray(slot), 0, S - 1)
   written_k = np.asarray(k.astype(jnp.float32))[b, h, s][ok]
-  np.testing.assert_array_equal(written_k, np.asarray(args[2].astype(jnp.float32))[ok])
+  np.testing.assert_array_equal(written_k, np.asarray(args[2].astype(dtype).astype(jnp.float32))[ok])
   np.testing.assert_array_equal(np.asarray(v.astype(jnp.float32))[b, h, s][ok],
-                                np.asarray(args[3].astype(jnp.float32))[ok])
+                                np.asarray(args[3].astype(dtype).astype(jnp.float32))[ok])
   # Out of range: nothing changed, the poisoned junk included.
   for o, x in zip(out, args[:2] + args[5:]):
     np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32))[~ok], np.asarray(x.astype(jnp.float32))[~ok])
@@ -98,7 +102,10 @@ def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, see
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("H, page_size", [(64, 3), (128, 1)])
 def test_matches_reference_interpret(H, page_size, dtype, kt_dtype):
-  check(B=6, K=2, S=23, H=H, page_size=page_size, dtype=dtype, kt_dtype=kt_dtype, interpret=True)
+  """A float32 cache with float32 keys: the page rebuilt from its rows; a bf16 cache with float32 keys: the
+  column fold."""
+  check(B=6, K=2, S=23, H=H, page_size=page_size, dtype=dtype, kt_dtype=kt_dtype, interpret=True,
+        fold=dtype == jnp.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -110,10 +117,11 @@ def test_no_kt_pages_per_head_slots_interpret(H, dtype):
 @pytest.mark.parametrize("kt_dtype", KT_DTYPES)
 @pytest.mark.parametrize("H, page_size, per_head", [(64, 3, False), (128, 4, True), (64, 1, False)])
 def test_kt_from_rows_matches_reference_interpret(H, page_size, per_head, kt_dtype):
-  """kt_update="rows": the page's min/max from its K rows up to the slot (the rows after it are NaN junk and
-  must not be read), the same K/V writes and out-of-range behaviour."""
+  """The decode path's append (bf16 keys into a bf16 cache, small pages): the page's min/max from its K rows up
+  to the slot (the rows after it are NaN junk and must not be read), the same K/V writes and out-of-range
+  behaviour."""
   check(B=5, K=2, S=29, H=H, page_size=page_size, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=True,
-        per_head=per_head, kt_update="rows")
+        per_head=per_head)
 
 
 @pytest.mark.parametrize("kt_dtype", KT_DTYPES)
@@ -130,14 +138,13 @@ def test_kt_from_rows_equals_the_fold_on_a_consistent_cache(kt_dtype):
   fold = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size, kt_update="fold")
   rows = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size, kt_update="rows")
   assert_same(rows, fold)
-  for kt_update in ("rows", "auto"):  # auto: rows, as k_new has the cache's dtype
-    assert_same(cache_append(k, v, k_new, v_new, slot, *kt, page_size=page_size, interpret=True,
-                             kt_update=kt_update), fold)
+  # the kernel: rows, as k_new has the cache's dtype
+  assert_same(cache_append(k, v, k_new, v_new, slot, *kt, page_size=page_size, interpret=True), fold)
 
 
-@pytest.mark.parametrize("kt_update,page_size,kt_dtype", [("rows", 3, jnp.bfloat16), ("rows", 1, jnp.float8_e5m2),
-                                                          ("rows", 5, jnp.float32), ("fold", 4, jnp.bfloat16)])
-def test_appends_in_a_row_keep_every_page_its_rows_min_max_interpret(kt_update, page_size, kt_dtype):
+@pytest.mark.parametrize("page_size,kt_dtype", [(3, jnp.bfloat16), (1, jnp.float8_e5m2), (5, jnp.float32),
+                                                (17, jnp.bfloat16)])  # 17: past ROWS_MAX_PAGE_SIZE, the fold
+def test_appends_in_a_row_keep_every_page_its_rows_min_max_interpret(page_size, kt_dtype):
   """The kernel stores only the KT values that change: over a run of appends from stage 1's pages, with keys
   repeated (so that many values do not change) and a page filled from its first slot, every page stays
   `build_kt_pages` of the rows the cache then holds, exactly."""
@@ -150,8 +157,7 @@ def test_appends_in_a_row_keep_every_page_its_rows_min_max_interpret(kt_update, 
   length = jnp.array([5, 12], jnp.int32)
   kt = build_kt_pages(k, length, page_size, kt_dtype)
   for i in range(steps):
-    k, v, *kt = cache_append(k, v, new[i], new[i], length + i, *kt, page_size=page_size, interpret=True,
-                             kt_update=kt_update)
+    k, v, *kt = cache_append(k, v, new[i], new[i], length + i, *kt, page_size=page_size, interpret=True)
   want = build_kt_pages(k, length + steps, page_size, kt_dtype)
   used = np.arange(kt[0].shape[-1]) * page_size < np.asarray(length + steps)[:, None, None, None]
   for got, ref in zip(kt, want):
@@ -162,7 +168,7 @@ def test_appends_in_a_row_keep_every_page_its_rows_min_max_interpret(kt_update, 
 def test_kt_update_auto_folds_a_key_finer_than_the_cache():
   """A float32 k_new into a bf16 cache: "auto" folds the float32 key (rows would see it rounded); pages above
   ROWS_MAX_PAGE_SIZE are folded too (their rows would not fit the program's registers); a bad value is
-  refused before any work."""
+  refused."""
   from rocketkv_jax.kernels.cache_append import ROWS_MAX_PAGE_SIZE, resolve_kt_update
   k = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
   assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.float32), 3) == "fold"
@@ -170,7 +176,7 @@ def test_kt_update_auto_folds_a_key_finer_than_the_cache():
   assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.bfloat16), ROWS_MAX_PAGE_SIZE) == "rows"
   assert resolve_kt_update("auto", k, jnp.zeros((1, 1, 64), jnp.bfloat16), ROWS_MAX_PAGE_SIZE + 1) == "fold"
   with pytest.raises(ValueError, match="kt_update='nope'"):
-    cache_append(k, k, k[:, :, 0], k[:, :, 0], jnp.zeros((1,), jnp.int32), kt_update="nope")
+    resolve_kt_update("nope", k, k[:, :, 0], 3)
 
 
 def test_per_head_slots_with_kt_pages_interpret():
@@ -277,5 +283,4 @@ def test_matches_reference_gpu(kt_dtype):
   check(B=5, K=2, S=70, H=64, page_size=1, dtype=jnp.float32, kt_dtype=kt_dtype, interpret=False, per_head=True)
   check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False, num_warps=4)
   if kt_dtype is not None:
-    check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False,
-          kt_update="rows")
+    check(B=6, K=8, S=1621, H=128, page_size=3, dtype=jnp.bfloat16, kt_dtype=kt_dtype, interpret=False, fold=True)

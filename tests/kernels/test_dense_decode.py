@@ -8,7 +8,7 @@ import pytest
 
 from conftest import (CASES, GPU_CASES, lower_for_h200, needs_gpu, poison_past_length,
                       ragged_lengths, rel_err, tol)
-from rocketkv_jax.kernels.dense_decode import dense_decode_attention, dense_decode_attention_reference
+from rocketkv_jax.kernels.dense_decode import Tuning, dense_decode_attention, dense_decode_attention_reference
 
 
 def make_inputs(c, seed):
@@ -24,7 +24,7 @@ def make_inputs(c, seed):
 
 def check(c, seed, interpret, **tuning):
   q, k, v, length = make_inputs(c, seed)
-  out = dense_decode_attention(q, k, v, length, interpret=interpret, **tuning)
+  out = dense_decode_attention(q, k, v, length, interpret=interpret, tuning=Tuning(**tuning))
   ref = dense_decode_attention_reference(q, k, v, length)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert rel_err(out, ref) < tol(c["dtype"])
@@ -39,10 +39,10 @@ def test_matches_reference_interpret(c, num_splits):
 def test_ragged_batch_equals_each_sequence_alone():
   c = dict(B=3, K=1, G=4, H=64, S=45, dtype=jnp.float32)
   q, k, v, length = make_inputs(c, seed=2)
-  out = dense_decode_attention(q, k, v, length, interpret=True, block_k=16)
+  out = dense_decode_attention(q, k, v, length, interpret=True, tuning=Tuning(block_k=16))
   for b in range(3):
     one = dense_decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], length[b:b + 1],
-                                 interpret=True, block_k=16)
+                                 interpret=True, tuning=Tuning(block_k=16))
     np.testing.assert_allclose(np.asarray(one[0]), np.asarray(out[b]), rtol=1e-5, atol=1e-6)
 
 
@@ -54,7 +54,7 @@ def test_rejects_bad_shapes():
   with pytest.raises(ValueError, match="length_B.shape"):
     dense_decode_attention(q, kv, kv, jnp.ones((2,), jnp.int32))
   with pytest.raises(ValueError, match="block_k=24"):
-    dense_decode_attention(q, kv, kv, jnp.ones((1,), jnp.int32), block_k=24)
+    dense_decode_attention(q, kv, kv, jnp.ones((1,), jnp.int32), tuning=Tuning(block_k=24))
 
 
 @pytest.mark.parametrize("H,G,dtype", [(64, 1, jnp.float32), (128, 4, jnp.bfloat16),
@@ -81,10 +81,10 @@ def test_zero_length_gives_zero_and_long_length_is_clipped():
   q, k, v, _ = make_inputs(c, seed=6)
   k = jnp.where(jnp.isnan(k), 0.5, k)
   v = jnp.where(jnp.isnan(v), 0.5, v)
-  out = dense_decode_attention(q, k, v, jnp.array([0, 99], jnp.int32), interpret=True, block_k=16)
+  out = dense_decode_attention(q, k, v, jnp.array([0, 99], jnp.int32), interpret=True, tuning=Tuning(block_k=16))
   assert not np.asarray(out[0]).any()
-  negative = dense_decode_attention(q, k, v, jnp.array([-5, 99], jnp.int32), interpret=True, block_k=16,
-                                    num_splits=1)
+  negative = dense_decode_attention(q, k, v, jnp.array([-5, 99], jnp.int32), interpret=True,
+                                    tuning=Tuning(block_k=16, num_splits=1))
   assert not np.asarray(negative[0]).any()
   np.testing.assert_allclose(np.asarray(negative[1]), np.asarray(out[1]), rtol=1e-6)
   ref = dense_decode_attention_reference(q[1:], k[1:], v[1:], jnp.array([33], jnp.int32))

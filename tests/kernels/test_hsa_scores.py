@@ -8,8 +8,9 @@ import pytest
 
 from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, ragged_lengths, rel_err
 from rocketkv_jax.kernels.checks import kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import (GATHER_MIN_ROWS, hsa_page_scores, hsa_page_scores_reference,
-                                             row_channels, row_channels_reference)
+from rocketkv_jax.kernels.hsa_scores import (GATHER_ROW_PROGRAMS_MIN_ROWS, Tuning, hsa_page_scores,
+                                             hsa_page_scores_reference, pick_tuning, row_channels,
+                                             row_channels_reference)
 from rocketkv_jax.kernels.triton_util import pow2_pieces
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
@@ -35,7 +36,7 @@ def make_inputs(c, seed, page_size, R, kt_dtype, aligned=False):
 def check(c, seed, page_size, R, kt_dtype, interpret, aligned=False, **tuning):
   q, kt_min, kt_max, length, n = make_inputs(c, seed, page_size, R, kt_dtype, aligned)
   out = hsa_page_scores(q, kt_min, kt_max, length, topr=R, page_size=page_size, interpret=interpret,
-                        **tuning)
+                        tuning=Tuning(**tuning))
   ref = hsa_page_scores_reference(q, kt_min, kt_max, length, topr=R, page_size=page_size)
   out, ref, n = np.asarray(out), np.asarray(ref), np.asarray(n)
   assert out.dtype == np.float32 and out.shape == ref.shape
@@ -70,23 +71,14 @@ def test_one_program_per_row_walking_its_pages(c):
         split_pages=False)
 
 
-@pytest.mark.parametrize("split_pages", [True, False])
-@pytest.mark.parametrize("load_mask", ["pages", "rows"])
-@pytest.mark.parametrize("c,page_size,R,kt_dtype",
-                         [pytest.param(c.values[0], *_KT_SETS[(i + 1) % len(_KT_SETS)], id=c.id)
+@pytest.mark.parametrize("c,page_size,R,kt_dtype,split_pages",
+                         [pytest.param(c.values[0], *_KT_SETS[(i + 1) % len(_KT_SETS)], i % 2 == 0, id=c.id)
                           for i, c in enumerate(CASES)])
-def test_gather_layout_matches_reference_interpret(c, page_size, R, kt_dtype, load_mask, split_pages):
-  """layout="gather": the channels chosen once per row (the row_channels kernel), the scoring kernel
-  reading only those rows. load_mask "rows" loads junk pages too (NaN / inf here): their scores must stay out."""
+def test_aligned_pages_match_reference_interpret(c, page_size, R, kt_dtype, split_pages):
+  """KT rows padded to a multiple of 16 pages, as a cache holds them: the loads take every page of the array,
+  junk pages too (NaN / inf here), whose scores must stay out."""
   check(c, seed=6, page_size=page_size, R=min(R, c["H"]), kt_dtype=kt_dtype, interpret=True, block_p=16,
-        split_pages=split_pages, layout="gather", load_mask=load_mask, aligned=True)
-
-
-@pytest.mark.parametrize("load_mask", ["pages", "rows"])
-def test_other_load_masks_interpret(load_mask):
-  c = CASES[1].values[0]
-  check(c, seed=8, page_size=3, R=min(21, c["H"]), kt_dtype=jnp.bfloat16, interpret=True, block_p=16,
-        split_pages=False, layout="gather", load_mask=load_mask)
+        split_pages=split_pages, aligned=True)
 
 
 @pytest.mark.parametrize("R", [17, 40, 67, 100])
@@ -95,7 +87,7 @@ def test_gather_scores_chosen_rows_in_pieces_interpret(R):
   100: 64 + 32 + 16), one dot each: a piece dropped or misplaced changes the scores."""
   c = dict(B=1, K=2, G=3, H=128, S=70, dtype=jnp.bfloat16)
   check(c, seed=9, page_size=2, R=R, kt_dtype=jnp.bfloat16, interpret=True, block_p=16, split_pages=True,
-        layout="gather", load_mask="rows", aligned=True)
+        aligned=True)
 
 
 def test_pow2_pieces():
@@ -132,38 +124,34 @@ def test_row_channels_kernel_matches_reference_interpret(G, H, topr, dtype, dot_
   check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=True)
 
 
-def test_auto_layout_picks_by_rows():
-  """Both layouts give the same scores; "auto" switches at GATHER_MIN_ROWS rows of B * K."""
-  c = dict(B=3, K=1, G=4, H=64, S=40, dtype=jnp.float32)
-  assert c["B"] * c["K"] < GATHER_MIN_ROWS
-  q, kt_min, kt_max, length, _ = make_inputs(c, 7, 3, 9, jnp.float32)
-  run = lambda **kw: np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=9, page_size=3,
-                                                interpret=True, block_p=16, **kw))
-  a, b = run(layout="rank"), run(layout="gather")
-  live = np.isfinite(a)
-  assert (np.isfinite(b) == live).all() and rel_err(b, a, where=live) < 1e-5
-  with pytest.raises(ValueError, match="layout='rows'"):
-    run(layout="rows")
-  with pytest.raises(ValueError, match="load_mask='cols'"):
-    run(layout="gather", load_mask="cols")
-  traced = lambda rows: str(jax.make_jaxpr(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True))(
-      jnp.zeros((rows, 1, 4, 64)), jnp.zeros((rows, 1, 64, 14)), jnp.zeros((rows, 1, 64, 14)),
-      jnp.zeros((rows,), jnp.int32)))
-  assert "top_k" not in traced(GATHER_MIN_ROWS) and "top_k" not in traced(3)  # no XLA sort either way
-  assert "rocketkv_hsa_row_channels" in traced(GATHER_MIN_ROWS)  # the gather layout from the switch
-  assert "rocketkv_hsa_row_channels" not in traced(GATHER_MIN_ROWS - 1)  # ranking in the scoring kernel
+def test_pick_tuning_by_rows():
+  """One program per page block below GATHER_ROW_PROGRAMS_MIN_ROWS rows of B * K, one per row from there, with
+  the grid's warps and stages; fields given are kept; the channel choice is the row_channels kernel (no XLA
+  sort) when none is given; a block_p that is no power of two raises."""
+  rows = GATHER_ROW_PROGRAMS_MIN_ROWS
+  below, at = pick_tuning(rows - 1, 1, 544, 60), pick_tuning(rows, 1, 544, 60)
+  assert below.split_pages and not at.split_pages
+  assert (below.num_warps, below.num_stages) == (2, 1) and (at.num_warps, at.num_stages) == (2, 2)
+  assert pick_tuning(391, 8, 544, 60).block_p == 64  # 32k, t=256 at batch 391: a [64, 64] tile
+  assert pick_tuning(1, 8, 544, 60, Tuning(block_p=16, num_warps=8)) == Tuning(16, True, 8, 1)
+  traced = str(jax.make_jaxpr(lambda *a: hsa_page_scores(*a, topr=9, page_size=3, interpret=True))(
+      jnp.zeros((3, 1, 4, 64)), jnp.zeros((3, 1, 64, 14)), jnp.zeros((3, 1, 64, 14)), jnp.zeros((3,), jnp.int32)))
+  assert "top_k" not in traced and "rocketkv_hsa_row_channels" in traced
+  with pytest.raises(ValueError, match="block_p=24"):
+    hsa_page_scores(jnp.ones((1, 1, 4, 64)), jnp.ones((1, 1, 64, 5)), jnp.ones((1, 1, 64, 5)),
+                    jnp.ones((1,), jnp.int32), topr=8, page_size=2, tuning=Tuning(block_p=24))
 
 
 def test_a_given_choice_is_used_as_it_is_interpret():
-  """choice= (e.g. made by `cache_append`'s kernel): the gather layout at any row count, the same scores as
-  choosing in the call; a wrong choice (another top-r) changes them; bad shapes and the rank layout raise."""
+  """choice= (e.g. made by `cache_append`'s kernel): the same scores as choosing in the call; a wrong choice
+  (another top-r) changes them; bad shapes raise."""
   from rocketkv_jax.kernels.hsa_scores import choice_dot_dtype
-  c = dict(B=2, K=2, G=4, H=64, S=40, dtype=jnp.bfloat16)  # 4 rows: "auto" would rank in the kernel
+  c = dict(B=2, K=2, G=4, H=64, S=40, dtype=jnp.bfloat16)
   q, kt_min, kt_max, length, _ = make_inputs(c, 9, 3, 9, jnp.bfloat16, aligned=True)
   run = lambda **kw: np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=9, page_size=3, interpret=True,
                                                 **kw))
   dot = choice_dot_dtype(q.dtype, kt_min.dtype)
-  want = run(layout="gather")
+  want = run()
   live = np.isfinite(want)
   np.testing.assert_array_equal(run(choice=row_channels_reference(q, 9, dot)), want)
   assert rel_err(run(choice=row_channels(q, 9, dot, interpret=True)), want, where=live) < 1e-6
@@ -171,20 +159,17 @@ def test_a_given_choice_is_used_as_it_is_interpret():
   assert not np.allclose(run(choice=other)[live], want[live])
   with pytest.raises(ValueError, match="choice shapes"):
     run(choice=row_channels_reference(q, 40, dot))
-  with pytest.raises(ValueError, match="makes the layout 'gather'"):
-    run(choice=row_channels_reference(q, 9, dot), layout="rank")
 
 
-@pytest.mark.parametrize("layout,split_pages", [("rank", True), ("rank", False), ("gather", False)])
-def test_channel_choice_ties_toward_the_lower_channel_interpret(layout, split_pages):
-  """The in-kernel channel choices (the rank layout's, the row_channels kernel's) give the reference's
+def test_channel_choice_ties_toward_the_lower_channel_interpret():
+  """The in-kernel channel choice (the row_channels kernel's, as the append kernel's) gives the reference's
   channels when |q| sums tie exactly (every channel has a twin): an odd top-r splits a tied pair, which the
   lower channel must win."""
   c = dict(B=2, K=2, G=4, H=64, S=60, dtype=jnp.bfloat16)
   q, kt_min, kt_max, length, n = make_inputs(c, 13, 3, 21, jnp.bfloat16, aligned=True)
   q = q.at[..., 1::2].set(q[..., 0::2])
-  out = np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=21, page_size=3, interpret=True, block_p=16,
-                                   layout=layout, split_pages=split_pages))
+  out = np.asarray(hsa_page_scores(q, kt_min, kt_max, length, topr=21, page_size=3, interpret=True,
+                                   tuning=Tuning(block_p=16)))
   ref = np.asarray(hsa_page_scores_reference(q, kt_min, kt_max, length, topr=21, page_size=3))
   live = np.isfinite(ref)
   assert (np.isfinite(out) == live).all() and rel_err(out, ref, where=live) < 1e-5
@@ -220,11 +205,8 @@ def test_lowers_for_h200_through_triton(H, G, R, kt_dtype, q_dtype, split_pages)
   q = jax.ShapeDtypeStruct((2, 2, G, H), q_dtype)
   kt = jax.ShapeDtypeStruct((2, 2, H, 333), kt_dtype)
   length = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages),
-                        q, kt, kt, length)
-  assert "rocketkv_hsa_scores" in text
-  text = lower_for_h200(lambda *a: hsa_page_scores(*a, topr=R, page_size=3, split_pages=split_pages,
-                                                   layout="gather"), q, kt, kt, length)
+  text = lower_for_h200(
+      lambda *a: hsa_page_scores(*a, topr=R, page_size=3, tuning=Tuning(split_pages=split_pages)), q, kt, kt, length)
   assert "rocketkv_hsa_scores_gather" in text
   assert "rocketkv_hsa_row_channels" in text
 
@@ -236,8 +218,7 @@ def test_gather_scores_chosen_rows_in_pieces_gpu(split_pages):
   needs_gpu()
   c = dict(B=3, K=8, G=4, H=128, S=2053, dtype=jnp.bfloat16)
   for R, kt_dtype in ((67, jnp.bfloat16), (100, jnp.float8_e5m2)):
-    check(c, seed=11, page_size=4, R=R, kt_dtype=kt_dtype, interpret=False, layout="gather", aligned=True,
-          split_pages=split_pages)
+    check(c, seed=11, page_size=4, R=R, kt_dtype=kt_dtype, interpret=False, aligned=True, split_pages=split_pages)
 
 
 @pytest.mark.gpu
@@ -249,13 +230,9 @@ def test_matches_reference_gpu(c, kt_dtype):
   check(c, seed=3, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False)
   check(c, seed=4, page_size=1, R=c["H"] // 2, kt_dtype=kt_dtype, interpret=False, block_p=32)
   check(c, seed=5, page_size=3, R=min(40, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=False)
-  for split in (True, False):  # aligned pages: load_mask "auto" picks the vectorised "rows"
+  for split in (True, False):  # aligned pages, as a cache holds them: the vectorised loads
     check(c, seed=8, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, split_pages=split,
-          layout="gather", aligned=True)
-  if c["B"] * c["K"] >= 8:  # compiles are slow: the other layouts and load masks on the small cases only
-    return
-  check(c, seed=5, page_size=3, R=min(61, c["H"]), kt_dtype=kt_dtype, interpret=False, layout="gather",
-        load_mask="pages", split_pages=False)
+          aligned=True)
 
 
 @pytest.mark.gpu

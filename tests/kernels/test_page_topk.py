@@ -111,7 +111,7 @@ def test_matches_reference_gpu(B, K, num_slots, page_size, k):
 
 def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
   """Real partials of the HSA kernel (interpret mode) on random queries and KT pages, junk on empty pages."""
-  from rocketkv_jax.kernels.hsa_scores import hsa_page_partials
+  from rocketkv_jax.kernels.hsa_scores import Tuning, hsa_page_partials
   rng = np.random.default_rng(seed)
   ks = jax.random.split(jax.random.PRNGKey(seed), 3)
   P = -(-num_slots // page_size)
@@ -121,9 +121,8 @@ def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
   empty = (jnp.arange(P)[None, :] * page_size >= length[:, None])[:, None, None, :]
   kt_min = jnp.where(empty, jnp.nan, jnp.minimum(a, b))
   kt_max = jnp.where(empty, jnp.inf, jnp.maximum(a, b))
-  tuning = {} if block_p is None else dict(block_p=block_p)
   return hsa_page_partials(q, kt_min, kt_max, length, topr=topr, page_size=page_size, interpret=True,
-                           **tuning), length
+                           tuning=Tuning(block_p=block_p)), length
 
 
 def check_hsa(seed, B, K, G, H, num_slots, page_size, k, topr, interpret, block_p=None, sink=0, recent=0,

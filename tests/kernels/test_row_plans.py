@@ -23,7 +23,7 @@ from conftest import assert_near_ties_only, lower_for_h200, needs_gpu
 from rocketkv_jax import ops
 from rocketkv_jax.kernels.cache_append import cache_append, cache_append_reference
 from rocketkv_jax.kernels.checks import kt_num_pages
-from rocketkv_jax.kernels.hsa_scores import (chosen_slots, hsa_page_partials, hsa_page_scores,
+from rocketkv_jax.kernels.hsa_scores import (Tuning, chosen_slots, hsa_page_partials, hsa_page_scores,
                                              hsa_page_scores_reference, normalize_partials, row_channels,
                                              row_channels_reference)
 from rocketkv_jax.kernels.page_topk import (force_pages, hsa_page_topk, hsa_page_topk_reference, page_topk,
@@ -123,21 +123,24 @@ def append_inputs(seed, B, K, S, H, P, slot_BK, dtype, kt_dtype):
 
 
 # The reference jitted: one compile per row's static plan (eager, every op of it compiles per shape).
-jit_append_reference = jax.jit(cache_append_reference, static_argnames=["page_size", "kt_update", "topr"])
+jit_append_reference = jax.jit(cache_append_reference, static_argnames=["page_size", "topr"])
 
 
-def check_append(fn, seed, slot_BK, kt_update, dtype=jnp.bfloat16, kt_dtype=jnp.bfloat16, S=PLAN["S"], H=64,
+def check_append(fn, seed, slot_BK, fold, dtype=jnp.bfloat16, kt_dtype=jnp.bfloat16, S=PLAN["S"], H=64,
                  G=3, alone_fn=jit_append_reference, rows=range(4), static=True, batch_ref=False):
   """fn(*args, page_size, choose_q, topr, page_size_B, topr_B) -> (k, v, kt_min, kt_max, *choice) against
   `rows` alone through alone_fn (same arguments; the reference unless given), bitwise; with batch_ref, the
   reference's per-row plans on the batch too; with `static`, bitwise None's output at the static plan.
-  slot_BK [B, K] or [B]."""
+  slot_BK [B, K] or [B]. fold: float32 keys, which the kernel folds into the page (else, of the cache's dtype,
+  it rebuilds the page from its rows)."""
   P, ps, r, _ = plan_arrays()
   B, K = 4, 2
   args = append_inputs(seed, B, K, S, H, P, jnp.broadcast_to(slot_BK.reshape(B, -1), (B, K)), dtype, kt_dtype)
   args = args[:4] + (slot_BK,) + args[5:]
+  if fold:
+    args = args[:2] + tuple(x.astype(jnp.float32) for x in args[2:4]) + args[4:]
   q = normal(np.random.default_rng(seed + 1), (B, K, G, H), dtype)
-  kw = dict(kt_update=kt_update) if kt_update else {}
+  kw = {}
   out = fn(*args, page_size=PLAN["page_size"], choose_q=q, topr=PLAN["topr"], page_size_B=ps, topr_B=r, **kw)
   if batch_ref:
     ref = jit_append_reference(*args, page_size=PLAN["page_size"], choose_q=q, topr=PLAN["topr"], page_size_B=ps,
@@ -168,12 +171,12 @@ def check_append(fn, seed, slot_BK, kt_update, dtype=jnp.bfloat16, kt_dtype=jnp.
 APPEND_SLOTS = [np.array([10, 5, 8, 17]), np.array([[13, 20], [4, -1], [36, 35], [PLAN["S"], 19]])]
 
 
-@pytest.mark.parametrize("slots,kt_update", [(0, "fold"), (1, "rows")], ids=["slot_B-fold", "slot_BK-rows"])
-def test_cache_append_per_row_plans_interpret(slots, kt_update):
+@pytest.mark.parametrize("slots,fold", [(0, True), (1, False)], ids=["slot_B-fold", "slot_BK-rows"])
+def test_cache_append_per_row_plans_interpret(slots, fold):
   """The kernel and the reference with per-row plans: each row as the reference alone (bitwise, as the kernel
   tests hold the kernel to the reference at static values)."""
   kernel = functools.partial(cache_append, interpret=True)
-  check_append(kernel, seed=3 + slots, slot_BK=jnp.asarray(APPEND_SLOTS[slots], jnp.int32), kt_update=kt_update,
+  check_append(kernel, seed=3 + slots, slot_BK=jnp.asarray(APPEND_SLOTS[slots], jnp.int32), fold=fold,
                batch_ref=True)
 
 
@@ -181,7 +184,7 @@ def test_cache_append_kernel_alone_interpret():
   """The kernel against the kernel alone, the "rows" rebuild at the row's page size (f8 pages): the rows of
   pages of 2 and 3 (a slot mid-page, one at a page's last slot, one out of range)."""
   kernel = functools.partial(cache_append, interpret=True)
-  check_append(kernel, seed=7, slot_BK=jnp.asarray(APPEND_SLOTS[1], jnp.int32), kt_update="rows",
+  check_append(kernel, seed=7, slot_BK=jnp.asarray(APPEND_SLOTS[1], jnp.int32), fold=False,
                kt_dtype=jnp.float8_e5m2, alone_fn=kernel, rows=(1, 2), static=False)
 
 
@@ -189,7 +192,7 @@ def test_cache_append_xla_per_row_plans():
   """The ops XLA path (the scatters, a fold), per-head slots: each row as the XLA path alone."""
   slot = jnp.asarray(APPEND_SLOTS[1], jnp.int32)
   xla = functools.partial(ops.cache_append, impl="xla")
-  check_append(xla, seed=6, slot_BK=slot, kt_update=None, dtype=jnp.float32, kt_dtype=jnp.float32, alone_fn=xla)
+  check_append(xla, seed=6, slot_BK=slot, fold=False, dtype=jnp.float32, kt_dtype=jnp.float32, alone_fn=xla)
 
 
 # ---------------------------------------------------------------- HSA scoring and selection
@@ -211,7 +214,7 @@ def row_alone(b, psb, q, kt_min, kt_max, length, P_min=0):
   return q[b:b + 1], alone_pages(kt_min, b, Pb, jnp.nan), alone_pages(kt_max, b, Pb, jnp.inf), length[b:b + 1]
 
 
-def check_hsa_rows(seed, layout, sink=0, recent=0, k=12, G=3, H=64, interpret=True, dtype=jnp.float32,
+def check_hsa_rows(seed, sink=0, recent=0, k=12, G=3, H=64, interpret=True, dtype=jnp.float32,
                    kt_dtype=jnp.float32, **tuning):
   """hsa_page_partials -> hsa_page_topk with per-row plans: idx as the reference selection of the same partials
   (exactly), each row's normalised scores as the reference alone (float tolerance) and its idx as the XLA
@@ -220,7 +223,7 @@ def check_hsa_rows(seed, layout, sink=0, recent=0, k=12, G=3, H=64, interpret=Tr
   S, page_size, topr = PLAN["S"], PLAN["page_size"], PLAN["topr"]
   q, kt_min, kt_max = hsa_inputs(seed, 4, 2, G, H, P, length, ps, dtype, kt_dtype)
   args = (q, kt_min, kt_max, length)
-  tune = dict(layout=layout, interpret=interpret, **tuning)
+  tune = dict(interpret=interpret, tuning=Tuning(**tuning))
   select = dict(k=k, num_slots=S, sink=sink, recent=recent)
   s, m, l = hsa_page_partials(*args, topr=topr, page_size=page_size, page_size_B=ps, topr_B=r, **tune)
   idx = hsa_page_topk(s, m, l, length, page_size=page_size, page_size_B=ps, num_pages=P, interpret=interpret,
@@ -254,14 +257,14 @@ def check_hsa_rows(seed, layout, sink=0, recent=0, k=12, G=3, H=64, interpret=Tr
               hsa_page_topk(*static, length, page_size=page_size, interpret=interpret, **select))
 
 
-def test_hsa_partials_and_page_topk_rank_layout_interpret():
-  """The rank layout (what "auto" picks at 8 rows), the forced sink / recent pages at each row's page size."""
-  check_hsa_rows(seed=11, layout="auto", sink=2, recent=3)
+def test_hsa_partials_and_page_topk_forced_pages_interpret():
+  """The forced sink / recent pages at each row's page size."""
+  check_hsa_rows(seed=11, sink=2, recent=3)
 
 
-def test_hsa_partials_and_page_topk_gather_layout_interpret():
-  """The gather layout (the choice kernel with topr_B; pads load nothing), pieces 32 + 16, pages of 16."""
-  check_hsa_rows(seed=12, layout="gather", block_p=16)
+def test_hsa_partials_and_page_topk_pieces_interpret():
+  """The choice kernel with topr_B (pads load nothing), pieces 32 + 16, pages of 16."""
+  check_hsa_rows(seed=12, block_p=16)
 
 
 def test_hsa_page_topk_kernel_alone_interpret():
@@ -333,7 +336,7 @@ def test_hsa_page_scores_per_row_plans_interpret():
   P, ps, r, length = plan_arrays()
   q, kt_min, kt_max = hsa_inputs(31, 4, 2, 3, 64, P, length, ps)
   kw = dict(topr=PLAN["topr"], page_size=PLAN["page_size"], page_size_B=ps, topr_B=r)
-  got = np.asarray(hsa_page_scores(q, kt_min, kt_max, length, interpret=True, layout="gather", block_p=16, **kw))
+  got = np.asarray(hsa_page_scores(q, kt_min, kt_max, length, interpret=True, tuning=Tuning(block_p=16), **kw))
   want = np.asarray(hsa_page_scores_reference(q, kt_min, kt_max, length, **kw))
   n = np.clip(np.asarray(length)[:, None] - np.arange(P) * np.asarray(ps)[:, None], 0, np.asarray(ps)[:, None])
   live = np.broadcast_to((n > 0)[:, None, :], got.shape)
@@ -414,10 +417,9 @@ def test_lower_for_h200_with_per_row_plans():
   text = lower_for_h200(lambda *a: cache_append(*a[:7], page_size=3, choose_q=a[7], topr=60, page_size_B=a[8],
                                                 topr_B=a[9]), kv, kv, new, new, row, kt, kt, q, row, row)
   assert "rocketkv_cache_append" in text
-  for layout in ("rank", "gather"):
-    text = lower_for_h200(lambda *a: hsa_page_partials(*a[:4], topr=60, page_size=3, layout=layout,
-                                                       page_size_B=a[4], topr_B=a[5]), q, kt, kt, row, row, row)
-    assert "rocketkv_hsa_scores" in text
+  text = lower_for_h200(lambda *a: hsa_page_partials(*a[:4], topr=60, page_size=3, page_size_B=a[4], topr_B=a[5]),
+                        q, kt, kt, row, row, row)
+  assert "rocketkv_hsa_scores" in text
   NB, bp = 17, 32
   f32 = lambda *s: sd(s, jnp.float32)  # noqa: E731
   text = lower_for_h200(lambda s, m, l, n, p: hsa_page_topk(s, m, l, n, page_size=3, k=128, num_slots=S, sink=4,
@@ -432,11 +434,9 @@ def test_lower_for_h200_with_per_row_plans():
 @pytest.mark.gpu
 def test_per_row_plans_gpu():
   needs_gpu()
-  check_append(cache_append, seed=3, slot_BK=jnp.asarray(APPEND_SLOTS[1], jnp.int32), kt_update="rows")
-  check_append(cache_append, seed=4, slot_BK=jnp.asarray(APPEND_SLOTS[0], jnp.int32), kt_update="fold")
-  for layout in ("rank", "gather"):
-    check_hsa_rows(seed=11, layout=layout, sink=2, recent=3, interpret=False, H=128, G=4, dtype=jnp.bfloat16,
-                   kt_dtype=jnp.bfloat16)
+  check_append(cache_append, seed=3, slot_BK=jnp.asarray(APPEND_SLOTS[1], jnp.int32), fold=False)
+  check_append(cache_append, seed=4, slot_BK=jnp.asarray(APPEND_SLOTS[0], jnp.int32), fold=True)
+  check_hsa_rows(seed=11, sink=2, recent=3, interpret=False, H=128, G=4, dtype=jnp.bfloat16, kt_dtype=jnp.bfloat16)
   P, ps, _, length = plan_arrays()
   scores = page_scores(41, 4, 2, P, length, ps, ties=True)
   kw = dict(page_size=PLAN["page_size"], k=12, num_slots=PLAN["S"], page_size_B=ps)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, rel_err, tol
 from rocketkv_jax.kernels.dense_decode import dense_decode_attention_reference
-from rocketkv_jax.kernels.sparse_decode import (sparse_decode_attention,
+from rocketkv_jax.kernels.sparse_decode import (Tuning, sparse_decode_attention,
                                                 sparse_decode_attention_reference)
 
 
@@ -30,7 +30,7 @@ def make_inputs(c, seed, M):
 
 def check(c, seed, M, interpret, **tuning):
   q, k, v, idx, valid = make_inputs(c, seed, M)
-  out = sparse_decode_attention(q, k, v, idx, valid, interpret=interpret, **tuning)
+  out = sparse_decode_attention(q, k, v, idx, valid, interpret=interpret, tuning=Tuning(**tuning))
   ref = sparse_decode_attention_reference(q, k, v, idx, valid)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert rel_err(out, ref) < tol(c["dtype"])
@@ -52,7 +52,7 @@ def test_full_selection_equals_dense():
   length = jnp.array([40, 23], jnp.int32)
   idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, K, S))
   valid = idx < length[:, None, None]
-  out = sparse_decode_attention(q, k, v, idx, valid, interpret=True, block_m=16)
+  out = sparse_decode_attention(q, k, v, idx, valid, interpret=True, tuning=Tuning(block_m=16))
   ref = dense_decode_attention_reference(q, k, v, length)
   assert rel_err(out, ref) < 1e-5
 
@@ -76,7 +76,8 @@ def test_lowers_for_h200_through_triton(H, G, dtype):
   valid = jax.ShapeDtypeStruct((2, 2, 300), jnp.bool_)
   text = lower_for_h200(lambda *a: sparse_decode_attention(*a), q, kv, kv, idx, valid)
   assert "rocketkv_sparse_decode" in text
-  text = lower_for_h200(lambda *a: sparse_decode_attention(*a, num_splits=1, block_m=64), q, kv, kv, idx, valid)
+  text = lower_for_h200(lambda *a: sparse_decode_attention(*a, tuning=Tuning(num_splits=1, block_m=64)), q, kv, kv,
+                        idx, valid)
   assert "rocketkv_sparse_decode" in text
 
 

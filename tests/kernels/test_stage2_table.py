@@ -30,10 +30,12 @@ NEW = [
     point("hsa_scores", "pallas gather split_pages=True", 32, 30.0, 3e6, 3.0),  # what auto picks at 256 rows
     point("append", "pallas", 1, 8.0, 1e6, 0.5),
 ]
-TUNE = [  # tune_hsa.py records: no kind, the layout's fields; block_p 64, 4 warps, 1 stage are the defaults
-    dict(B=391, L=32768, t=256, layout="gather", split=False, block_p=128, warps=4, stages=1, device_us=1.0,
+TUNE = [  # tune_hsa.py records: the launch parameters; at 391 rows block_p 64, 2 warps, 2 stages are pick_tuning's
+    dict(B=391, L=32768, t=256, layout="gather", split=False, block_p=128, warps=2, stages=2, device_us=1.0,
          floor_us=50.0),
-    dict(B=391, L=32768, t=256, layout="gather", split=False, block_p=64, warps=4, stages=1, device_us=200.0,
+    dict(B=391, L=32768, t=256, layout="gather", split=False, block_p=64, warps=4, stages=1, device_us=2.0,
+         floor_us=50.0),
+    dict(B=391, L=32768, t=256, layout="gather", split=False, block_p=64, warps=2, stages=2, device_us=200.0,
          floor_us=50.0),
 ]
 
@@ -70,10 +72,11 @@ def table_rows(text):
   return rows
 
 
-def test_auto_layout_follows_the_kernel_thresholds():
-  assert st.auto_layout(1) == ("rank", True)  # 8 rows
-  assert st.auto_layout(32) == ("gather", True)  # 256 rows: GATHER_MIN_ROWS
-  assert st.auto_layout(391) == ("gather", False)  # 3128 rows: past GATHER_ROW_PROGRAMS_MIN_ROWS
+def test_decode_tuning_is_the_kernels_heuristic():
+  from rocketkv_jax.kernels.hsa_scores import pick_tuning
+  assert st.decode_tuning(1).split_pages and st.decode_tuning(32).split_pages  # 8, 256 rows: page blocks
+  assert not st.decode_tuning(391).split_pages  # 3128 rows: past GATHER_ROW_PROGRAMS_MIN_ROWS, row programs
+  assert st.decode_tuning(391) == pick_tuning(391, 8, 544, 60)  # 32k, t=256: 544 KT pages, top-r 60
 
 
 def test_chosen_rows_and_later_files_win(rendered):
@@ -86,8 +89,8 @@ def test_chosen_rows_and_later_files_win(rendered):
   assert (select.us, select.rec["impl"], select.src.letter) == (20.0, "pallas two-kernel", "a")
   attn = table[1]["attn"][0]
   assert attn.floor == pytest.approx(4.0) and attn.x == pytest.approx(1.25)  # bytes at the file's copy bandwidth
-  # No two-kernel record: the scoring kernel in the layout the code picks (not the faster-looking rank row or
-  # the tune row at a block_p that is not the default).
+  # No two-kernel record: the scoring kernel on the grid the code picks (not the faster-looking rank row or
+  # the tune rows at launch parameters that are not pick_tuning's).
   assert table[32]["hsa_fallback"] and table[32]["select"][0].us == 30.0
   assert table[391]["select"][0].us == 200.0 and table[391]["select"][0].src.letter == "c"
   assert "python -m benchmarks.stage2_table " + " ".join(argv) in text

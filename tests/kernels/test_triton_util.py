@@ -1,4 +1,5 @@
-"""`masked_scatter`, the one helper whose interpret-mode form differs from the compiled one."""
+"""`masked_scatter`, the one helper whose interpret-mode form differs from the compiled one; `sm_count`, the one
+place the kernels' launch heuristics read the device."""
 from __future__ import annotations
 
 import jax
@@ -9,6 +10,7 @@ import pytest
 from conftest import lower_for_h200
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from rocketkv_jax.kernels import triton_util
 from rocketkv_jax.kernels.triton_util import masked_scatter
 
 
@@ -54,3 +56,21 @@ def test_lowers_for_h200_through_triton():
   text = lower_for_h200(lambda i, v, m: _scatter(i, v, m, n=8, interpret=False),
                         sd((8,), jnp.int32), sd((8,), jnp.int32), sd((8,), jnp.bool_))
   assert "__gpu$xla.gpu.triton" in text
+
+
+def test_sm_count_reads_the_gpu_and_falls_back_to_the_h200(monkeypatch):
+  """A GPU's core_count (its SMs); DEFAULT_SM_COUNT (the H200's 132) on CPU or where a GPU gives none. The
+  kernels hold no SM count of their own: their grids follow `sm_count` (dense: 4 programs per SM)."""
+  from rocketkv_jax.kernels import dense_decode, sparse_decode
+
+  class Device:
+    def __init__(self, platform, **kw):
+      self.platform = platform
+      self.__dict__.update(kw)
+
+  for device, want in ((Device("gpu", core_count=78), 78), (Device("gpu"), 132), (Device("cpu", core_count=2), 132)):
+    monkeypatch.setattr(jax, "devices", lambda device=device: [device])
+    assert triton_util.sm_count() == want
+  monkeypatch.setattr(jax, "devices", lambda: [Device("gpu", core_count=66)])
+  assert dense_decode.pick_tuning(1, 8, 128).num_splits == 33  # 4 * 66 programs over 8 rows
+  assert sparse_decode.pick_tuning(1, 8, 128).num_splits == 17  # 2 * 66 over 8
