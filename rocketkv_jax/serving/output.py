@@ -31,7 +31,8 @@ class TokenEvent:
   "stop" (a stop id or string), "length" (max_tokens) or "abort". prompt_tokens: the prompt's length (with a
   context, context + prompt). completion_tokens: tokens generated so far, a stop id included. cached_tokens:
   prompt tokens not prefilled for this request (taken from the history or a compressed context). queued_s: how
-  long it waited for a slot. logprobs: with `SamplingParams.logprobs`, one `TokenLogprob` per entry of token_ids.
+  long it waited for a slot. logprobs: with `SamplingParams.logprobs`, one `TokenLogprob` per entry of token_ids, then
+  the stop id's when a stop id ended the request (it is not in token_ids).
   prompt_logprobs: with `SamplingParams.prompt_logprobs`, on the request's first event: one entry per prompt
   token, the first None (nothing precedes it). finish_reason "error": the request failed on its own (`error`
   says why); the other requests go on.
@@ -96,6 +97,8 @@ def advance(tokenizer, a: RequestState, row: list[int], scores=None) -> TokenEve
     a.completion += 1
     if t in a.stops:
       reason = "stop"
+      if lps is not None:  # the stop id's own logprob is kept (vLLM does; lm-eval's echo scoring counts on it)
+        lps.append(token_logprob(t, scores, j, s.logprobs))
       break
     new.append(t)
     if lps is not None:

@@ -227,3 +227,14 @@ def test_ignore_eos(engine_rk):
   assert _tokens(ev) == [] and ev[-1].finish_reason == "stop"
   with pytest.raises(ValueError, match="ignore_eos"):
     SamplingParams(ignore_eos=1)
+
+
+def test_logprobs_keep_the_stop_id(engine_rk):
+  """A request ended by a stop id gets that id's logprob after its tokens' (it is not in token_ids)."""
+  ids = prompt(100, 5)
+  eos = engine_rk.stop_ids[0]
+  ev = _events(engine_rk, [Request("s", ids, SamplingParams(max_tokens=5, logit_bias={eos: 100.0}, min_tokens=2,
+                                                            logprobs=1))])["s"]
+  lps = [x for e in ev for x in e.logprobs]
+  assert len(_tokens(ev)) == 2 and [x.token_id for x in lps] == _tokens(ev) + [eos]
+  assert ev[-1].finish_reason == "stop" and lps[-1].logprob <= 0
