@@ -33,7 +33,8 @@ REFUSED: dict[str, tuple] = {
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}), "prediction": (None,), "audio": (None,),
-    "modalities": (None, ["text"]), "min_p": (None, 0, 0.0),
+    "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    "min_p": (None, 0, 0.0),
     "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False), "early_stopping": (None, False),
     "ignore_eos": (None, False), "bad_words": (None, []), "allowed_token_ids": (None,),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
@@ -41,6 +42,8 @@ REFUSED: dict[str, tuple] = {
     "truncate_prompt_tokens": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "typical_p": (None, 1, 1.0),
     "echo_prompt": (None, False), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,),
 }
 # Chat's `echo` is vLLM's (echo the last message), not implemented; completions' `echo` is.
 CHAT_REFUSED = dict(REFUSED, echo=(None, False))

@@ -104,6 +104,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/chat/completions", dict(CHAT, top_logprobs=21, logprobs=True), "top_logprobs"),
     ("/v1/chat/completions", dict(CHAT, top_logprobs=2), "top_logprobs"),  # without logprobs: true
     ("/v1/chat/completions", dict(CHAT, echo=True), "echo"),      # vLLM's chat echo: not implemented
+    ("/v1/chat/completions", dict(CHAT, reasoning_effort="high"), "reasoning_effort"),
+    ("/v1/chat/completions", dict(CHAT, chat_template="{{ 1 }}"), "chat_template"),  # per request: not implemented
+    ("/v1/completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ("/v1/chat/completions", dict(CHAT, max_completion_tokens=0), "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
