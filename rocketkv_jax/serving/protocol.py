@@ -36,7 +36,7 @@ REFUSED: dict[str, tuple] = {
     "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
     "min_p": (None, 0, 0.0),
     "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False), "early_stopping": (None, False),
-    "ignore_eos": (None, False), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "allowed_token_ids": (None,),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,), "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
@@ -95,6 +95,8 @@ class _Sampling(_Body):
                                              description="vLLM's: the logits of tokens in the prompt or the answer "
                                                          "divided (positive) or multiplied (negative) by it; 1 is off")
   min_tokens: Optional[int] = Field(None, ge=0, le=MAX_INT32, description="vLLM's: no stop before this many tokens")
+  ignore_eos: Optional[bool] = Field(None, description="vLLM's: the model's end-of-sequence / end-of-turn tokens do "
+                                                       "not end the answer (stop and stop_token_ids still do)")
   logit_bias: Optional[dict[str, float]] = Field(
       None, description=f"token id (as a string) -> bias in [-100, 100] added to its logit; at most "
                         f"{MAX_LOGIT_BIAS} entries")

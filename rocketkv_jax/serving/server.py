@@ -297,7 +297,8 @@ def request_sampling(req: protocol.CompletionRequest | protocol.ChatCompletionRe
   return SamplingParams(
       max_tokens=max_tokens, temperature=pick(req.temperature, defaults.get("temperature", 1.0)),
       top_p=pick(req.top_p, defaults.get("top_p", 1.0)), top_k=0 if top_k == -1 else top_k,  # -1: vLLM's off
-      seed=pick(req.seed, DEFAULT_SEED), stop_ids=tuple(stop_ids) + tuple(req.stop_token_ids or ()),
+      seed=pick(req.seed, DEFAULT_SEED), ignore_eos=bool(req.ignore_eos),
+      stop_ids=(() if req.ignore_eos else tuple(stop_ids)) + tuple(req.stop_token_ids or ()),
       stop_strings=req.stop_strings(), presence_penalty=req.presence_penalty or 0.0,
       frequency_penalty=req.frequency_penalty or 0.0, repetition_penalty=pick(req.repetition_penalty, 1.0),
       min_tokens=req.min_tokens or 0, logit_bias=req.bias_pairs(), logprobs=logprobs,

@@ -165,6 +165,23 @@ def test_min_tokens_holds_back_the_stop(served, smollm2):
   assert r.usage.completion_tokens >= 3 and r.choices[0].text
 
 
+def test_ignore_eos_runs_to_max_tokens(served, smollm2):
+  """With the end-of-turn token pushed to the top, a chat answer ends at once; with ignore_eos (vLLM's field) it
+  runs to max_tokens."""
+  _, tok = smollm2
+  msgs = [{"role": "user", "content": "Say yes."}]
+  bias = {"logit_bias": {str(tok.chat_eos_id): 100}}
+  short = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                                extra_body=bias)
+  assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens == 1
+  long_ = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                                extra_body=dict(bias, ignore_eos=True))
+  assert long_.choices[0].finish_reason == "length" and long_.usage.completion_tokens == 5
+  with pytest.raises(openai.BadRequestError) as e:
+    served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body={"ignore_eos": "yes"})
+  assert e.value.body["param"] == "ignore_eos"
+
+
 @pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty", "repetition_penalty"])
 def test_penalties_break_a_repetition(served, field):
   """Greedy SmolLM2 goes on repeating " yes,"; a strong penalty on repeated tokens makes it say fewer."""

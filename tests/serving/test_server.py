@@ -296,7 +296,7 @@ def _error(status, body) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("field, value", [("suffix", "x"), ("tools", [{"type": "function"}]), ("length_penalty", 0.5),
                                           ("use_beam_search", True), ("best_of", 2), ("min_p", 0.1),
-                                          ("ignore_eos", True), ("prompt_logprobs", 1)])
+                                          ("prompt_logprobs", 1)])
 def test_sampling_fields_not_implemented_are_refused(served, field, value):
   with pytest.raises(openai.BadRequestError) as e:
     served.client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={field: value})
