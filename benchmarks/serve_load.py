@@ -19,8 +19,8 @@ Workloads (`--workload`, comma-separated; lengths times `--scale`, or tiny ones 
 Prompts are real text: Chapter I of "Alice's Adventures in Wonderland" (public domain, the demo's document,
 models/data/alice_chapter1.txt), repeated with part markers to the length needed, tokenized by the server's
 `/tokenize`, so completions prompts are token ids of exactly the wanted length (chat prompts are text; their
-counts come from `usage`). Every request sets `min_tokens = max_tokens` (the server's vLLM extension; it refuses
-`ignore_eos`), so every answer has exactly the wanted length (`--no-min-tokens` lets answers stop early), and
+counts come from `usage`). Every request sets `ignore_eos` (vLLM's: the model's end tokens do not stop
+it), so every answer has exactly the wanted length (`--no-ignore-eos` lets answers stop early), and
 `temperature: 0`. long-gen and prefill-heavy send a distinct `cache_salt` per request, so no prompt is served
 from another's history; doc-qa and chat share one salt per (workload, rate), so each point starts cold.
 
@@ -458,8 +458,8 @@ class Runner:
 
   def sampling(self, out: int) -> dict:
     body = {"max_tokens": out, "temperature": 0.0}
-    if not self.args.no_min_tokens:
-      body["min_tokens"] = out
+    if not self.args.no_ignore_eos:
+      body["ignore_eos"] = True
     return body
 
   async def q_ids(self, text: str) -> list[int]:
@@ -487,7 +487,7 @@ class Runner:
       else:
         res = await self.client.stream("/v1/completions", body | {"prompt": prompt}, chat=False)
     res |= dict(index=i, session=session, turn=turn, sent_s=None if t_sched is None else round(t_sched, 4),
-                expected_tokens=None if self.args.no_min_tokens else w.output_tokens)
+                expected_tokens=None if self.args.no_ignore_eos else w.output_tokens)
     if record is not None:
       record.append(res)
     if progress is not None:
@@ -636,7 +636,7 @@ async def run_server(url: str, launch: list[str] | None, args, workloads: list[W
                 server_models=models, git_commit=_git_commit(),
                 command=shlex.join([os.path.basename(sys.executable), "-m", "benchmarks.serve_load", *sys.argv[1:]]),
                 tiny=args.tiny, scale=args.scale, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                min_tokens=not args.no_min_tokens, max_concurrency=args.max_concurrency)
+                ignore_eos=not args.no_ignore_eos, max_concurrency=args.max_concurrency)
     for w in workloads:
       if not args.no_warmup_pass:
         s = await runner.warm(w)
@@ -822,7 +822,7 @@ def parse_args(argv=None):
   wl.add_argument("--duration", type=float, default=None, help="send arrivals for this many seconds instead")
   wl.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
   wl.add_argument("--think-s", type=float, default=0.0, help="chat: pause between an answer and the next turn")
-  wl.add_argument("--no-min-tokens", action="store_true", help="let answers stop at EOS (no min_tokens)")
+  wl.add_argument("--no-ignore-eos", action="store_true", help="let answers stop at EOS (no ignore_eos)")
   wl.add_argument("--no-prime", action="store_true", help="doc-qa: no untimed priming request for the document")
   wl.add_argument("--no-warmup-pass", action="store_true", help="no untimed warm-up pass per workload")
   wl.add_argument("--seed", type=int, default=0)

@@ -70,8 +70,8 @@ def test_tiny_load_against_a_launched_server(tmp_path, capsys):
     assert r["output_tokens_per_s"] > 0 and r["wall_s"] > 0
     for q in reqs:
       assert 0 < q["ttft_s"] <= q["e2e_s"] and q["tpot_s"] > 0 and 0 <= q["max_gap_s"] <= q["e2e_s"]
-    # min_tokens = max_tokens forced every answer to its full length
-    assert r["min_tokens"] and r["output_tokens_exact"] is True
+    # ignore_eos forced every answer to its full length
+    assert r["ignore_eos"] and r["output_tokens_exact"] is True
     assert all(q["output_tokens"] == spec.output_tokens == q["expected_tokens"] for q in reqs)
     assert all(q["finish_reason"] == "length" for q in reqs)
     # the record says what served it
