@@ -527,9 +527,13 @@ def served_model_name(args) -> str:
   return args.served_model_name or args.model
 
 
-def api_key(args) -> str | None:
-  """`serve`'s API key: --api-key, else the environment's ROCKETKV_API_KEY, else none (an open server)."""
-  return args.api_key or os.environ.get("ROCKETKV_API_KEY") or None
+def api_key(args) -> str | tuple[str, ...] | None:
+  """`serve`'s API key(s): every --api-key given (each a tenant: module doc of server.py), else the environment's
+  ROCKETKV_API_KEY, else none (an open server)."""
+  keys = tuple(k for k in (args.api_key or ()) if k)
+  if len(keys) > 1:
+    return keys
+  return (keys[0] if keys else None) or os.environ.get("ROCKETKV_API_KEY") or None
 
 
 def _model_name(model: str) -> str:
@@ -625,9 +629,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the model id clients use (default: the --model string as given)")
   s.add_argument("--chat-template", default=None, metavar="FILE",
                  help="a jinja2 chat template file (or a .json with \"chat_template\") replacing the checkpoint's")
-  s.add_argument("--api-key", default=None,
-                 help="require `Authorization: Bearer KEY` on every route but /health and /version "
-                      "(default: env ROCKETKV_API_KEY, else none)")
+  s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                 help="require `Authorization: Bearer KEY` on every route but /health and /version; repeat it for "
+                      "several tenants, whose requests never reuse each other's prompts (default: env "
+                      "ROCKETKV_API_KEY, else none)")
   s.add_argument("--max-body-mb", type=_number(float, low=0, low_open=True), default=8.0,
                  help="largest request body in MiB; larger ones get 413 (default 8)")
   s.add_argument("--allowed-host", action="append", default=[], metavar="NAME",

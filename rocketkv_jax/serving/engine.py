@@ -67,12 +67,12 @@ from rocketkv_jax.models.generate import stop_ids as default_stop_ids
 from rocketkv_jax.models.llama import (fingerprint, prefill_chunk, prefill_chunk_layer_jit, prefill_extend,
                                        prefill_extend_layer_jit, prefill_jit)
 from rocketkv_jax.models.loop import LoopConfig, RowProcessing, RowSampling, decode_loop_jit
-from rocketkv_jax.models.sharding import cache_spec, default_impl, using
+from rocketkv_jax.models.sharding import DATA, MODEL, cache_spec, default_impl, resolve_mesh, using
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import saved
 from .output import RequestState, TokenEvent, TokenLogprob, advance
-from .history import MAX_SALT as MAX_CACHE_SALT  # characters of a Request's cache_salt
+from .history import MAX_SALT
 from .history import HistoryStore
 
 __all__ = ["Context", "Engine", "EngineConfig", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "Prefilled", "QueueFull", "Request",
@@ -89,6 +89,7 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit, vLLM's default)
 MAX_STOP_IDS = 64  # a request's own stop ids
+MAX_CACHE_SALT = 256  # characters of a client's cache_salt (a Request's may be longer: the server tags the tenant)
 
 
 class QueueFull(RuntimeError):
@@ -356,9 +357,13 @@ class Engine:
   server's `runner.EngineRunner`: every submit, abort and step travels to that thread), as JetStream's and vLLM's
   engine cores are driven by one loop."""
 
-  def __init__(self, model, tokenizer, config: EngineConfig, *, mesh=None):
+  def __init__(self, model, tokenizer, config: EngineConfig, *, mesh=None, data_axis=DATA, model_axis=MODEL):
+    """mesh: any `jax.sharding.Mesh` (`jax.make_mesh`, explicit or auto axes) whose batch and tensor-parallel
+    axes are named data_axis / model_axis (`models.sharding.normalize_mesh`; the model placed on it by
+    `load(mesh=)` with the same names): slots are split over the data axis, KV heads over the model axis."""
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config={config!r} must be an EngineConfig")
+    mesh = resolve_mesh(mesh, data_axis, model_axis)
     cfg = model.config
     if config.max_prompt_tokens + config.max_new_tokens > cfg.max_len:
       raise ValueError(f"max_prompt_tokens={config.max_prompt_tokens} + max_new_tokens={config.max_new_tokens} "
@@ -470,8 +475,8 @@ class Engine:
     bad = [i for i, _ in s.logit_bias if i >= vocab]
     if bad:
       raise ValueError(f"logit_bias token ids {bad[:4]} are not token ids in [0, {vocab})")
-    if not isinstance(request.cache_salt, str) or len(request.cache_salt) > MAX_CACHE_SALT:
-      raise ValueError(f"cache_salt={str(request.cache_salt)[:40]!r} must be a string of at most {MAX_CACHE_SALT} "
+    if not isinstance(request.cache_salt, str) or len(request.cache_salt) > MAX_SALT:
+      raise ValueError(f"cache_salt={str(request.cache_salt)[:40]!r} must be a string of at most {MAX_SALT} "
                        f"characters")
     if s.prompt_logprobs is not None and request.context is not None:
       raise ValueError("prompt_logprobs needs the prompt prefilled in full: not with a compressed context")

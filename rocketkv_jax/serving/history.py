@@ -51,7 +51,7 @@ from . import saved
 log = logging.getLogger("rocketkv_jax.serving")
 _SPILL_LOCK = ".lock"  # in each history-* spill folder, flock'd by its live owner
 _EMPTY = "empty"  # the one array of a saved store without segments
-MAX_SALT = 256  # characters of a cache salt (the engine's MAX_CACHE_SALT)
+MAX_SALT = 320  # characters of a stored salt: a client's cache_salt (256 at most) behind the server's tenant tag
 
 __all__ = ["HistoryStore", "HistoryView", "Segment"]
 

@@ -31,10 +31,12 @@ anywhere is a 400; one over `max_body_bytes` a 413; a POST whose Content-Type is
 (this refuses the browsers' CORS "simple requests"). No CORS headers are sent.
 
 Prefix reuse: a prompt's stored K/V history (`usage.prompt_tokens_details.cached_tokens`) is reused only by
-requests with the same `cache_salt` (default ""; the engine enforces it). The server has one API key, so one
-tenant: clients that must not share (or time) each other's prefixes must send distinct salts.
+requests of the same tenant and the same `cache_salt` (default ""; the engine enforces it). A tenant is an API key:
+with several keys (`--api-key` repeated), each key's requests reuse only that key's prompts, so no client learns
+from `cached_tokens` (or from timing) whether another key's prompts began with some text. Without keys every client
+is one tenant: clients that must not share prefixes send distinct salts.
 
-Access: with `api_key` set, every route but `/health`, `/version`, `/docs` and `/openapi.json` needs
+Access: with `api_key` set (one key or several), every route but `/health`, `/version`, `/docs` and `/openapi.json` needs
 `Authorization: Bearer KEY` (else 401). A request that arrives on a loopback address (a server bound to 127.0.0.1,
 the default) must name a loopback host in `Host` (localhost, 127.0.0.1, [::1], any port, or one of
 `allowed_hosts`), and its `Origin`, when sent, must be one too: else 403 (a defence against DNS rebinding and
@@ -48,6 +50,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -102,14 +105,15 @@ class ServerConfig:
   histories (sessions) are loaded from at start-up, when there, and saved to atomically every
   `--sessions-save-s` seconds (on the engine thread) and at shutdown (needs an engine with history; a file saved
   for another model, or one whose segment table does not match its arrays, is refused at start-up). api_key: when set, the bearer token every
-  route but /health and /version needs. max_body_bytes: larger request bodies get 413. allowed_hosts: host
+  route but /health, /version and the schema needs; several keys (a tuple) are several tenants, whose requests
+  never reuse each other's prompt histories. max_body_bytes: larger request bodies get 413. allowed_hosts: host
   names accepted in Host / Origin on a loopback connection besides the loopback ones (a local reverse proxy's)."""
 
   model_name: str
   drain_s: float = 10.0
   warmup: bool = False
   history_dir: str | None = None
-  api_key: str | None = None
+  api_key: str | tuple[str, ...] | None = None
   max_body_bytes: int = MAX_BODY_BYTES
   allowed_hosts: tuple[str, ...] = ()
 
@@ -232,15 +236,30 @@ def _is_loopback(host: str) -> bool:
   return ip.is_loopback
 
 
+def api_keys(api_key) -> tuple[str, ...]:
+  """ServerConfig.api_key as a tuple of keys: None or "" -> (), a string -> (it,), a sequence -> its keys."""
+  if not api_key:
+    return ()
+  keys = (api_key,) if isinstance(api_key, str) else tuple(api_key)
+  if not all(isinstance(k, str) and k for k in keys):
+    raise ValueError(f"api_key={api_key!r} must be a non-empty string or a list of them")
+  return keys
+
+
+def tenant_tag(key: bytes) -> str:
+  """The prefix a key's requests put before their cache_salt: a hash (a saved session never holds a key)."""
+  return "t" + hashlib.sha256(key).hexdigest()[:16] + "/"
+
+
 class _Guard:
   """ASGI middleware, before routing: on a loopback connection, Host and Origin must be loopback (403); with an
   API key, every route but /health, /version and the API's schema (/docs, /openapi.json) needs it (401). Pure ASGI: streams and disconnects pass as is."""
 
   OPEN = ("/health", "/version", "/docs", "/openapi.json")
 
-  def __init__(self, app, *, api_key: str | None, allowed_hosts: tuple[str, ...], counters: "_Metrics"):
+  def __init__(self, app, *, api_key, allowed_hosts: tuple[str, ...], counters: "_Metrics"):
     self.app, self.counters = app, counters
-    self.api_key = api_key.encode() if api_key else None
+    self.keys = [k.encode() for k in api_keys(api_key)]
     self.allowed = {_host_name(h) for h in allowed_hosts}
 
   def _ok_host(self, host: str) -> bool:
@@ -259,11 +278,13 @@ class _Guard:
       if origin is not None and not self._ok_host(urllib.parse.urlsplit(origin).netloc or origin):
         return APIError(403, f"Origin {origin!r} is not allowed: cross-site requests are refused",
                         type="permission_error", code="origin_not_allowed")
-    if self.api_key is not None and scope.get("path") not in self.OPEN:
+    if self.keys and scope.get("path") not in self.OPEN:
       auth = headers.get("authorization", "").encode("latin-1")
-      if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+      match = [hmac.compare_digest(auth, b"Bearer " + k) for k in self.keys]  # every key compared: no timing hint
+      if not any(match):
         return APIError(401, "a valid API key is required: send `Authorization: Bearer KEY`",
                         type="invalid_request_error", code="invalid_api_key")
+      scope.setdefault("state", {})["tenant"] = tenant_tag(self.keys[match.index(True)])
     return None
 
   async def __call__(self, scope, receive, send):
@@ -778,7 +799,8 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     request_ids = [base] if len(choices) == 1 else [f"{base}-{j}" for j in range(len(choices))]
     requests = [Request(request_id=rid, prompt_ids=prompts[j // n], sampling=sample_sampling(sampling, j % n),
-                        cache_salt=req.cache_salt or "") for j, rid in enumerate(request_ids)]
+                        cache_salt=request.scope.get("state", {}).get("tenant", "") + (req.cache_salt or ""))
+                for j, rid in enumerate(request_ids)]
     q = await submit_all(requests, "messages" if chat else "prompt")
     now = int(time.time())
     head = {"id": base, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,

@@ -110,7 +110,7 @@ def test_cache_salt_separates_tenants(model):  # noqa: F811
   assert engine.reusable(doc + [1], "alice") > 80 and engine.reusable(doc + [1], "eve") == 0
   assert engine.reusable(doc + [1]) == 0  # no salt is a tenant of its own
   with pytest.raises(ValueError, match="cache_salt"):
-    engine.submit(Request("x", doc, SamplingParams(max_tokens=2), cache_salt="s" * 300))
+    engine.submit(Request("x", doc, SamplingParams(max_tokens=2), cache_salt="s" * 400))
 
 
 def test_a_failing_prefill_fails_its_request_only(engine_rk, monkeypatch):
