@@ -22,7 +22,7 @@ from flax import nnx
 from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 
 from .llama import Llama, prefill_jit
-from .sharding import default_impl, shard_batch, using
+from .sharding import DATA, MODEL, default_impl, resolve_mesh, shard_batch, using
 from .loop import LoopConfig, LoopOutput, check_loop_args, compile_once, decode_loop_jit
 from .tokenizer import TextTokenizer
 
@@ -179,7 +179,8 @@ class Prefilled:
 def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, method: str = "full",
              token_budget: int = 256, max_new_tokens: int = 64, temperature: float | None = None,
              top_p: float | None = None, seed: int = 0, chat: bool = False,
-             progress: Callable[[str], None] | None = None, mesh=None, **config_overrides) -> GenerateResult:
+             progress: Callable[[str], None] | None = None, mesh=None, data_axis=DATA, model_axis=MODEL,
+             **config_overrides) -> GenerateResult:
   """Generates for a batch of prompts (strings or token-id lists) of different lengths.
 
   method/token_budget pick the KV cache (any method of the core; "full" ignores the budget).
@@ -193,12 +194,17 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   answer is the same alone or next to any others (`plan_batch`). The batch compiles for its length bucket
   (`plan_bucket`), and its caches are sized from the plans of prompts up to the bucket, not from max_len. A
   warning (RuntimeWarning) says when the cache holds more than a full cache would.
+  mesh: any `jax.sharding.Mesh` (`jax.make_mesh`, explicit or auto axes); data_axis / model_axis name its batch
+  and tensor-parallel axes (`sharding.normalize_mesh`). The batch is split over the data axis; the model's
+  parameters are where `load(mesh=)` / `shard_model` put them (pass the same mesh and axis names). No mesh: the one set
+  with `jax.set_mesh` around the call, if any.
   config_overrides: fields of the method's config (e.g. impl="xla"); any other keyword is a TypeError that
   lists generate's own parameters and the config's fields.
   Raises ValueError naming the value for a sampling value out of range (`check_sampling`) or a token id outside
   the model's vocabulary.
   """
   _check_overrides(method, config_overrides)
+  mesh = resolve_mesh(mesh, data_axis, model_axis)
   temperature, top_p = sampling_defaults(tokenizer, temperature, top_p)
   check_sampling(temperature=temperature, top_p=top_p, seed=seed)
   progress = progress or (lambda msg: None)

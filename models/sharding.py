@@ -11,6 +11,15 @@ the collectives, so sharded and unsharded runs compute the same thing. Pallas ke
 partition, run per device under `jax.shard_map` (`per_shard`: the decode step's attention by batch and KV
 head, the norms and RoPE by batch); tested in interpret mode on CPU devices only, so `generate` and the engine
 still default to the XLA path on a mesh (pass impl="pallas" to use the kernels).
+
+Any mesh a JAX user builds works: `jax.make_mesh` (explicit axes by default since jax 0.9, or auto) or
+`jax.sharding.Mesh`, with any axis names. Every API that takes a mesh (`load`, `generate`, the serving `Engine`,
+`shard_model`, `shard_batch`, `using`) first turns it into the project's own mesh with `normalize_mesh`: the
+same devices, axes ("data", "model") typed `AxisType.Auto` (XLA's sharding propagation, which the placements
+above rely on), the user's axes mapped by `data_axis` / `model_axis` (default "data" / "model"; a tuple merges
+several axes into one, e.g. data_axis=("replica", "data")); with no mesh passed, the one set with
+`jax.set_mesh` around the call is used (`resolve_mesh`), as JAX's own functions do. A mesh that cannot be mapped (an axis of size > 1
+that is neither, an abstract mesh without devices) is a ValueError naming the mesh and the fix.
 """
 from __future__ import annotations
 
@@ -21,8 +30,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["DATA", "MODEL", "active_mesh", "cache_spec", "constrain_cache", "default_impl", "make_mesh", "param_spec",
-           "per_shard", "shard_batch", "shard_model", "using"]
+__all__ = ["DATA", "MODEL", "active_mesh", "cache_spec", "constrain_cache", "default_impl", "make_mesh",
+           "normalize_mesh", "param_spec", "resolve_mesh", "per_shard", "shard_batch", "shard_model", "using"]
 
 DATA, MODEL = "data", "model"
 WHOLE = "whole"  # per_shard: an argument every device gets whole
@@ -39,7 +48,71 @@ def make_mesh(dp: int = 1, tp: int = 1, devices=None):
   if dp * tp > len(devices):
     raise ValueError(f"a mesh of dp={dp} x tp={tp} needs {dp * tp} devices; {len(devices)} are visible "
                      "(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)")
-  return jax.sharding.Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), (DATA, MODEL))
+  return jax.sharding.Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), (DATA, MODEL), axis_types=_AUTO)
+
+
+_AUTO = (jax.sharding.AxisType.Auto,) * 2
+
+
+def _axis_names(value, what: str) -> tuple[str, ...]:
+  names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list)) else None
+  if not names or not all(isinstance(n, str) and n for n in names):
+    raise ValueError(f"{what}={value!r} must be an axis name or a tuple of axis names")
+  return names
+
+
+def normalize_mesh(mesh, data_axis=DATA, model_axis=MODEL):
+  """The mesh every placement and jit of the project runs on, from any mesh a user built (module doc): the
+  same devices as a (data, model) mesh with auto axes. The user's axes named by data_axis (the batch) and
+  model_axis (tensor parallelism) -- a name or a tuple of names, merged in that order -- become "data" and
+  "model"; an axis named by neither must have size 1. A default name the mesh lacks is an axis of size 1
+  (jax.make_mesh((8,), ("data",)) is data parallel only). None stays None; the result of this function (or
+  of `make_mesh`) comes back unchanged. ValueError naming the mesh and the fix for what cannot be mapped."""
+  if mesh is None:
+    return None
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    raise ValueError(f"{mesh} has no devices: pass the concrete mesh (jax.make_mesh(...) or "
+                     "jax.sharding.Mesh(devices, names)), not its abstract mesh")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f"mesh={mesh!r} is not a jax.sharding.Mesh: build one with jax.make_mesh((dp, tp), "
+                     "('data', 'model')) or rocketkv_jax.models.sharding.make_mesh(dp, tp)")
+  data, model = _axis_names(data_axis, "data_axis"), _axis_names(model_axis, "model_axis")
+  if (mesh.axis_names == (DATA, MODEL) and tuple(mesh.axis_types) == _AUTO and data == (DATA,)
+      and model == (MODEL,)):
+    return mesh
+  names = tuple(mesh.axis_names)
+  fix = (f"name the mesh's axes with data_axis= (the batch) and model_axis= (tensor parallel), e.g. "
+         f"data_axis={names[0]!r}" + (f", model_axis={names[-1]!r}" if len(names) > 1 else "") +
+         ", or build it with jax.make_mesh((dp, tp), ('data', 'model'))")
+  both = set(data) & set(model)
+  if both:
+    raise ValueError(f"mesh {mesh}: axis {sorted(both)[0]!r} is named as both the data axis and the model "
+                     f"axis ({data_axis=}, {model_axis=}); {fix}")
+  for group, default, what, given in ((data, DATA, "data_axis", data_axis), (model, MODEL, "model_axis", model_axis)):
+    for n in group:
+      if n not in names and group != (default,):
+        raise ValueError(f"mesh {mesh} has no axis {n!r} ({what}={given!r}); its axes are {names}: {fix}")
+  data = tuple(n for n in data if n in names)
+  model = tuple(n for n in model if n in names)
+  rest = tuple(n for n in names if n not in data + model)
+  big = [n for n in rest if mesh.shape[n] > 1]
+  if big:
+    raise ValueError(f"mesh {mesh}: axis {big[0]!r} (size {mesh.shape[big[0]]}) is neither the data axis "
+                     f"{data_axis!r} nor the model axis {model_axis!r}; {fix}")
+  order = [names.index(n) for n in data + model + rest]
+  dp = int(np.prod([mesh.shape[n] for n in data], dtype=np.int64))
+  tp = int(np.prod([mesh.shape[n] for n in model], dtype=np.int64))
+  devices = np.transpose(mesh.devices, order).reshape(dp, tp)
+  return jax.sharding.Mesh(devices, (DATA, MODEL), axis_types=_AUTO)
+
+
+def resolve_mesh(mesh=None, data_axis=DATA, model_axis=MODEL):
+  """`normalize_mesh` of the mesh given, else of the one set with `jax.set_mesh` around the call (None when
+  neither): what `load`, `generate` and the serving `Engine` run on."""
+  if mesh is None:
+    ambient = jax.sharding.get_mesh()
+    mesh = None if ambient.empty else ambient
+  return normalize_mesh(mesh, data_axis, model_axis)
 
 
 def _fits(mesh, axis: str, size: int) -> bool:
@@ -58,8 +131,10 @@ def param_spec(name: str, shape: tuple, mesh) -> P:
   return P()
 
 
-def shard_model(model, mesh):
-  """The model with every parameter placed on the mesh (`param_spec`); returns a new module."""
+def shard_model(model, mesh, data_axis=DATA, model_axis=MODEL):
+  """The model with every parameter placed on the mesh (`param_spec`; any mesh: `normalize_mesh`); returns a
+  new module."""
+  mesh = normalize_mesh(mesh, data_axis, model_axis)
   graphdef, state = nnx.split(model)
   flat = nnx.to_flat_state(state)
   for path, var in flat:
@@ -75,6 +150,7 @@ def shard_model(model, mesh):
 
 def shard_batch(x, mesh):
   """A batch-major array split over "data" (whole when the data axis does not divide its batch)."""
+  mesh = normalize_mesh(mesh)
   x = jax.numpy.asarray(x)
   spec = P(DATA, *([None] * (x.ndim - 1))) if _fits(mesh, DATA, x.shape[0]) else P()
   return jax.device_put(x, NamedSharding(mesh, spec))
@@ -104,7 +180,7 @@ def constrain_cache(cache):
 
 def using(mesh):
   """`jax.set_mesh(mesh)` (traces under it place caches and run kernels per device), or nothing for None."""
-  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(normalize_mesh(mesh))
 
 
 def default_impl(mesh) -> str | None:

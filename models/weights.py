@@ -689,8 +689,9 @@ def checkpoint_dtype(path: str) -> str:
 
 
 def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, use_cache: bool = True,
-         log=None, mesh=None):
-  """(model, tokenizer) from "smollm2", "random:<shape>" (`shapes`: random bf16 weights, for speed), an alias of `catalog` ("qwen2.5-1.5b": `rocketkv fetch` first), a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
+         log=None, mesh=None, data_axis="data", model_axis="model"):
+  """(model, tokenizer) from "smollm2", "random:<shape>" (`shapes`: random bf16 weights, for speed), an alias of
+  `catalog` ("qwen2.5-1.5b": `rocketkv fetch` first), a .gguf path, a HF checkpoint directory (safetensors; model_type llama,
   mistral or qwen2), or a hub id "org/name" found in the local Hugging Face cache (`hub.resolve`: nothing is
   downloaded; HF_HUB_CACHE / HF_HOME say where the cache is).
 
@@ -700,12 +701,18 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
   Each cache folder carries a manifest (size and sha256 of every file), checked on every load: a cache
   that fails the check (or cannot be read) is never used; it is reported (a CacheIntegrityWarning and
   `log`) and rebuilt from the source. Temp folders left by killed saves are removed.
-  mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): the parameters are placed
-  on it (`sharding.param_spec`: tensor parallel over "model"); None keeps them on the default device.
+  mesh: any `jax.sharding.Mesh` (`jax.make_mesh`, explicit or auto axes, or `sharding.make_mesh`) whose batch
+  and tensor-parallel axes are named data_axis / model_axis (default "data" / "model"; `sharding.normalize_mesh`,
+  which raises ValueError naming the mesh and the fix before any weight is read): the parameters are placed on
+  it (`sharding.param_spec`: tensor parallel over the model axis); None: the mesh set with `jax.set_mesh`
+  around the call, else the default device.
   dtype: parameter dtype (default float32); "auto" takes the checkpoint's own (a HF config's torch_dtype /
   dtype, e.g. bfloat16; float32 for GGUF, whose quantized tensors are dequantized).
   """
   import jax.numpy as jnp
+
+  from .sharding import resolve_mesh
+  mesh = resolve_mesh(mesh, data_axis, model_axis)  # before any weight is read: a mesh that cannot map fails now
   log = log or (lambda msg: None)
   if shapes.is_random(source):  # a named shape with random weights and a byte-level stand-in tokenizer
     model, tok = shapes.random_model(source, None if dtype == "auto" else dtype, mesh)

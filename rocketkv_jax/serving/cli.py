@@ -115,6 +115,30 @@ def _methods_list(text: str) -> tuple[str, ...]:
   return methods
 
 
+def _mesh_shape(text: str) -> tuple[int, int]:
+  """--mesh DP,TP: two ints >= 1 (data parallel over the slots, tensor parallel over the heads)."""
+  parts = text.split(",")
+  try:
+    dp, tp = (int(x) for x in parts)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} must be DP,TP: two integers >= 1, e.g. 4,2") from None
+  if dp < 1 or tp < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} must be DP,TP: two integers >= 1, e.g. 4,2")
+  return dp, tp
+
+
+def serve_mesh(args):
+  """The mesh --mesh DP,TP asks for, over the first DP * TP devices (None without the flag); FlagError naming
+  the flag, before the model loads, when fewer devices are visible."""
+  if args.mesh is None:
+    return None
+  from rocketkv_jax.models.sharding import make_mesh
+  try:
+    return make_mesh(*args.mesh)
+  except ValueError as e:
+    raise FlagError(f"--mesh={args.mesh[0]},{args.mesh[1]}: {e}") from None
+
+
 def _check_model_source(model: str) -> None:
   """Fails fast, before any loading, when the model's file or folder (or the smollm2 package, or a hub id's
   checkpoint in the local Hugging Face cache) is missing."""
@@ -377,17 +401,19 @@ def _cmd_serve(args) -> int:
   except DirError as e:
     raise FlagError(str(e)) from None
   compile_cache_dir(args)
+  mesh = serve_mesh(args)
   from rich.logging import RichHandler
   serving_log = logging.getLogger("rocketkv_jax.serving")
   if not serving_log.handlers:
     serving_log.addHandler(RichHandler(console=err, show_path=False))
     serving_log.setLevel(logging.INFO)
   log(f"loading {args.model}")
-  model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype)
+  model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype,
+                    mesh=mesh)
   if chat_template is not None:
     tok.chat_template = chat_template
     log(f"chat template from {args.chat_template}")
-  engine = Engine(model, tok, engine_config)
+  engine = Engine(model, tok, engine_config, mesh=mesh)
   log(engine.plan_summary())
   name = served_model_name(args)
   app = create_app(engine, model, tok, ServerConfig(model_name=name, drain_s=args.drain_s, warmup=not args.no_warmup,
@@ -616,6 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--port", type=_number(int, low=0, high=65535), default=8000,
                  help="port (default 8000; 0 = any free port)")
   s.add_argument("--max-slots", type=count, default=8, help="requests decoded at once (default 8)")
+  s.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DP,TP",
+                 help="run on DP x TP devices of this host: the slots split over DP (data parallel), the weights and "
+                      "KV heads over TP (tensor parallel, for a model one device cannot hold); default: one device")
   s.add_argument("--max-prompt-tokens", type=tokens, default=2048, help="longest prompt accepted (default 2048)")
   s.add_argument("--max-queue", type=_number(int, low=0), default=64,
                  help="requests waiting for a slot before new ones get 429 (default 64)")
