@@ -205,13 +205,18 @@ class EngineRunner:
           pass
       self._sinks.clear()
       return
+    out = []
     for ev in events:
       sink = self._sinks.get(ev.request_id)
       if ev.finished:
         self._sinks.pop(ev.request_id, None)
       if sink is not None:
         # a request that failed alone (finish_reason "error") reaches its client as a failure; the rest go on
-        self._deliver(sink, Failed(ev.request_id, RuntimeError(ev.error)) if ev.finish_reason == "error" else ev)
+        out.append((sink, Failed(ev.request_id, RuntimeError(ev.error)) if ev.finish_reason == "error" else ev))
+    # the snapshot before the events: a client that reads /metrics on its answer sees the step that made it
+    self._refresh_stats()
+    for sink, item in out:
+      self._deliver(sink, item)
 
   def _abort_all(self, reason: str) -> None:
     for rid, sink in list(self._sinks.items()):

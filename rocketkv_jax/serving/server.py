@@ -34,10 +34,12 @@ Prefix reuse: a prompt's stored K/V history (`usage.prompt_tokens_details.cached
 requests of the same tenant and the same `cache_salt` (default ""; the engine enforces it). A tenant is an API key:
 with several keys (`--api-key` repeated), each key's requests reuse only that key's prompts, so no client learns
 from `cached_tokens` (or from timing) whether another key's prompts began with some text. Without keys every client
-is one tenant: clients that must not share prefixes send distinct salts.
+is one tenant: clients that must not share prefixes send distinct salts. `usage.prompt_tokens_details`
+(`cached_tokens`) is reported only to a request with a tenant (an API key or a cache_salt): an anonymous request,
+whose history every anonymous client shares, gets usage without it (vLLM leaves it out by default too).
 
-Access: with `api_key` set (one key or several), every route but `/health`, `/version`, `/docs` and `/openapi.json` needs
-`Authorization: Bearer KEY` (else 401). A request that arrives on a loopback address (a server bound to 127.0.0.1,
+Access: with `api_key` set (one key or several), every route but `/health`, `/version`, `/docs` and `/openapi.json`
+needs `Authorization: Bearer KEY` (else 401). A request that arrives on a loopback address (a server bound to 127.0.0.1,
 the default) must name a loopback host in `Host` (localhost, 127.0.0.1, [::1], any port, or one of
 `allowed_hosts`), and its `Origin`, when sent, must be one too: else 403 (a defence against DNS rebinding and
 cross-site requests from a browser).
@@ -489,9 +491,13 @@ def _sse(obj) -> str:
   return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
-  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-          "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = 0) -> dict:
+  """OpenAI's usage object; cached None leaves out prompt_tokens_details (an anonymous request: module doc)."""
+  out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+  if cached is not None:
+    out["prompt_tokens_details"] = {"cached_tokens": cached}
+  return out
 
 
 # name: (type, help) for the engine's stats; other numeric stats are exported as untyped gauges.
@@ -785,11 +791,12 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
                       token_text=token_text) for _ in range(n)]
     return out
 
-  def usage_of(choices: list[_Choice], n: int) -> dict:
-    """Prompt tokens (and cached ones) counted once per prompt, as OpenAI counts them with n > 1."""
+  def usage_of(choices: list[_Choice], n: int, scoped: bool = True) -> dict:
+    """Prompt tokens (and cached ones) counted once per prompt, as OpenAI counts them with n > 1; cached tokens
+    only for a request with a tenant (`scoped`: module doc)."""
     firsts = choices[::n]
     return _usage(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
-                  sum(c.cached for c in firsts))
+                  sum(c.cached for c in firsts) if scoped else None)
 
   async def run(request: HttpRequest, body: dict, *, chat: bool):
     timer = counters.timer()  # from arrival
@@ -801,6 +808,9 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     requests = [Request(request_id=rid, prompt_ids=prompts[j // n], sampling=sample_sampling(sampling, j % n),
                         cache_salt=request.scope.get("state", {}).get("tenant", "") + (req.cache_salt or ""))
                 for j, rid in enumerate(request_ids)]
+    # cached_tokens tells a client whether a stored prompt began like its own: only said to a request with a
+    # tenant (an API key or a cache_salt), never in the history every anonymous client shares
+    scoped = bool(requests[0].cache_salt)
     q = await submit_all(requests, "messages" if chat else "prompt")
     now = int(time.time())
     head = {"id": base, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
@@ -812,7 +822,8 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
           if rid not in finished:
             runner.abort(rid)
       include_usage = bool(req.stream_options and req.stream_options.include_usage)
-      return _EventStream(stream_events(q, request_ids, finished, head, chat, include_usage, timer, choices, n),
+      return _EventStream(stream_events(q, request_ids, finished, head, chat, include_usage, timer, choices, n,
+                                        scoped),
                           on_close=close)
     watcher = asyncio.create_task(watch_disconnect(request, q, request_ids, finished))
     try:
@@ -834,7 +845,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     finally:
       watcher.cancel()
     counters.done("ok")
-    usage = usage_of(choices, n)
+    usage = usage_of(choices, n, scoped)
     if chat:
       out = [{"index": j, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
               "finish_reason": c.finish_reason} for j, c in enumerate(choices)]
@@ -845,7 +856,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     return {"id": base, "object": "text_completion", "created": now, "model": config.model_name,
             "choices": out, "usage": usage}
 
-  async def stream_events(q, request_ids, finished: set, head, chat, include_usage, timer, choices, n):
+  async def stream_events(q, request_ids, finished: set, head, chat, include_usage, timer, choices, n, scoped):
     total = len(request_ids)
     ended = False
 
@@ -869,12 +880,12 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
           log_turn(request_ids[j], ev)
           c = chunk(j, text, ev.finish_reason, logprobs=logprobs)
           if not include_usage and len(finished) == total:  # usage on the last chunk, as vLLM does
-            c["usage"] = usage_of(choices, n)
+            c["usage"] = usage_of(choices, n, scoped)
           yield _sse(c)
         elif text or _has_tokens(logprobs):
           yield _sse(chunk(j, text, logprobs=logprobs))
       if include_usage:
-        yield _sse(dict(head, choices=[], usage=usage_of(choices, n)))
+        yield _sse(dict(head, choices=[], usage=usage_of(choices, n, scoped)))
       ended = True
       counters.done("ok")
       yield "data: [DONE]\n\n"

@@ -236,6 +236,9 @@ def test_cache_salt_separates_prefix_reuse(served):
   cached = lambda r: r.usage.prompt_tokens_details.cached_tokens  # noqa: E731
   assert cached(other) == 0 and cached(again) > 0, (cached(first), cached(again), cached(other))
   assert first.choices[0].text == again.choices[0].text == other.choices[0].text
+  # an anonymous request (no key, no salt) shares its history with every anonymous client: it is not told
+  anonymous = [_complete(served, prompt=prompt, max_tokens=1, temperature=0) for _ in range(2)]
+  assert all(r.usage.prompt_tokens_details is None and r.usage.prompt_tokens > 0 for r in anonymous)
 
 
 # --- logprobs and echo --------------------------------------------------------------------------------------------

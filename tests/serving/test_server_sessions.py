@@ -20,7 +20,9 @@ TURNS = [FACT, "What is the capital of France?", "What is the name of the town w
 
 
 def chat(client, messages):
-  r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+  # a cache_salt makes the conversation a tenant's: only then does usage report cached_tokens
+  r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                     extra_body={"cache_salt": "ada"})
   return r.choices[0].message.content, r.usage
 
 
