@@ -13,7 +13,7 @@ from __future__ import annotations
 from .llama import LlamaConfig
 from .tokenizer import TextTokenizer
 
-__all__ = ["LLAMA_31_70B", "LLAMA_31_8B", "SHAPES", "TINY", "ByteTokenizer", "random_model"]
+__all__ = ["LLAMA_31_405B", "LLAMA_31_70B", "LLAMA_31_8B", "SHAPES", "TINY", "ByteTokenizer", "random_model"]
 
 LLAMA_31_8B = LlamaConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
@@ -24,9 +24,13 @@ LLAMA_31_70B = LlamaConfig(
     vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672,
     rope_theta=500000.0, rope_scaling=LLAMA_31_8B.rope_scaling, norm_eps=1e-5, tie_embeddings=False,
     max_len=131072 + 1024)
+LLAMA_31_405B = LlamaConfig(
+    vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128, ffn_dim=53248,
+    rope_theta=500000.0, rope_scaling=LLAMA_31_8B.rope_scaling, norm_eps=1e-5, tie_embeddings=False,
+    max_len=131072 + 1024)
 TINY = LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
                    tie_embeddings=False, max_len=8192)
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tiny": TINY}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "llama-3.1-405b": LLAMA_31_405B, "tiny": TINY}
 PREFIX = "random:"
 _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
