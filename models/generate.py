@@ -22,7 +22,7 @@ from flax import nnx
 from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 
 from .llama import Llama, prefill_jit
-from .sharding import DATA, MODEL, default_impl, resolve_mesh, shard_batch, using
+from .sharding import DATA, MODEL, default_impl, host_readable, resolve_mesh, shard_batch, to_host, using
 from .loop import LoopConfig, LoopOutput, check_loop_args, compile_once, decode_loop_jit
 from .tokenizer import TextTokenizer
 
@@ -262,7 +262,7 @@ def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefille
   their stop id, and the stats (`token_budget` is reported as given)."""
   progress = progress or (lambda msg: None)
   cfg = model.config
-  logits, caches = prefilled.logits_BV, prefilled.caches
+  logits, caches = prefilled.logits_BV, host_readable(prefilled.caches)  # (several processes: lengths replicated)
   check_loop_args(logits, caches, config, loop)
   kv_bytes = cache_nbytes(caches)
   itemsize = caches[0].k.dtype.itemsize
@@ -277,7 +277,7 @@ def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefille
   t3 = time.perf_counter()
   progress(f"decode up to {loop.max_new_tokens} tokens ({config.method})")
   out: LoopOutput = run(state, logits, caches, key, None, None)
-  tokens, steps = np.asarray(out.tokens), int(out.steps)
+  tokens, steps = to_host(out.tokens), int(to_host(out.steps))
   decode_s = time.perf_counter() - t3
   del out
 

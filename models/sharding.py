@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 __all__ = ["DATA", "MODEL", "active_mesh", "cache_spec", "constrain_cache", "default_impl", "make_mesh",
-           "normalize_mesh", "param_spec", "resolve_mesh", "per_shard", "shard_batch", "shard_model", "using"]
+           "host_readable", "normalize_mesh", "param_spec", "resolve_mesh", "to_host", "per_shard", "shard_batch", "shard_model", "using"]
 
 DATA, MODEL = "data", "model"
 WHOLE = "whole"  # per_shard: an argument every device gets whole
@@ -113,6 +113,25 @@ def resolve_mesh(mesh=None, data_axis=DATA, model_axis=MODEL):
     ambient = jax.sharding.get_mesh()
     mesh = None if ambient.empty else ambient
   return normalize_mesh(mesh, data_axis, model_axis)
+
+
+def to_host(x) -> np.ndarray:
+  """x as a numpy array, whole, on every process: an array whose shards lie in other processes too (a mesh over
+  several processes, `jax.distributed.initialize`) is gathered from them (every process must call this)."""
+  if getattr(x, "is_fully_addressable", True) or getattr(x, "is_fully_replicated", False):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def host_readable(tree):
+  """The pytree with its leaves of rank <= 1 that span other processes' devices (a cache's lengths: read on the
+  host before a decode loop) replicated on their mesh, so every process can read them; unchanged otherwise."""
+  def one(x):
+    if not isinstance(x, jax.Array) or x.ndim > 1 or x.is_fully_addressable or x.is_fully_replicated:
+      return x
+    return jax.jit(lambda v: v, out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
+  return jax.tree.map(one, tree)
 
 
 def _fits(mesh, axis: str, size: int) -> bool:
