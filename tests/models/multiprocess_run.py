@@ -33,6 +33,12 @@ def main(process_id: int, port: int):
     mesh = jax.make_mesh((dp, tp), ("data", "model"))  # over both processes' devices
     result[f"{method} {dp}x{tp}"] = generate(shard_model(model, mesh), Tok(), prompts(), method=method,
                                              token_budget=32, max_new_tokens=8, mesh=mesh).token_ids
+  from rocketkv_jax.models import load
+  from tests.models.test_multiprocess import HF_TINY
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  sharded, tok = load(HF_TINY, mesh=mesh)  # a checkpoint streamed onto a mesh over both processes
+  result["load rocketkv 4x2"] = generate(sharded, tok, prompts(), method="rocketkv", token_budget=32,
+                                         max_new_tokens=8, mesh=mesh).token_ids
   print("RESULT " + json.dumps(result), flush=True)
   jax.distributed.shutdown()
 

@@ -1,6 +1,7 @@
 """More than one process: two processes of 4 fake CPU devices each join with `jax.distributed.initialize`
-(coordinator on 127.0.0.1) and run sharded prefill and decode (`generate` over a mesh of all 8 devices) with the
-tokens one process gives unsharded. The test starts both processes itself and always stops them."""
+(coordinator on 127.0.0.1) and run sharded prefill and decode (`generate` over a mesh of all 8 devices, on the tiny
+model and on a checkpoint `load` streams onto that mesh) with the tokens one process gives unsharded. The test
+starts both processes itself and always stops them."""
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 
+HF_TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_tiny", "llama")
 CASES = (("rocketkv", 4, 2), ("rocketkv", 2, 4), ("full", 8, 1))  # (method, data, model)
 
 
@@ -67,3 +69,7 @@ def test_two_processes_equal_one(tmp_path):
     for m, dp, tp in CASES:
       if m == method:
         assert results[0][f"{m} {dp}x{tp}"] == ref, (m, dp, tp)
+  from rocketkv_jax.models import load
+  model, tok = load(HF_TINY)
+  ref = generate(model, tok, prompts(), method="rocketkv", token_budget=32, max_new_tokens=8, impl="xla").token_ids
+  assert results[0]["load rocketkv 4x2"] == ref
