@@ -157,7 +157,7 @@ def markdown(table: list[dict]) -> str:
       "|---|---|---|---|---|---|---|---|---|",
   ]
   for r in table:
-    method = "full" if r["method"] == "full" else f"RocketKV t={r['token_budget']}"
+    method = r["method"] if r["token_budget"] is None else f"RocketKV t={r['token_budget']}"
     model = f"{r['model'].replace('llama', 'Llama').replace('b', 'B')} ({_gb(r['weight_bytes'])})"
     if r["tp"] is None:
       lines.append(f"| {model} | {_k(r['context'])} | {method} | {_gb(r['kv_bytes'])} | > {TP_DEGREES[-1]} | "
