@@ -396,7 +396,7 @@ def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2):
   class Stop(Exception):
     pass
 
-  def engine(model, tokenizer, config):
+  def engine(model, tokenizer, config, **kw):  # serve also passes mesh= and its axis names
     seen.append(tokenizer.chat_template)
     raise Stop()
 
