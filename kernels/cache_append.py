@@ -24,23 +24,27 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from rocketkv_jax.kernels.checks import FLOAT_DTYPES, check_dtype, check_kt_pages, check_row_values, kt_num_pages
+from rocketkv_jax.kernels.checks import (FLOAT_DTYPES, check_dtype, check_kt_pages, check_kv_scales, check_row_values,
+                                         kt_num_pages)
 from rocketkv_jax.kernels.hsa_scores import (choice_dot_dtype, choice_shapes, row_channels_body,
                                              row_channels_reference, row_channels_warps)
+from rocketkv_jax.kernels.kv_quant import is_quantized, quantize
 from rocketkv_jax.kernels.triton_util import next_pow2, row_blocks
 
 
 def cache_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None,
                            *, page_size: int = 1, kt_update: str = "auto", choose_q=None, topr: int = 0,
-                           page_size_B=None, topr_B=None, **unused_tuning):
+                           page_size_B=None, topr_B=None, k_scale_BK=None, v_scale_BK=None, **unused_tuning):
   """(k, v) with the new token at slot_BK ([B, K], or [B]: one slot for every KV head), plus (kt_min, kt_max)
   with its page updated when KT pages are given, plus `append_choice(choose_q, topr, kt dtype, topr_B)` when
   `choose_q` is given. A slot outside [0, S) changes nothing. page_size_B: see `cache_append`. kt_update: how the
   page's old min/max is taken, "fold", "rows" or "auto" (`resolve_kt_update`: the kernel's rule); the two agree
-  on pages that hold their rows' min/max (`cache_append`)."""
+  on pages that hold their rows' min/max (`cache_append`). k_scale_BK, v_scale_BK: an FP8 cache's scales; the
+  new rows are stored as `kv_quant.quantize` gives them, the KT pages fold the full-precision key."""
   del unused_tuning
   return (_append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                            page_size=page_size, kt_update=kt_update, page_size_B=page_size_B) +
+                            page_size=page_size, kt_update=kt_update, page_size_B=page_size_B,
+                            k_scale_BK=k_scale_BK, v_scale_BK=v_scale_BK) +
           append_choice(choose_q, topr, kt_min_BKHP, topr_B))
 
 
@@ -52,8 +56,16 @@ def append_choice(choose_q, topr: int, kt_min_BKHP, topr_B=None) -> tuple:
   return row_channels_reference(choose_q, topr, choice_dot_dtype(choose_q.dtype, kt_min_BKHP.dtype), topr_B)
 
 
+def stored_row(x_new_BKH, scale_BK, dtype):
+  """The new K or V row as a cache of `dtype` holds it: quantized at its head's scale (FP8, scale_BK [B, K]) or
+  cast (scale_BK None)."""
+  if scale_BK is None:
+    return x_new_BKH.astype(dtype)
+  return quantize(x_new_BKH, scale_BK[..., None], dtype)
+
+
 def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size,
-                      kt_update, page_size_B=None):
+                      kt_update, page_size_B=None, k_scale_BK=None, v_scale_BK=None):
   kt_update = resolve_kt_update(kt_update, k_BKSH, k_new_BKH, page_size)
   # [B, 1] against the [B, K] slots: each row's page size (a page past its P pages matches no page below)
   ps = page_size if page_size_B is None else page_size_B.astype(jnp.int32)[:, None]
@@ -62,8 +74,8 @@ def _append_reference(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP
   in_range_BK = (slot_BK >= 0) & (slot_BK < S)
   at_BKS = (jnp.arange(S)[None, None, :] == slot_BK[..., None]) & in_range_BK[..., None]
   at_BKSH = at_BKS[..., None]
-  k = jnp.where(at_BKSH, k_new_BKH[:, :, None, :].astype(k_BKSH.dtype), k_BKSH)
-  v = jnp.where(at_BKSH, v_new_BKH[:, :, None, :].astype(v_BKSH.dtype), v_BKSH)
+  k = jnp.where(at_BKSH, stored_row(k_new_BKH, k_scale_BK, k_BKSH.dtype)[:, :, None, :], k_BKSH)
+  v = jnp.where(at_BKSH, stored_row(v_new_BKH, v_scale_BK, v_BKSH.dtype)[:, :, None, :], v_BKSH)
   if kt_min_BKHP is None and kt_max_BKHP is None:
     return k, v
   P = kt_min_BKHP.shape[-1]
@@ -101,7 +113,10 @@ ROWS_MAX_PAGE_SIZE = 16
 
 def resolve_kt_update(kt_update: str, k_BKSH, k_new_BKH, page_size: int) -> str:
   """"auto": "rows" when k_new has the cache's dtype (then equal to "fold") and page_size is at most
-  ROWS_MAX_PAGE_SIZE, else "fold"."""
+  ROWS_MAX_PAGE_SIZE, else "fold". An FP8 cache is always "fold": its pages hold the full-precision keys' min/max,
+  which its K rows no longer do."""
+  if kt_update == "rows" and is_quantized(k_BKSH.dtype):
+    raise ValueError(f"kt_update='rows' rebuilds pages from the K rows, but the cache is {k_BKSH.dtype}: use 'fold'")
   if kt_update == "auto":
     same = jnp.dtype(k_new_BKH.dtype) == jnp.dtype(k_BKSH.dtype)
     return "rows" if same and page_size <= ROWS_MAX_PAGE_SIZE else "fold"
@@ -122,6 +137,8 @@ def _cache_append_kernel(
     q_ref,  # [G, H] the step's query (the channel choice), or None
     page_size_ref,  # [] the row's page size, or None: page_size
     topr_ref,  # [] the row's top-r (the choice's), or None: topr
+    k_scale_ref,  # [] float32 the head's key scale (an FP8 cache), or None
+    v_scale_ref,  # [] float32, or None
     # outputs
     k_out_ref,  # [S, H]
     v_out_ref,  # [S, H]
@@ -175,8 +192,10 @@ def _cache_append_kernel(
     else:
       old_min = jnp.where(fresh, jnp.inf, kt_min_ref[chans, cols].astype(jnp.float32))
       old_max = jnp.where(fresh, -jnp.inf, kt_max_ref[chans, cols].astype(jnp.float32))
-  pltriton.store(k_out_ref.at[rows, chans], k_new.astype(k_out_ref.dtype), mask=write)
-  pltriton.store(v_out_ref.at[rows, chans], v_new.astype(v_out_ref.dtype), mask=write)
+  k_row = stored_row(k_new, None if k_scale_ref is None else k_scale_ref[...], k_out_ref.dtype)
+  v_row = stored_row(v_new, None if v_scale_ref is None else v_scale_ref[...], v_out_ref.dtype)
+  pltriton.store(k_out_ref.at[rows, chans], k_row, mask=write)
+  pltriton.store(v_out_ref.at[rows, chans], v_row, mask=write)
   if q_ref is not None:
     row_channels_body(q_ref, q_out_ref, ch_ref, use_max_ref, inv_tau_ref, topr=topr, interpret=interpret,
                       topr_ref=topr_ref)
@@ -196,7 +215,7 @@ def _cache_append_kernel(
 
 
 def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q=None,
-                topr=0, page_size_B=None, topr_B=None):
+                topr=0, page_size_B=None, topr_B=None, k_scale_BK=None, v_scale_BK=None):
   if k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape:
     raise ValueError(f"k_BKSH.shape={k_BKSH.shape} and v_BKSH.shape={v_BKSH.shape} must be equal (B, K, S, H)")
   B, K, S, H = k_BKSH.shape
@@ -204,8 +223,9 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
     raise ValueError(f"head dim H={H} must be a power of two (64 or 128 supported)")
   if S < 1:
     raise ValueError(f"cache slots S={S} must be >= 1")
-  check_dtype("k_BKSH", k_BKSH.dtype, FLOAT_DTYPES)
-  check_dtype("v_BKSH", v_BKSH.dtype, FLOAT_DTYPES)
+  if not check_kv_scales(k_BKSH, v_BKSH, k_scale_BK, v_scale_BK):
+    check_dtype("k_BKSH", k_BKSH.dtype, FLOAT_DTYPES)
+    check_dtype("v_BKSH", v_BKSH.dtype, FLOAT_DTYPES)
   for name, x in (("k_new_BKH", k_new_BKH), ("v_new_BKH", v_new_BKH)):
     if x.shape != (B, K, H):
       raise ValueError(f"{name}.shape={x.shape} must be ({B}, {K}, {H})")
@@ -243,7 +263,7 @@ def _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_m
 @functools.partial(jax.jit, static_argnames=["page_size", "interpret", "num_warps", "topr"])
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
                  page_size: int = 1, interpret: bool = False, num_warps: int | None = None, choose_q=None,
-                 topr: int = 0, page_size_B=None, topr_B=None):
+                 topr: int = 0, page_size_B=None, topr_B=None, k_scale_BK=None, v_scale_BK=None):
   """Writes the new token's key and value k_new[b, k] / v_new[b, k] (cast to the cache dtype) at cache slot
   slot[b, k] (slot_BK [B, K]; or [B], slot[b] for every KV head, which saves XLA a broadcast) and, when KT
   pages are given, folds k_new (in float32, stored in the KT dtype) into page slot // page_size, which starts
@@ -274,11 +294,15 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   KT dtype commutes with min and max. H200, 32k context, t=256 (539 pages of 3), us per layer: 391 x 8 rows fold
   73, rows 51; 108 x 8 fold 8.5, rows 5.6 (benchmarks/results/stage2_h200_2026-12-02b).
 
+  k_scale_BK, v_scale_BK: an FP8 cache (k/v in `kv_quant.KV_CACHE_DTYPES`): [B, K] float32 scales, each program's
+  two scalars; the new rows are stored as `kv_quant.quantize` gives them (saturating, never inf), and the KT
+  pages fold the full-precision key ("fold").
+
   The outputs alias the cache inputs (input_output_aliases): inside a jitted step whose cache is donated (or
   a loop carry) the update is in place; called eagerly, XLA copies the inputs first and they stay valid.
   """
   _check_args(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, page_size, choose_q,
-              topr, page_size_B, topr_B)
+              topr, page_size_B, topr_B, k_scale_BK, v_scale_BK)
   kt_update = resolve_kt_update("auto", k_BKSH, k_new_BKH, page_size)
   B, K = k_BKSH.shape[:2]
   if num_warps is None:
@@ -304,6 +328,9 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
   row_ps = pages and page_size_B is not None
   row_topr = bool(choice) and topr_B is not None
   inputs += [(x.astype(jnp.int32), row_spec) for x, used in ((page_size_B, row_ps), (topr_B, row_topr)) if used]
+  scaled = k_scale_BK is not None  # an FP8 cache: each program's head scales, two scalars
+  if scaled:
+    inputs += zip([k_scale_BK, v_scale_BK], row_blocks([k_scale_BK, v_scale_BK]))
   kernel = functools.partial(_cache_append_kernel, page_size=page_size, kt_update=kt_update, topr=topr,
                              interpret=interpret)
 
@@ -313,6 +340,7 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None
     ins = take(5) + (take(2) if pages else [None, None])
     ins += take(1) if choice else [None]
     ins += (take(1) if row_ps else [None]) + (take(1) if row_topr else [None])
+    ins += take(2) if scaled else [None, None]
     outs = take(2) + (take(2) if pages else [None, None])
     outs += take(4) if choice else [None] * 4
     kernel(*ins, *outs)

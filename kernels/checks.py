@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from rocketkv_jax.kernels.kv_quant import KV_CACHE_DTYPES
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e5m2))
 # KT pages per row are padded to a multiple of this many: each channel row then starts 16-byte aligned in every
@@ -49,8 +51,9 @@ def check_dtype(name: str, dtype, allowed) -> None:
     raise ValueError(f"{name}.dtype={jnp.dtype(dtype)} must be one of {[str(jnp.dtype(d)) for d in allowed]}")
 
 
-def check_qkv(q_BKGH, k_BKSH, v_BKSH) -> tuple[int, int, int, int, int]:
-  """Validates a decode-attention call's q [B, K, G, H] and cache k/v [B, K, S, H]; returns (B, K, G, H, S)."""
+def check_qkv(q_BKGH, k_BKSH, v_BKSH, k_scale_BK=None, v_scale_BK=None) -> tuple[int, int, int, int, int]:
+  """Validates a decode-attention call's q [B, K, G, H] and cache k/v [B, K, S, H] (with scales: an FP8 cache,
+  `check_kv_scales`); returns (B, K, G, H, S)."""
   if q_BKGH.ndim != 4 or k_BKSH.ndim != 4:
     raise ValueError(f"q_BKGH.shape={q_BKGH.shape} and k_BKSH.shape={k_BKSH.shape} must be 4-D")
   B, K, G, H = q_BKGH.shape
@@ -63,9 +66,30 @@ def check_qkv(q_BKGH, k_BKSH, v_BKSH) -> tuple[int, int, int, int, int]:
   if S < 1:
     raise ValueError(f"cache slots S={S} must be >= 1")
   check_dtype("q_BKGH", q_BKGH.dtype, FLOAT_DTYPES)
+  if check_kv_scales(k_BKSH, v_BKSH, k_scale_BK, v_scale_BK):
+    return B, K, G, H, S
   if k_BKSH.dtype != q_BKGH.dtype or v_BKSH.dtype != q_BKGH.dtype:
     raise ValueError(f"k/v dtypes {k_BKSH.dtype}/{v_BKSH.dtype} must equal q dtype {q_BKGH.dtype}")
   return B, K, G, H, S
+
+
+def check_kv_scales(k_BKSH, v_BKSH, k_scale_BK, v_scale_BK) -> bool:
+  """Whether the cache k/v [B, K, S, H] is quantized: False when both scales are None (then k/v must not be FP8);
+  True when both are float32 [B, K] and k/v both hold the same FP8 dtype (`kv_quant.KV_CACHE_DTYPES`). Any other
+  combination is a ValueError naming it."""
+  if k_scale_BK is None and v_scale_BK is None:
+    if jnp.dtype(k_BKSH.dtype) in KV_CACHE_DTYPES or jnp.dtype(v_BKSH.dtype) in KV_CACHE_DTYPES:
+      raise ValueError(f"k/v dtypes {k_BKSH.dtype}/{v_BKSH.dtype} are FP8: pass k_scale_BK and v_scale_BK")
+    return False
+  B, K = k_BKSH.shape[:2]
+  for name, x in (("k_scale_BK", k_scale_BK), ("v_scale_BK", v_scale_BK)):
+    if x is None or tuple(x.shape) != (B, K) or x.dtype != jnp.float32:
+      got = None if x is None else f"{tuple(x.shape)} {x.dtype}"
+      raise ValueError(f"{name} must be float32 of shape ({B}, {K}) with an FP8 cache; got {got}")
+  check_dtype("k_BKSH", k_BKSH.dtype, KV_CACHE_DTYPES)
+  if v_BKSH.dtype != k_BKSH.dtype:
+    raise ValueError(f"v dtype {v_BKSH.dtype} must equal k dtype {k_BKSH.dtype}")
+  return True
 
 
 def check_kt_pages(kt_min_BKHP, kt_max_BKHP) -> tuple[int, int, int, int]:

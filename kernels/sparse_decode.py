@@ -23,8 +23,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from rocketkv_jax.kernels.attention_reference import masked_attention_reference
 from rocketkv_jax.kernels.checks import check_qkv
-from rocketkv_jax.kernels.splitk import (finish_split_outputs, init_partials, online_softmax_update, split_grid,
-                                         split_outputs, splits_for, store_split_outputs)
+from rocketkv_jax.kernels.splitk import (finish_split_outputs, init_partials, online_softmax_update, scale_inputs,
+                                         scale_values, split_grid, split_outputs, splits_for, store_split_outputs)
 from rocketkv_jax.kernels.triton_util import MIN_DOT_DIM, dot_precision, load_query_group, sm_count
 
 
@@ -48,11 +48,14 @@ def pick_tuning(B: int, K: int, M: int, given: Tuning | None = None) -> Tuning:
                 num_stages=2 if given.num_stages is None else given.num_stages)
 
 
-def sparse_decode_attention_reference(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, **unused_tuning):
-  """Exact attention (scale 1/sqrt(H)) over the slots idx[b,k,m] with valid[b,k,m]; 0 if none."""
+def sparse_decode_attention_reference(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, k_scale_BK=None, v_scale_BK=None,
+                                      **unused_tuning):
+  """Exact attention (scale 1/sqrt(H)) over the slots idx[b,k,m] with valid[b,k,m]; 0 if none. With scales,
+  over the FP8 cache's values as `kv_quant.dequantize` reads them."""
   del unused_tuning
   take = jax.vmap(jax.vmap(lambda x_SH, i_M: x_SH[i_M]))
-  return masked_attention_reference(q_BKGH, take(k_BKSH, idx_BKM), take(v_BKSH, idx_BKM), valid_BKM)
+  return masked_attention_reference(q_BKGH, take(k_BKSH, idx_BKM), take(v_BKSH, idx_BKM), valid_BKM, k_scale_BK,
+                                    v_scale_BK)
 
 
 def _sparse_decode_kernel(
@@ -62,6 +65,8 @@ def _sparse_decode_kernel(
     v_ref,  # [S, H]
     idx_ref,  # [M] int32
     valid_ref,  # [M] bool
+    k_scale_ref,  # [] float32 (an FP8 cache), or None
+    v_scale_ref,  # [] float32, or None
     # outputs (`split_outputs`): o [G, H] float32 unnormalised, m [G], l [G]; or one split: out [G, H]
     *out_refs,
     block_m: int,
@@ -75,6 +80,9 @@ def _sparse_decode_kernel(
   end = jnp.minimum(start + split_m, M)
   q, row_ok = load_query_group(q_ref)
   prec = dot_precision(q.dtype)
+  # An FP8 cache: exact conversion to q's dtype, the scales in registers (as the dense kernel's).
+  logit_scale = sm_scale if k_scale_ref is None else sm_scale * k_scale_ref[...]
+  zero = 0 if k_scale_ref is None else 0.0  # (the Triton lowering casts a masked load's fill to FP8 from a float)
 
   def body(i, carry):
     base = start + i * block_m
@@ -85,32 +93,32 @@ def _sparse_decode_kernel(
     rows, cols = jnp.clip(idx, 0, S - 1)[:, None], jnp.arange(H)[None, :]
     # Invalid rows are not fetched. Two broadcasting index arrays rather than `k_ref.at[idx, :]`: the same
     # Triton gather, and one that interpret mode can mask (it cannot mix an index array with a slice).
-    k = pltriton.load(k_ref.at[rows, cols], mask=ok[:, None], other=0)
-    v = pltriton.load(v_ref.at[rows, cols], mask=ok[:, None], other=0)
+    k = pltriton.load(k_ref.at[rows, cols], mask=ok[:, None], other=zero).astype(q.dtype)
+    v = pltriton.load(v_ref.at[rows, cols], mask=ok[:, None], other=zero).astype(q.dtype)
     k = jnp.where(ok[:, None], k, jnp.zeros_like(k))
     v = jnp.where(ok[:, None], v, jnp.zeros_like(v))
-    return online_softmax_update(carry, q, k, v, ok, sm_scale, prec)
+    return online_softmax_update(carry, q, k, v, ok, logit_scale, prec)
 
   num_blocks = jnp.maximum(end - start + block_m - 1, 0) // block_m
   partials = lax.fori_loop(0, num_blocks, body, init_partials(row_ok.shape[0], H))
-  store_split_outputs(out_refs, partials, row_ok)
+  store_split_outputs(out_refs, scale_values(partials, v_scale_ref), row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=["interpret", "tuning"])
-def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, interpret: bool = False,
-                            tuning: Tuning | None = None):
+def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, k_scale_BK=None, v_scale_BK=None, *,
+                            interpret: bool = False, tuning: Tuning | None = None):
   """Exact attention of q[b,k,g] over the K/V slots idx[b,k,m] where valid[b,k,m].
 
   Args:
-    q_BKGH: queries, bf16 or f32. k_BKSH, v_BKSH: cache in q's dtype; any slot may hold junk
-      unless a valid entry selects it.
+    q_BKGH: queries, bf16 or f32. k_BKSH, v_BKSH: cache in q's dtype, or FP8 with k_scale_BK / v_scale_BK
+      ([B, K] float32, `kv_quant`); any slot may hold junk unless a valid entry selects it.
     idx_BKM: int32 slot ids in [0, S) (clipped if not). Duplicates count twice.
     valid_BKM: bool; invalid entries are ignored. All invalid: output 0.
     tuning: launch parameters (`Tuning`); None, or its None fields: `pick_tuning`'s.
   Returns:
     out_BKGH in q's dtype.
   """
-  B, K, G, H, S = check_qkv(q_BKGH, k_BKSH, v_BKSH)
+  B, K, G, H, S = check_qkv(q_BKGH, k_BKSH, v_BKSH, k_scale_BK, v_scale_BK)
   if idx_BKM.ndim != 3 or idx_BKM.shape[:2] != (B, K) or valid_BKM.shape != idx_BKM.shape:
     raise ValueError(f"idx_BKM.shape={idx_BKM.shape} and valid_BKM.shape={valid_BKM.shape} must "
                      f"both be (B, K, M) = ({B}, {K}, M)")
@@ -129,6 +137,7 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, inter
 
   kernel = functools.partial(_sparse_decode_kernel, block_m=block_m, split_m=split_m,
                              sm_scale=1.0 / math.sqrt(H))
+  scales, scale_specs, kernel = scale_inputs(kernel, 5, k_scale_BK, v_scale_BK)
   out_specs, out_shape = split_outputs(B, K, num_splits, G, H, q_BKGH.dtype)
   outs = pl.pallas_call(
       kernel,
@@ -139,11 +148,11 @@ def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, inter
           pl.BlockSpec((None, None, S, H), lambda b, k, s: (b, k, 0, 0)),
           pl.BlockSpec((None, None, M), lambda b, k, s: (b, k, 0)),
           pl.BlockSpec((None, None, M), lambda b, k, s: (b, k, 0)),
-      ],
+      ] + scale_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
       interpret=interpret,
       name="rocketkv_sparse_decode",
-  )(q_BKGH, k_BKSH, v_BKSH, idx_BKM.astype(jnp.int32), valid_BKM)
+  )(q_BKGH, k_BKSH, v_BKSH, idx_BKM.astype(jnp.int32), valid_BKM, *scales)
   return finish_split_outputs(outs, q_BKGH.dtype)

@@ -103,3 +103,22 @@ def store_split_outputs(out_refs, partials, row_ok):
 def finish_split_outputs(outs, dtype):
   """The attention output from the kernel's outputs: merged partials, or the single split's output."""
   return outs[0] if len(outs) == 1 else combine_partials(*outs, dtype)
+
+
+def scale_inputs(kernel, n_inputs: int, k_scale_BK, v_scale_BK):
+  """(arrays, block specs, kernel) for a decode kernel's optional FP8 scale inputs on a (B, K, splits) grid.
+  The kernel takes its `n_inputs` inputs, then k_scale_ref and v_scale_ref ([] float32 each, or None), then its
+  outputs. Without scales (None) nothing is added to the launch: the bf16 kernel is unchanged."""
+  if k_scale_BK is None:
+    return [], [], lambda *refs: kernel(*refs[:n_inputs], None, None, *refs[n_inputs:])
+  spec = pl.BlockSpec((None, None), lambda b, k, s: (b, k))
+  return [k_scale_BK, v_scale_BK], [spec, spec], kernel
+
+
+def scale_values(partials, v_scale_ref):
+  """The partials (o, m, l) with o times the head's value scale (an FP8 cache; None: unchanged): o is linear in
+  the values, so scaling it once equals scaling every value row."""
+  if v_scale_ref is None:
+    return partials
+  o, m, l = partials
+  return o * v_scale_ref[...], m, l
