@@ -98,6 +98,7 @@ def _validate_prefill(q, k, v, lengths, host, config, rows=None) -> None:
   _check_float("q", q)
   _check_float("k", k, "q", q.dtype)
   _check_float("v", v, "q", q.dtype)
+  config.check_kv_dtype(k.dtype)
   shape, dtype = (lengths.shape, lengths.dtype) if host is None else (host.shape, host.dtype)
   if shape != (b,) or not np.issubdtype(dtype, np.integer):
     raise ValueError(f"lengths must be an int array of shape (B,)=({b},); got shape={shape}, dtype={dtype}")
@@ -107,9 +108,9 @@ def _validate_prefill(q, k, v, lengths, host, config, rows=None) -> None:
     raise ValueError(f"lengths={host.tolist()} must all lie in [1, T={t}]")
 
 
-def _check_leaves(cache, config) -> tuple[int, int, int, int]:
-  """Every leaf the method keeps (`config.cache_shapes`) is there, alive, with its shape and dtype, and no
-  other leaf is set. Returns the cache's (B, K, S, H)."""
+def _check_leaves(cache, config, model_dtype) -> tuple[int, int, int, int]:
+  """Every leaf the method keeps (`config.cache_shapes`) is there, alive, with its shape and dtype (K/V
+  `config.kv_dtype(model_dtype)`), and no other leaf is set. Returns the cache's (B, K, S, H)."""
   for name in ("k", "v"):
     x = getattr(cache, name)
     if x is None or getattr(x, "ndim", None) != 4:
@@ -133,21 +134,25 @@ def _check_leaves(cache, config) -> tuple[int, int, int, int]:
     if not isinstance(x, jax.core.Tracer) and getattr(x, "is_deleted", lambda: False)():
       raise ValueError(f"cache.{f.name} has been deleted: the cache was donated to an earlier decode_step; pass "
                        "the cache that call returned")
-  _check_float("cache.k", cache.k)
+  if config.kv_scaled:
+    if cache.k.dtype != config.kv_dtype(model_dtype):
+      raise ValueError(f"cache.k.dtype={cache.k.dtype} must be {config.kv_cache_dtype} (kv_cache_dtype)")
+  else:
+    _check_float("cache.k", cache.k)
   for name in ("length", "pos", "positions", "row_topr", "row_page_size"):
     if name in shapes and getattr(cache, name).dtype != jnp.int32:
       raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be int32")
-  for name in ("scores", "v_sum"):
+  for name in ("scores", "v_sum", "k_scale", "v_scale"):
     if name in shapes and getattr(cache, name).dtype != jnp.float32:
       raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be float32")
   if cache.v.dtype != cache.k.dtype:
     raise ValueError(f"cache.v.dtype={cache.v.dtype} must equal cache.k.dtype={cache.k.dtype}")
   if config.uses_kt_pages:
-    want = config.kt_dtype(cache.k.dtype)
+    want = config.kt_dtype(model_dtype)
     for name in ("kt_min", "kt_max"):
       if getattr(cache, name).dtype != want:
         raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be {want} (kt_cache_dtype="
-                         f"{config.kt_cache_dtype!r}, keys {cache.k.dtype})")
+                         f"{config.kt_cache_dtype!r}, keys {jnp.dtype(model_dtype)})")
   return b, n_kv, s, h
 
 
@@ -169,7 +174,7 @@ def _validate_decode(cache, q, k_new, v_new, config) -> None:
   if cache.spec != config.cache_spec():
     raise ValueError(f"the cache was built by {cache.spec} but config is {config.cache_spec()}: decode a cache "
                      "with the config that built it")
-  b, n_kv, s, h = _check_leaves(cache, config)
+  b, n_kv, s, h = _check_leaves(cache, config, q.dtype if config.kv_scaled else cache.k.dtype)
   if s != config.capacity:
     raise ValueError(f"cache capacity S={s} does not match config.capacity={config.capacity} "
                      f"({config.method}); was the cache built with this config?")
@@ -179,9 +184,14 @@ def _validate_decode(cache, q, k_new, v_new, config) -> None:
     if x.shape != (b, n_kv, h):
       raise ValueError(f"{name}.shape={x.shape} must be [B, K, H]=({b}, {n_kv}, {h})")
   _check_heads(config, q.shape[1], n_kv, h)
-  _check_float("q", q, "cache.k", cache.k.dtype)
-  _check_float("k_new", k_new, "cache.k", cache.k.dtype)
-  _check_float("v_new", v_new, "cache.k", cache.k.dtype)
+  if config.kv_scaled:  # an FP8 cache: the step's q, k_new, v_new share the model's dtype
+    _check_float("q", q)
+    _check_float("k_new", k_new, "q", q.dtype)
+    _check_float("v_new", v_new, "q", q.dtype)
+  else:
+    _check_float("q", q, "cache.k", cache.k.dtype)
+    _check_float("k_new", k_new, "cache.k", cache.k.dtype)
+    _check_float("v_new", v_new, "cache.k", cache.k.dtype)
   if _is_concrete(cache.length) and _is_concrete(cache.pos):
     _check_cache_values(cache, config)
   config.check_room(cache)
@@ -270,7 +280,8 @@ def decode_step(cache: KVCache, q: jax.Array, k_new: jax.Array, v_new: jax.Array
   the new cache. The input cache is donated: do not reuse it (a deleted leaf is reported as such).
 
   Raises ValueError (naming the value) for a cache another config built, a missing, extra, deleted or
-  mis-shaped leaf, dtypes that differ (q, k_new, v_new must have cache.k's dtype), and, when the cache is
+  mis-shaped leaf, dtypes that differ (q, k_new, v_new must have cache.k's dtype, or one float dtype with an
+  FP8 cache), and, when the cache is
   concrete, cache.length outside [0, capacity], cache.pos < cache.length, or no slot left for this token (a
   method that does not evict). Inside a caller's jit the value checks run only when traced inside
   `in_jit_checks()` and run under `checkify.checkify` (module doc); otherwise a step past capacity drops its token.

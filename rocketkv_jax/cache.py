@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax.kernels.checks import kt_num_pages
+from rocketkv_jax.kernels.kv_quant import dequantize, kv_scale, quantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,9 @@ class KVCache:
   """One layer's cache. Unused method-specific leaves are None.
 
   k, v: [B, K, S, H] post-RoPE keys and values at the method's capacity S. Each KV head holds its own
-    token set; slots [0, length) are valid.
+    token set; slots [0, length) are valid. In the model's dtype, or FP8 (`kv_cache_dtype`), read with:
+  k_scale, v_scale: [B, K] float32, an FP8 cache's scale per (sequence, KV head) (`kernels/kv_quant.py`: a value
+    reads as k.astype(f32) * k_scale); None when K/V are not quantized.
   length: [B] int32, valid slots (the same for every KV head of a sequence).
   pos: [B] int32, absolute position of the next token = tokens seen so far, kept or evicted.
   kt_min, kt_max: [B, K, H, P] per-page element-wise key min / max, channel-major (HSA, RocketKV, Quest).
@@ -59,6 +62,8 @@ class KVCache:
   v_sum: jax.Array | None = None
   row_topr: jax.Array | None = None
   row_page_size: jax.Array | None = None
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
   spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -96,6 +101,21 @@ def check_alive(name: str, cache) -> None:
         where = f"{name}.{f.name}" if layer is cache else f"{name}[{i}].{f.name}"
         raise ValueError(f"{where} has been deleted: the cache was donated to an earlier call (decode_step or "
                          "a decode loop), which returned the cache to use next")
+
+
+def read_keys(cache: KVCache) -> jax.Array:
+  """cache.k as its values: dequantized to float32 for an FP8 cache, as stored otherwise."""
+  return cache.k if cache.k_scale is None else dequantize(cache.k, cache.k_scale[:, :, None, None])
+
+
+def read_values(cache: KVCache) -> jax.Array:
+  """cache.v as its values (`read_keys`)."""
+  return cache.v if cache.v_scale is None else dequantize(cache.v, cache.v_scale[:, :, None, None])
+
+
+def kv_scales(cache: KVCache) -> dict:
+  """The scale keywords the decode ops take (`ops.dense_decode_attention`...): {} unless the cache is FP8."""
+  return {} if cache.k_scale is None else dict(k_scale_BK=cache.k_scale, v_scale_BK=cache.v_scale)
 
 
 def slot_valid(length_B: jax.Array, num_slots: int) -> jax.Array:
@@ -136,7 +156,8 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, 
   """The cache holding, per KV head, the prompt positions keep[b, k, :count[b]] in slots [0, count) (junk
   after), at the config's capacity, with KT pages when the method keeps them and each sequence's own plan
   (`rows`, a `RowPlan`; None: every sequence the config's) where the method plans per row; `extras` sets other
-  leaves."""
+  leaves. With an FP8 `kv_cache_dtype`, K and V are stored quantized at scales from the full-precision prompt
+  (every valid token of it, kept or not: `kv_quant.kv_scale`), and the KT pages are the full-precision keys'."""
   capacity = config.capacity
   m = keep_BKM.shape[-1]
   valid = slot_valid(count_B, m)[:, None, :, None]
@@ -146,15 +167,22 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, 
     x = jnp.where(valid, x, jnp.zeros((), x.dtype))
     return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - m), (0, 0)))
 
-  k = place(k_BTKH)
+  k, v = place(k_BTKH), place(v_BTKH)
   length = count_B.astype(jnp.int32)
   extras.update(config.row_leaves(k.shape[0], rows))
   if config.uses_kt_pages:
     extras["kt_min"], extras["kt_max"] = build_kt_pages(
         k, length, config.page_size, config.kt_dtype(k.dtype), num_pages=config.num_kt_pages,
         page_size_B=extras.get("row_page_size"))
-  return KVCache(k=k, v=place(v_BTKH), length=length, pos=lengths_B.astype(jnp.int32),
-                 spec=config.cache_spec(), **extras)
+  if config.kv_scaled:
+    dtype = config.kv_dtype(k.dtype)
+    prompt_BKT = jnp.broadcast_to(slot_valid(lengths_B, k_BTKH.shape[1])[:, None, :],
+                                  (k.shape[0], k.shape[1], k_BTKH.shape[1]))
+    extras["k_scale"] = kv_scale(k_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
+    extras["v_scale"] = kv_scale(v_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
+    k = quantize(k, extras["k_scale"][:, :, None, None], dtype)
+    v = quantize(v, extras["v_scale"][:, :, None, None], dtype)
+  return KVCache(k=k, v=v, length=length, pos=lengths_B.astype(jnp.int32), spec=config.cache_spec(), **extras)
 
 
 @jax.tree_util.register_dataclass

@@ -54,31 +54,33 @@ def uses_kernels(impl: str) -> bool:
 
 
 def cache_append_scatter(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP=None, kt_max_BKHP=None, *,
-                         page_size: int = 1, choose_q=None, topr: int = 0, page_size_B=None, topr_B=None):
+                         page_size: int = 1, choose_q=None, topr: int = 0, page_size_B=None, topr_B=None,
+                         k_scale_BK=None, v_scale_BK=None):
   """`cache_append_reference` as XLA scatters (in place under donation). The reference rewrites every slot
   with a select, reading and writing the whole cache per token and layer; this touches one row each
   (CPU, B=8 K=3 S=8192 H=64 f32, 64 appends in a loop: 0.13 ms per append against 0.0005 ms).
   A slot outside [0, S) changes nothing (a negative one must not wrap, as `.at[]` would). choose_q, page_size_B,
-  topr_B: as the reference's (the channel choice after the outputs)."""
+  topr_B, k_scale_BK, v_scale_BK: as the reference's (the channel choice after the outputs)."""
   return (_scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP,
-                          page_size=page_size, page_size_B=page_size_B) +
+                          page_size=page_size, page_size_B=page_size_B, k_scale_BK=k_scale_BK,
+                          v_scale_BK=v_scale_BK) +
           cache_append_kernel.append_choice(choose_q, topr, kt_min_BKHP, topr_B))
 
 
 def _scatter_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot_BK, kt_min_BKHP, kt_max_BKHP, *, page_size,
-                    page_size_B=None):
+                    page_size_B=None, k_scale_BK=None, v_scale_BK=None):
   S = k_BKSH.shape[2]
   slot_BK = jnp.broadcast_to(slot_BK[:, None], k_BKSH.shape[:2]) if slot_BK.ndim == 1 else slot_BK
   slot_BK = jnp.where((slot_BK < 0) | (slot_BK >= S), S, slot_BK).astype(jnp.int32)
   b, k = np.indices(slot_BK.shape, sparse=True)
 
-  def write(x_BKSH, new_BKH):
+  def write(x_BKSH, new_BKH, scale_BK):
     # The barrier keeps XLA from fusing the producer of `new` (the K/V projection matmul) into the scatter:
     # on an H200 that fusion ran each projection as one thread per output element (77 us per layer).
-    new_BKH = lax.optimization_barrier(new_BKH.astype(x_BKSH.dtype))
+    new_BKH = lax.optimization_barrier(cache_append_kernel.stored_row(new_BKH, scale_BK, x_BKSH.dtype))
     return x_BKSH.at[b, k, slot_BK].set(new_BKH, mode="drop")
 
-  kv = (write(k_BKSH, k_new_BKH), write(v_BKSH, v_new_BKH))
+  kv = (write(k_BKSH, k_new_BKH, k_scale_BK), write(v_BKSH, v_new_BKH, v_scale_BK))
   if kt_min_BKHP is None:
     return kv
   P = kt_min_BKHP.shape[-1]
@@ -236,17 +238,21 @@ def call(op: str, *args, impl: str, **kwargs):
 # ----------------------------------------------------------------------------- named entry points
 
 
-def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, impl):
+def dense_decode_attention(q_BKGH, k_BKSH, v_BKSH, length_B, *, impl, k_scale_BK=None, v_scale_BK=None):
   """Exact attention of each query head over its KV head's slots [0, length): out [B, K, G, H]. A NaN in an
   attended key or value gives NaN (`jax.nn.dot_product_attention`'s NaN in, NaN out); slots past length are never
-  read; no valid slot gives 0."""
-  return call("dense_decode_attention", q_BKGH, k_BKSH, v_BKSH, length_B, impl=impl)
+  read; no valid slot gives 0. k_scale_BK, v_scale_BK: an FP8 cache's [B, K] float32 scales (`kv_quant`: the
+  keys and values are read as dequantize gives them); None (a cache in q's dtype) adds nothing to the call."""
+  scales = {} if k_scale_BK is None else dict(k_scale_BK=k_scale_BK, v_scale_BK=v_scale_BK)
+  return call("dense_decode_attention", q_BKGH, k_BKSH, v_BKSH, length_B, impl=impl, **scales)
 
 
-def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl):
+def sparse_decode_attention(q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, *, impl, k_scale_BK=None, v_scale_BK=None):
   """Exact attention over the slots idx[b, k, m] where valid: out [B, K, G, H]. NaN in an attended key or value
-  gives NaN; invalid entries are never read; none valid gives 0."""
-  return call("sparse_decode_attention", q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, impl=impl)
+  gives NaN; invalid entries are never read; none valid gives 0. k_scale_BK, v_scale_BK: as
+  `dense_decode_attention`'s."""
+  scales = {} if k_scale_BK is None else dict(k_scale_BK=k_scale_BK, v_scale_BK=v_scale_BK)
+  return call("sparse_decode_attention", q_BKGH, k_BKSH, v_BKSH, idx_BKM, valid_BKM, impl=impl, **scales)
 
 
 def page_topk(scores_BKP, length_B, *, page_size, k, num_slots, impl, page_size_B=None):
@@ -272,7 +278,7 @@ def hsa_select(q_BKGH, kt_min_BKHP, kt_max_BKHP, length_B, *, topr, page_size, k
 
 
 def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, kt_max_BKHP=None, *, page_size,
-                 impl, choose_q=None, topr=0, page_size_B=None, topr_B=None):
+                 impl, choose_q=None, topr=0, page_size_B=None, topr_B=None, k_scale_BK=None, v_scale_BK=None):
   """The new token's K/V rows at `slot` ([B], or [B, K] per KV head), its key folded into its KT page when
   pages are given: (k, v) or (k, v, kt_min, kt_max). A slot outside [0, S) changes nothing. With choose_q (the
   step's query) and topr, HSA's channel choice of each row follows (`hsa_select`'s choice=; the kernel makes it
@@ -280,9 +286,12 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
   and the page is small (`cache_append.resolve_kt_update`); the XLA path folds the key into the page: the
   same pages whenever each page holds its rows' min/max, as every cache's do. page_size_B, topr_B: None, or
   [B] int32, row b's page size in [1, page_size] (its slot s goes to page s // ps_b) and the choice's top-r in
-  [1, topr] (`cache_append`'s)."""
+  [1, topr] (`cache_append`'s). k_scale_BK, v_scale_BK: an FP8 cache's scales: the new rows are stored quantized
+  at them (`kv_quant.quantize`, saturating), the KT pages fold the full-precision key."""
+  scales = {} if k_scale_BK is None else dict(k_scale_BK=k_scale_BK, v_scale_BK=v_scale_BK)
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
-              page_size=page_size, impl=impl, choose_q=choose_q, topr=topr, page_size_B=page_size_B, topr_B=topr_B)
+              page_size=page_size, impl=impl, choose_q=choose_q, topr=topr, page_size_B=page_size_B, topr_B=topr_B,
+              **scales)
 
 
 def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):

@@ -25,10 +25,14 @@ import numpy as np
 
 from rocketkv_jax import ops
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int, check_seq_len, check_tokens
-from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, check_alive, kept_cache, slot_valid
+from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, check_alive, kept_cache, kv_scales, slot_valid
 from rocketkv_jax.kernels.checks import kt_num_pages
+from rocketkv_jax.kernels.kv_quant import is_quantized
 
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
+# None: K/V in the model's dtype; "bfloat16": the same, for a bf16 model (prefill refuses another); the FP8
+# dtypes: quantized with per-(sequence, KV head) scales (kernels/kv_quant.py).
+KV_CACHE_DTYPES = (None, "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def check_budget(token_budget: int) -> None:
@@ -71,7 +75,8 @@ def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
     choose["topr_B"] = cache.row_topr
   new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
                          page_size=config.page_size if pages else 1,
-                         page_size_B=cache.row_page_size if pages else None, impl=config.impl, **choose)
+                         page_size_B=cache.row_page_size if pages else None, impl=config.impl, **choose,
+                         **kv_scales(cache))
   new, choice = (new[:-4], new[-4:]) if choose else (new, None)
   if pages:
     k, v, kt_min, kt_max = new
@@ -85,11 +90,26 @@ def kt_itemsize(config, itemsize: int) -> int:
   return itemsize if config.kt_cache_dtype is None else jnp.dtype(config.kt_cache_dtype).itemsize
 
 
+def kv_itemsize(config, itemsize: int) -> int:
+  """Bytes per stored K or V element: the FP8 dtype's 1, else the model's `itemsize`."""
+  return jnp.dtype(config.kv_cache_dtype).itemsize if config.kv_scaled else itemsize
+
+
+def kv_scale_bytes(config) -> int:
+  """Bytes of the scales a step reads per KV head, sequence and layer: k_scale and v_scale (float32) when FP8."""
+  return 8 if config.kv_scaled else 0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MethodConfig:
   """Base of all methods. `impl` picks the decode hot path (`ops`): "xla", "pallas" (GPU kernels),
   "interpret" (the kernels in Pallas interpret mode, for CPU tests) or "auto" (Pallas on GPU, XLA
-  elsewhere)."""
+  elsewhere).
+
+  kv_cache_dtype: how the cache stores K and V (`KV_CACHE_DTYPES`): None (the model's dtype), "bfloat16" (the
+  same, asserted: a model of another dtype is refused), "float8_e4m3fn" or "float8_e5m2" (quantized with one
+  float32 scale per sequence, KV head and K or V, from the full-precision prompt; `kernels/kv_quant.py`). Stage-1
+  selection and the KT pages are computed from the full-precision keys either way."""
 
   method: ClassVar[str]
   evicts: ClassVar[bool] = False  # the cache never runs out of slots: a decode step may overwrite a token
@@ -102,10 +122,29 @@ class MethodConfig:
   # Fields that only size the cache: a batch config holds their maxima (every other field must agree).
   size_fields: ClassVar[tuple[str, ...]] = ()
   impl: str = "auto"
+  kv_cache_dtype: str | None = None
 
   def __post_init__(self):
     if self.impl not in ops.IMPLS:
       raise ValueError(f"impl={self.impl!r} must be one of {ops.IMPLS}")
+    if not any(self.kv_cache_dtype == d and type(self.kv_cache_dtype) is type(d) for d in KV_CACHE_DTYPES):
+      raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES} (None: the model's "
+                       "dtype)")
+
+  @property
+  def kv_scaled(self) -> bool:
+    """Whether K/V are stored in FP8 with scales (the cache's k_scale / v_scale leaves)."""
+    return self.kv_cache_dtype is not None and is_quantized(self.kv_cache_dtype)
+
+  def kv_dtype(self, model_dtype) -> jnp.dtype:
+    """dtype of the cache's K and V for a model of `model_dtype`: the FP8 dtype, or the model's."""
+    return jnp.dtype(self.kv_cache_dtype if self.kv_scaled else model_dtype)
+
+  def check_kv_dtype(self, model_dtype) -> None:
+    """ValueError naming both when kv_cache_dtype="bfloat16" but the model's K/V are not bfloat16."""
+    if self.kv_cache_dtype == "bfloat16" and jnp.dtype(model_dtype) != jnp.bfloat16:
+      raise ValueError(f"kv_cache_dtype='bfloat16' keeps K/V in the model's dtype, but the model's K/V are "
+                       f"{jnp.dtype(model_dtype)}: use None, or an FP8 dtype to quantize")
 
   @property
   def capacity(self) -> int:
@@ -216,6 +255,8 @@ class MethodConfig:
       shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, self.num_kt_pages)
     for name in self.row_leaves(batch, None):
       shapes[name] = (batch,)
+    if self.kv_scaled:
+      shapes["k_scale"] = shapes["v_scale"] = (batch, n_kv_heads)
     return shapes
 
   @property
@@ -284,7 +325,7 @@ class MethodConfig:
 
   def attend(self, cache: KVCache, q_BKGH):
     """Dense attention over the valid slots (methods that select override this)."""
-    return ops.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=self.impl)
+    return ops.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=self.impl, **kv_scales(cache))
 
   def decode(self, cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH):
     cache = self.append(cache, k_new_BKH, v_new_BKH)
@@ -299,8 +340,9 @@ class MethodConfig:
 
   def step_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
     """Bytes one decode step must read per KV head, sequence and layer at `length` valid slots (K, V, KT
-    pages, indices; ALGORITHM.md §3, §5): every held K/V pair for a dense method."""
-    return min(length, self.capacity) * 2 * head_dim * itemsize
+    pages, indices, an FP8 cache's scales; ALGORITHM.md §3, §5), for a model of `itemsize` bytes per element:
+    every held K/V pair for a dense method."""
+    return min(length, self.capacity) * 2 * head_dim * kv_itemsize(self, itemsize) + kv_scale_bytes(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -372,14 +414,15 @@ class SelectingMixin:
   def attend(self, cache: KVCache, q_BKGH, **select_kw):
     """Exact attention over `select`'s slots (select_kw: options of the method's select)."""
     idx, valid = self.select(cache, q_BKGH, **select_kw)
-    return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl)
+    return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl, **kv_scales(cache))
 
   def attended_slots(self, cache: KVCache, q_BKGH):
     return self.select(cache, q_BKGH)
 
   def step_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
-    """The scoring reads (`score_read_bytes`) plus K, V and an int32 index per attended token."""
-    attend = min(self.topk, length) * (2 * head_dim * itemsize + 4)
+    """The scoring reads (`score_read_bytes`) plus K, V and an int32 index per attended token (and an FP8
+    cache's scales)."""
+    attend = min(self.topk, length) * (2 * head_dim * kv_itemsize(self, itemsize) + 4) + kv_scale_bytes(self)
     return self.score_read_bytes(length, head_dim=head_dim, itemsize=itemsize) + attend
 
   def score_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:

@@ -6,7 +6,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, seq_len
+from rocketkv_jax.cache import read_keys
+from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, kv_itemsize, seq_len
 from rocketkv_jax.select import attention_probs, topk_tokens
 
 
@@ -27,10 +28,10 @@ class ExactTopKConfig(SelectingMixin, KeepAllConfig):
     probability of its heads NaN (the softmax's sum); its slot is ranked first (NaN, which lax.top_k puts above
     every number) and the others' NaN taken as 0, so the step attends it and gives NaN, as exact attention
     over every key would (`jax.nn.dot_product_attention`), not an output of the first slots alone."""
-    scores = attention_probs(q_BKGH, cache.k, cache.length).mean(axis=2)
+    scores = attention_probs(q_BKGH, read_keys(cache), cache.length).mean(axis=2)
     nan_key = jnp.isnan(cache.k).any(axis=-1)  # [B, K, S]
     scores = jnp.where(jnp.isnan(scores) & ~nan_key, 0.0, scores)
     return topk_tokens(scores, cache.length, self.topk)
 
   def score_read_bytes(self, length, *, head_dim, itemsize):
-    return length * head_dim * itemsize  # every key
+    return length * head_dim * kv_itemsize(self, itemsize)  # every key

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rocketkv_jax.cache import KVCache, kept_cache, slot_valid
+from rocketkv_jax.cache import KVCache, kept_cache, read_keys, read_values, slot_valid
 from rocketkv_jax.methods.base import FixedCacheConfig, append_at, check_int, prefix_keep
 from rocketkv_jax.select import attention_probs, topk_tokens
 
@@ -110,8 +110,9 @@ class H2OConfig(FixedCacheConfig):
         cache, positions=cache.positions.at[b, k, slot_BK].set(jnp.broadcast_to(cache.pos[:, None], slot_BK.shape)),
         scores=cache.scores.at[b, k, slot_BK].set(0.0))
     cache = append_at(cache, k_new_BKH, v_new_BKH, slot_BK, self)
-    probs = attention_probs(q_BKGH, cache.k, cache.length)  # [B, K, G, S]
+    probs = attention_probs(q_BKGH, read_keys(cache), cache.length)  # [B, K, G, S]
     valid = slot_valid(cache.length, self.capacity)[:, None, :, None]
-    v = jnp.where(valid, cache.v, jnp.zeros((), cache.v.dtype))
+    v = read_values(cache)
+    v = jnp.where(valid, v, jnp.zeros((), v.dtype))
     out = jnp.einsum("BKGS,BKSH->BKGH", probs, v.astype(jnp.float32), precision="highest").astype(q_BKGH.dtype)
     return out, dataclasses.replace(cache, scores=cache.scores + probs.sum(2))

@@ -10,7 +10,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax import ops
-from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, seq_len, valid_slots
+from rocketkv_jax.cache import kv_scales, read_values
+from rocketkv_jax.kernels.cache_append import stored_row
+from rocketkv_jax.kernels.kv_quant import dequantize
+from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budget, kv_itemsize, seq_len,
+                                       valid_slots)
 from rocketkv_jax.select import topk_tokens
 
 
@@ -18,7 +22,7 @@ from rocketkv_jax.select import topk_tokens
 class SparQConfig(SelectingMixin, KeepAllConfig):
   """SparQ: no eviction; the group's top-`topr` channels of sum |q| score every token, exact attention over
   the top `topk` tokens, plus SparQ's mean-value correction. The cache's extra leaf `v_sum` [B, K, H]
-  float32 is the sum of the valid values."""
+  float32 is the sum of the valid values, as the cache holds them (an FP8 cache's dequantized values)."""
 
   method: ClassVar[str] = "sparq"
   row_fields: ClassVar[tuple[str, ...]] = ("topr",)
@@ -37,11 +41,13 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
 
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
     cache = super().prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
-    v_sum = jnp.where(valid_slots(cache)[:, None, :, None], cache.v.astype(jnp.float32), 0.0).sum(axis=2)
+    v_sum = jnp.where(valid_slots(cache)[:, None, :, None], read_values(cache).astype(jnp.float32), 0.0).sum(axis=2)
     return dataclasses.replace(cache, v_sum=v_sum)
 
   def append(self, cache, k_new_BKH, v_new_BKH):
-    cache = dataclasses.replace(cache, v_sum=cache.v_sum + v_new_BKH.astype(jnp.float32))
+    v_held = v_new_BKH if cache.v_scale is None else dequantize(
+        stored_row(v_new_BKH, cache.v_scale, cache.v.dtype), cache.v_scale[..., None])  # as the cache will hold it
+    cache = dataclasses.replace(cache, v_sum=cache.v_sum + v_held.astype(jnp.float32))
     return super().append(cache, k_new_BKH, v_new_BKH)
 
   def approx_probs(self, cache, q_BKGH):
@@ -53,8 +59,10 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
     qr = jnp.take_along_axis(qf, channels_BKR[:, :, None, :], axis=-1)  # [B, K, G, R]
     # each sequence's own top-r (cache.row_topr <= r): its first channels by rank, the rest count for nothing
     qr = jnp.where((jnp.arange(r) < cache.row_topr[:, None])[:, None, None, :], qr, 0.0)
-    k_r = jnp.take_along_axis(cache.k, channels_BKR[:, :, None, :], axis=-1)  # [B, K, S, R]
-    s = jnp.einsum("BKGR,BKSR->BKGS", qr, k_r.astype(jnp.float32), precision="highest")
+    k_r = jnp.take_along_axis(cache.k, channels_BKR[:, :, None, :], axis=-1).astype(jnp.float32)  # [B, K, S, R]
+    if cache.k_scale is not None:  # an FP8 cache: the chosen channels' values
+      k_r = dequantize(k_r, cache.k_scale[:, :, None, None])
+    s = jnp.einsum("BKGR,BKSR->BKGS", qr, k_r, precision="highest")
     tau = jnp.sqrt(q_BKGH.shape[-1] * jnp.abs(qr).sum(-1) / jnp.abs(qf).sum(-1))  # [B, K, G]
     valid_S = valid_slots(cache)[:, None, None, :]
     p = jax.nn.softmax(jnp.where(valid_S, s / tau[..., None], -jnp.inf), axis=-1, where=valid_S)
@@ -67,11 +75,11 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
     """Exact attention over the top-k, blended with the mean value by the approximate mass they hold."""
     p = self.approx_probs(cache, q_BKGH)
     idx, valid = topk_tokens(p.mean(axis=2), cache.length, self.topk)
-    out = ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl)
+    out = ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl, **kv_scales(cache))
     alpha = jnp.where(valid[:, :, None, :], jnp.take_along_axis(p, idx[:, :, None, :], axis=-1), 0.0).sum(-1)
     v_mean = cache.v_sum / cache.length[:, None, None]  # [B, K, H]
     out = alpha[..., None] * out.astype(jnp.float32) + (1 - alpha[..., None]) * v_mean[:, :, None, :]
     return out.astype(q_BKGH.dtype)
 
   def score_read_bytes(self, length, *, head_dim, itemsize):
-    return length * self.topr * itemsize  # the chosen channels of every key
+    return length * self.topr * kv_itemsize(self, itemsize)  # the chosen channels of every key

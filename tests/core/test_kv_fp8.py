@@ -1,0 +1,245 @@
+"""FP8 K/V storage (`kv_cache_dtype`): every method's FP8 step is its step over the values the cache holds
+(`kernels/kv_quant.py`), stage 1 and the KT pages come from the full-precision prompt, bf16 is unchanged, and a
+decode token past the prompt's range saturates instead of overflowing."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rocketkv_jax as rk
+from rocketkv_jax.cache import read_keys, read_values
+from rocketkv_jax.kernels.kv_quant import dequantize, fp8_max, quantize
+from tests.core.test_methods import CASES, H, K, N
+
+
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+# Relative error (Frobenius) of a whole decode's outputs against dense float32 attention with e4m3 / e5m2 K and
+# V on unit-normal data: measured 0.037 / 0.080 (this file's full-budget test, every method); bounds with margin.
+FP8_TOLERANCE = {E4M3: 0.06, E5M2: 0.12}
+
+
+def _inputs(seed, b, t, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return (jax.random.normal(ks[0], (b, t, N, H), dtype), jax.random.normal(ks[1], (b, t, K, H), dtype),
+          jax.random.normal(ks[2], (b, t, K, H), dtype))
+
+
+def _steps(seed, b, n_steps):
+  ks = jax.random.split(jax.random.PRNGKey(seed + 1000), 3)
+  return (jax.random.normal(ks[0], (n_steps, b, N, H)), jax.random.normal(ks[1], (n_steps, b, K, H)),
+          jax.random.normal(ks[2], (n_steps, b, K, H)))
+
+
+def _decode(config, cache, steps):
+  """([B, steps, N, H] float64 outputs, final cache)."""
+  outs = []
+  for qs, kn, vn in zip(*steps):
+    out, cache = rk.decode_step(cache, qs, kn, vn, config=config)
+    outs.append(np.asarray(out, np.float64))
+  return np.stack(outs, 1), cache
+
+
+def _run(config, q, k, v, lengths, steps):
+  return _decode(config, rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config), steps)
+
+
+def _config(method, t, prompt_len, new_tokens, **kw):
+  return rk.make_config(method, token_budget=t, prompt_len=prompt_len, max_new_tokens=new_tokens, head_dim=H,
+                        impl="xla", **kw)
+
+
+def _poison_cache(cache):
+  """NaN in every K/V slot at or past length (an FP8 NaN) and in every KT page with no valid slot."""
+  s = cache.k.shape[2]
+  junk = ~(np.arange(s)[None, :] < np.asarray(cache.length)[:, None])
+  fields = {}
+  for name in ("k", "v"):
+    x = np.array(getattr(cache, name).astype(jnp.float32))
+    x[np.broadcast_to(junk[:, None, :, None], x.shape)] = np.nan
+    fields[name] = jnp.asarray(x).astype(getattr(cache, name).dtype)
+  if cache.kt_min is not None:
+    p = cache.kt_min.shape[-1]
+    page_size = -(-s // p)
+    for name in ("kt_min", "kt_max"):
+      x = np.array(getattr(cache, name).astype(jnp.float32))
+      empty = np.arange(p)[None, :] * page_size >= np.asarray(cache.length)[:, None]
+      x[np.broadcast_to(empty[:, None, None, :], x.shape)] = np.nan
+      fields[name] = jnp.asarray(x).astype(getattr(cache, name).dtype)
+  return dataclasses.replace(cache, **fields)
+
+
+def _on_grid(x_BKH, scale_BK, dtype):
+  """x rounded to the values an FP8 cache of these scales can hold (quantizing it again is exact)."""
+  return dequantize(quantize(x_BKH, scale_BK[..., None], dtype), scale_BK[..., None])
+
+
+def test_invalid_dtype_is_refused():
+  with pytest.raises(ValueError, match="kv_cache_dtype='float8'"):
+    _config("rocketkv", 64, 200, 4, kv_cache_dtype="float8")
+  with pytest.raises(ValueError, match="kv_cache_dtype=<class"):
+    _config("full", 64, 200, 4, kv_cache_dtype=jnp.float8_e4m3fn)
+  config = _config("full", 64, 100, 2, kv_cache_dtype="bfloat16")
+  q, k, v = _inputs(0, 1, 100)  # float32
+  with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16'.*float32"):
+    rk.prefill_compress(q, k, v, jnp.array([100]), config=config)
+
+
+def test_bfloat16_is_unchanged():
+  """None and "bfloat16" store the bf16 model's K/V as they are: no scales, the same outputs."""
+  T, lengths, n = 150, [150, 77], 2
+  q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(1, 2, T))
+  steps = tuple(x.astype(jnp.bfloat16) for x in _steps(1, 2, n))
+  base = _config("rocketkv", 64, T, n)
+  a, ca = _run(base, q, k, v, lengths, steps)
+  b, cb = _run(dataclasses.replace(base, kv_cache_dtype="bfloat16"), q, k, v, lengths, steps)
+  np.testing.assert_array_equal(a, b)
+  assert ca.k.dtype == jnp.bfloat16 and ca.k_scale is None and cb.k_scale is None
+  assert rk.cache_nbytes(ca) == rk.cache_nbytes(cb)
+
+
+@pytest.mark.parametrize("method,t,T,lengths", CASES[:9] + CASES[10:11])
+def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
+  """An FP8 cache decodes as the same method over a full-precision cache holding the dequantized values: the same
+  stage-1 keep, KT pages (both from the full-precision prompt), scores and outputs. The decode tokens are put on
+  the FP8 grid, so that storing them is exact and the two caches stay equal."""
+  n_steps = 4
+  c32 = _config(method, t, T, n_steps)
+  c8 = dataclasses.replace(c32, kv_cache_dtype=E4M3)
+  q, k, v = _inputs(7, len(lengths), T)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  cache8 = rk.prefill_compress(q, k, v, lengths, config=c8)
+  cache32 = rk.prefill_compress(q, k, v, lengths, config=c32)
+  assert cache8.k.dtype == jnp.float8_e4m3fn and cache8.k_scale.shape == (len(lengths), k.shape[2])
+  for name in ("length", "pos", "kt_min", "kt_max", "scores", "positions", "row_topr", "row_page_size"):
+    a, b = getattr(cache8, name), getattr(cache32, name)
+    assert (a is None) == (b is None), name
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  v_sum = None if cache8.v_sum is None else jnp.copy(cache8.v_sum)  # (each cache is donated to its own steps)
+  held = dataclasses.replace(cache32, k=read_keys(cache8), v=read_values(cache8), v_sum=v_sum)
+  qs, ks, vs = _steps(7, len(lengths), n_steps)
+  ks = jnp.stack([_on_grid(x, cache8.k_scale, cache8.k.dtype) for x in ks])
+  vs = jnp.stack([_on_grid(x, cache8.v_scale, cache8.v.dtype) for x in vs])
+  got, end8 = _decode(c8, cache8, (qs, ks, vs))
+  want, end32 = _decode(c32, held, (qs, ks, vs))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(read_keys(end8)), np.asarray(end32.k))
+  if end8.kt_min is not None:
+    np.testing.assert_array_equal(np.asarray(end8.kt_min), np.asarray(end32.kt_min))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("method", rk.METHODS)
+def test_full_budget_fp8_is_close_to_dense(method, dtype):
+  """With a budget covering the sequence, FP8 K/V is dense attention within FP8's error (FP8_TOLERANCE)."""
+  T, lengths, n_steps = 90, [90, 61], 3
+  t = 2 * (T + n_steps)
+  config = _config(method, t, T, n_steps, kv_cache_dtype=dtype)
+  q, k, v = _inputs(3, 2, T)
+  steps = _steps(3, 2, n_steps)
+  ours, cache = _run(config, q, k, v, lengths, steps)
+  dense, _ = _run(_config("full", t, T, n_steps), q, k, v, lengths, steps)
+  err = np.linalg.norm(ours - dense) / np.linalg.norm(dense)
+  print(f"{method} {dtype} relative error {err:.4f}")
+  assert err < FP8_TOLERANCE[dtype], (method, dtype, err)
+  assert cache.k.dtype == jnp.dtype(dtype) and cache.k.nbytes == cache.k.size  # 1 byte per element
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("method", ["full", "rocketkv", "sparq", "h2o"])
+def test_decode_token_past_the_prompt_saturates(method, dtype):
+  """A decode token 10x past the prompt's amax is stored at the dtype's largest value: finite outputs, no inf."""
+  T, lengths, n_steps = 120, [120, 70], 2
+  config = _config(method, 64, T, n_steps, kv_cache_dtype=dtype)
+  q, k, v = _inputs(9, 2, T)
+  qs, ks, vs = _steps(9, 2, n_steps)
+  big = 10 * float(jnp.abs(k).max())
+  ks, vs = ks.at[0, :, :, 0].set(big), vs.at[0, :, :, 1].set(-big)
+  outs, cache = _run(config, q, k, v, lengths, (qs, ks, vs))
+  assert np.isfinite(outs).all()
+  m = fp8_max(cache.k.dtype)
+  k_held = np.asarray(cache.k.astype(jnp.float32))
+  assert np.isfinite(k_held).all() and np.abs(k_held).max() == m  # the big channel, clipped
+  assert np.abs(np.asarray(cache.v.astype(jnp.float32))).max() == m
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv", "quest"])
+def test_poisoned_junk_never_leaks_fp8(method):
+  T, lengths, n_steps = 200, [200, 90], 2
+  config = _config(method, 64, T, n_steps, kv_cache_dtype=E4M3)
+  q, k, v = _inputs(5, 2, T)
+  steps = _steps(5, 2, n_steps)
+  clean, _ = _run(config, q, k, v, lengths, steps)
+  pad = np.arange(T)[None, :, None, None] >= np.asarray(lengths)[:, None, None, None]
+  qp, kp, vp = (jnp.where(pad, jnp.nan, x) for x in (q, k, v))  # NaN in the prompt's padding: not in the scales
+  cache = _poison_cache(rk.prefill_compress(qp, kp, vp, jnp.asarray(lengths), config=config))
+  outs, _ = _decode(config, cache, steps)
+  assert np.isfinite(outs).all()
+  np.testing.assert_allclose(outs, clean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv", "sparq"])
+def test_kernels_match_xla_fp8(method):
+  """The Pallas kernels (interpret mode) read and append FP8 as the XLA path does, bf16 model."""
+  T, lengths, n_steps = 150, [150, 77], 2
+  xla = _config(method, 64, T, n_steps, kv_cache_dtype=E4M3)
+  q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(12, 2, T))
+  steps = tuple(x.astype(jnp.bfloat16) for x in _steps(12, 2, n_steps))
+  want, cw = _run(xla, q, k, v, lengths, steps)
+  got, cg = _run(dataclasses.replace(xla, impl="interpret"), q, k, v, lengths, steps)
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+  np.testing.assert_array_equal(np.asarray(cg.k.astype(jnp.float32)), np.asarray(cw.k.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(cg.v.astype(jnp.float32)), np.asarray(cw.v.astype(jnp.float32)))
+
+
+def test_scales_come_from_the_whole_prompt():
+  """k_scale = amax over the prompt's valid tokens (kept or evicted) / 448; a zero head gets 1."""
+  T, lengths = 200, [200, 120]
+  config = _config("snapkv", 64, T, 2, kv_cache_dtype=E4M3)
+  q, k, v = _inputs(4, 2, T)
+  k = k.at[:, :, 1].set(0.0)  # KV head 1: all zeros
+  cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths), config=config)
+  for b, L in enumerate(lengths):
+    np.testing.assert_allclose(float(cache.k_scale[b, 0]), float(jnp.abs(k[b, :L, 0]).max()) / 448, rtol=1e-6)
+    np.testing.assert_allclose(float(cache.v_scale[b, 1]), float(jnp.abs(v[b, :L, 1]).max()) / 448, rtol=1e-6)
+    assert float(cache.k_scale[b, 1]) == 1.0
+
+
+def test_read_bytes_and_cache_bytes():
+  c16 = _config("rocketkv", 256, 4000, 32)
+  c8 = dataclasses.replace(c16, kv_cache_dtype=E4M3)
+  # KT pages stay in the keys' dtype (bf16: 2 bytes); each attended K and V element goes to 1 byte, plus the two
+  # float32 scales
+  m = min(c16.topk, 3000)
+  assert c8.step_read_bytes(3000, head_dim=H, itemsize=2) == \
+      c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8
+  full16, full8 = _config("full", 64, 100, 4), _config("full", 64, 100, 4, kv_cache_dtype=E5M2)
+  assert full8.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H + 8
+  assert full16.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H * 2
+  q, k, v = _inputs(0, 2, 100, jnp.bfloat16)
+  a = rk.prefill_compress(q, k, v, jnp.array([100, 50]), config=full16)
+  b = rk.prefill_compress(q, k, v, jnp.array([100, 50]), config=full8)
+  assert rk.cache_nbytes(b) == rk.cache_nbytes(a) - (a.k.nbytes + a.v.nbytes) // 2 + 2 * (2 * k.shape[2] * 4)
+
+
+def test_decode_checks_the_fp8_cache():
+  T = 100
+  config = _config("full", 64, T, 2, kv_cache_dtype=E4M3)
+  q, k, v = _inputs(0, 1, T)
+  cache = rk.prefill_compress(q, k, v, jnp.array([T]), config=config)
+  with pytest.raises(ValueError, match="cache.k_scale is missing"):
+    rk.decode_step(dataclasses.replace(cache, k_scale=None), q[:, 0], k[:, 0], v[:, 0], config=config)
+  with pytest.raises(ValueError, match="was built by"):
+    rk.decode_step(cache, q[:, 0], k[:, 0], v[:, 0], config=dataclasses.replace(config, kv_cache_dtype=E5M2))
+  with pytest.raises(ValueError, match="k_new.dtype=bfloat16 must equal q.dtype=float32"):
+    rk.decode_step(cache, q[:, 0], k[:, 0].astype(jnp.bfloat16), v[:, 0], config=config)
+
+
+def test_accuracy_spec_names_the_dtype():
+  from rocketkv_jax.eval.runner import parse_method
+  assert parse_method("rocketkv[kv_cache_dtype=float8_e4m3fn]") == ("rocketkv", {"kv_cache_dtype": E4M3})
+  config = rk.make_config("rocketkv", token_budget=64, prompt_len=300, max_new_tokens=4, head_dim=H,
+                          **parse_method("rocketkv[kv_cache_dtype=float8_e4m3fn]")[1])
+  assert config.kv_scaled and "kv_cache_dtype='float8_e4m3fn'" in str(config.cache_spec())
