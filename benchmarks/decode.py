@@ -255,11 +255,11 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
 
 
-def plan(method, budget, contexts, cfg, impl) -> rk.BatchPlan:
+def plan(method, budget, contexts, cfg, impl, kv_cache_dtype=None) -> rk.BatchPlan:
   """The plans of a batch of prompts of these lengths (`rocketkv_jax.plan_rows`, each row its own length's), for
-  NEW_TOKENS new tokens."""
+  NEW_TOKENS new tokens, K/V stored as `kv_cache_dtype` (the config field; None: the model's dtype)."""
   return rk.plan_rows(method, token_budget=budget, prompt_lens=contexts, max_new_tokens=NEW_TOKENS,
-                      head_dim=cfg.head_dim, impl=impl)
+                      head_dim=cfg.head_dim, impl=impl, kv_cache_dtype=kv_cache_dtype)
 
 
 def prefill_rows(model, batch_plan: rk.BatchPlan, contexts, seed: int):
@@ -286,13 +286,15 @@ def mixed_points(model, cfg, method, budget, contexts, args, bw, wbytes, emit):
   reps = max(1, -(-args.steps // args.chunk))
   longest = max(contexts)
   for label, lens in (("mixed", list(contexts)), ("longest alone", [longest] * len(contexts))):
-    bp = plan(method, budget, lens, cfg, args.impl)
+    bp = plan(method, budget, lens, cfg, args.impl, args.kv_cache_dtype)
     if args.limits and label == "mixed":
       label = f"mixed, engine limits {args.limits}"
       bp = rk.plan_rows(method, token_budget=budget, prompt_lens=lens, max_new_tokens=NEW_TOKENS,
-                        head_dim=cfg.head_dim, impl=args.impl, config=rk.plan_limits(
+                        head_dim=cfg.head_dim, impl=args.impl, kv_cache_dtype=args.kv_cache_dtype,
+                        config=rk.plan_limits(
                             method, token_budget=budget, max_prompt_len=parse_tokens(args.limits),
-                            max_new_tokens=NEW_TOKENS, head_dim=cfg.head_dim, max_len=cfg.max_len, impl=args.impl))
+                            max_new_tokens=NEW_TOKENS, head_dim=cfg.head_dim, max_len=cfg.max_len, impl=args.impl,
+                            kv_cache_dtype=args.kv_cache_dtype))
     caches = prefill_rows(model, bp, lens, seed=1)
     kept = np.asarray(caches[0].length)
     ms, per_step, _, _ = time_decode(model, bp.config, caches, chunk=args.chunk, reps=reps)
@@ -307,10 +309,10 @@ def mixed_points(model, cfg, method, budget, contexts, args, bw, wbytes, emit):
     del caches
 
 
-def peak_point(cfg, method, budget, context, steps, impl):
+def peak_point(cfg, method, budget, context, steps, impl, kv_cache_dtype=None):
   """Batch-1 prefill + `steps` decode steps in this (fresh) process; prints the peak device memory."""
   model = build_model(cfg)
-  config = plan(method, budget, [context], cfg, impl).config
+  config = plan(method, budget, [context], cfg, impl, kv_cache_dtype).config
   before = jax.devices()[0].memory_stats() or {}
   caches, _ = prefill_caches(model, config, context, 1, 1, seed=1)
   out = decode_chunk(model, jnp.zeros((1, cfg.vocab_size), jnp.float32), caches, config, n=steps)
@@ -344,6 +346,8 @@ def main(argv=None):
   ap.add_argument("--chunk", type=int, default=8, help="decode steps per jitted chunk")
   ap.add_argument("--steps", type=int, default=64, help="timed decode steps (>= 64 for the reported medians)")
   ap.add_argument("--impl", default="auto")
+  ap.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"],
+                  help="how the caches store K/V (the configs' kv_cache_dtype; default: the model's dtype)")
   ap.add_argument("--prefill-reps", type=int, default=3,
                   help="batch-1 prefill timed this many times (median), for prefill_vs_dense")
   ap.add_argument("--peak", default="", help="points 'method:budget:context,...' for batch-1 peak memory")
@@ -396,7 +400,7 @@ def main(argv=None):
 
   if args.peak_point:
     m, t, c = args.peak_point.split(":")
-    peak_point(cfg, m, int(t), parse_tokens(c), args.chunk, args.impl)
+    peak_point(cfg, m, int(t), parse_tokens(c), args.chunk, args.impl, args.kv_cache_dtype)
     return
 
   points = [p for p in args.peak.split(",") if p]
@@ -451,9 +455,9 @@ def main(argv=None):
     for method in methods:
       budgeted = rk.get_method(method).budgeted  # full: the budget changes nothing, run once
       for budget in (budgets if budgeted else budgets[:1]):
-        config = plan(method, budget, [context], cfg, args.impl).config
+        config = plan(method, budget, [context], cfg, args.impl, args.kv_cache_dtype).config
         base = dict(kind="point", method=method, token_budget=budget if budgeted else None,
-                    context=context, capacity=config.capacity)
+                    context=context, capacity=config.capacity, kv_cache_dtype=config.kv_cache_dtype)
         try:
           caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context, mesh=mesh,
                                               reps=args.prefill_reps)
@@ -527,7 +531,7 @@ def main(argv=None):
 
 def _peak_subprocess(point, args, emit):
   cmd = [sys.executable, "-m", "benchmarks.decode", "--peak-point", point, "--impl", args.impl] + (
-      ["--tiny"] if args.tiny else [])
+      ["--tiny"] if args.tiny else []) + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
   res = subprocess.run(cmd, capture_output=True, text=True)
   lines = [l for l in res.stdout.splitlines() if l.startswith("{")]
   if lines:

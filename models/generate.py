@@ -265,7 +265,7 @@ def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefille
   logits, caches = prefilled.logits_BV, host_readable(prefilled.caches)  # (several processes: lengths replicated)
   check_loop_args(logits, caches, config, loop)
   kv_bytes = cache_nbytes(caches)
-  itemsize = caches[0].k.dtype.itemsize
+  itemsize = jnp.dtype(model.dtype).itemsize  # a full cache in the model's dtype (an FP8 cache holds 1 byte)
   B = logits.shape[0]
   full_kv_bytes = (2 * cfg.n_layers * B * cfg.n_kv_heads * cfg.head_dim * (max(prefilled.lengths) + loop.max_new_tokens)
                    * itemsize)

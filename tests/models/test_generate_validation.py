@@ -70,3 +70,17 @@ def test_demo_refuses_bad_methods(methods, shown):
   assert check_demo_args(["full", "rocketkv", "full"], 256, 24) == ("full", "rocketkv")
   with pytest.raises(ValueError, match="token_budget=8"):
     check_demo_args(["full"], 8, 24)
+
+
+def test_fp8_kv_cache_through_generate(tiny_model):
+  """generate passes kv_cache_dtype to the method's config: the caches hold FP8 K/V (half of float32's bytes per
+  K/V element is a quarter), the reference bytes stay the model's, and the greedy text is produced."""
+  ps = prompts([9, 12])
+  full = generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=3, impl="xla")
+  fp8 = generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=3, impl="xla",
+                 kv_cache_dtype="float8_e4m3fn")
+  assert fp8.stats.full_kv_bytes == full.stats.full_kv_bytes
+  assert fp8.stats.kv_bytes < full.stats.kv_bytes
+  assert all(1 <= len(t) <= 3 for t in fp8.token_ids)
+  with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+    generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=2, kv_cache_dtype="fp8")
