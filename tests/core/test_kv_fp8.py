@@ -243,3 +243,21 @@ def test_accuracy_spec_names_the_dtype():
   config = rk.make_config("rocketkv", token_budget=64, prompt_len=300, max_new_tokens=4, head_dim=H,
                           **parse_method("rocketkv[kv_cache_dtype=float8_e4m3fn]")[1])
   assert config.kv_scaled and "kv_cache_dtype='float8_e4m3fn'" in str(config.cache_spec())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("method", ["full", "rocketkv", "quest", "sparq", "h2o"])
+def test_pallas_fp8_matches_xla_gpu(method, dtype):
+  """The compiled kernels read, append and attend an FP8 cache as the XLA path does (bf16 model, ragged)."""
+  if not any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("needs a GPU")
+  T, lengths, n_steps = 1000, [1000, 301, 77], 3
+  xla = _config(method, 128, T, n_steps, kv_cache_dtype=dtype)
+  q, k, v = _inputs(13, 3, T, jnp.bfloat16)
+  steps = tuple(x.astype(jnp.bfloat16) for x in _steps(13, 3, n_steps))
+  want, cw = _run(xla, q, k, v, lengths, steps)
+  got, cg = _run(dataclasses.replace(xla, impl="pallas"), q, k, v, lengths, steps)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+  # a GPU's division may round a stored value to the neighbouring FP8 step
+  np.testing.assert_allclose(np.asarray(cg.k.astype(jnp.float32)), np.asarray(cw.k.astype(jnp.float32)), rtol=0.13)
