@@ -27,6 +27,13 @@ fi
 cmd="${1:-demo}"; shift || true
 case "$cmd" in
   demo) exec .venv/bin/rocketkv demo "$@" ;;
-  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  # The whole suite (no arguments) runs on every core, up to 4 (pytest-xdist; a file's tests stay in one worker,
+  # so a module's server or model fixture is built once); arguments run as given, in one process.
+  test)
+    if [ $# -eq 0 ]; then
+      n="${ROCKETKV_TEST_WORKERS:-$(nproc)}"; [ "$n" -gt 4 ] && n=4
+      exec .venv/bin/python -m pytest -q -n "$n" --dist loadfile
+    fi
+    exec .venv/bin/python -m pytest -q "$@" ;;
   *) exec .venv/bin/rocketkv "$cmd" "$@" ;;
 esac

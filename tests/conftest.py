@@ -1,7 +1,28 @@
-"""Fixtures shared by every test folder: the embedded SmolLM2 (skipped when its package is absent)."""
+"""Fixtures shared by every test folder: the embedded SmolLM2 (skipped when its package is absent), and the
+suite's persistent compile cache."""
 import importlib.util
+import os
 
 import pytest
+
+# JAX's persistent compilation cache for the whole suite, in every process it starts (the variables are inherited
+# by the servers, CLIs and multi-process runs that tests launch, and read by JAX at import): the suite compiles the
+# same programs many times (each module drops its executables below; xdist workers and subprocesses compile their
+# own), and a hit loads the executable instead of running XLA's compiler again. $ROCKETKV_TEST_JAX_CACHE moves it;
+# "off" turns it off.
+_CACHE = os.environ.get("ROCKETKV_TEST_JAX_CACHE",
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"))
+if _CACHE != "off":
+  os.makedirs(_CACHE, exist_ok=True)
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  import jax  # noqa: E402 - after the variables (a JAX imported earlier gets them here)
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
 @pytest.fixture(scope="session")
