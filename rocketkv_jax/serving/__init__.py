@@ -1,10 +1,14 @@
-"""Serving: the continuous-batching engine (`engine.py`) and, on top of it, the OpenAI-compatible server.
+"""Serving: the device engine (`engine.py`: prefill, insert, generate over an explicit decode state), the scheduler
+callers construct as `Engine` (`scheduler.py`: queue, slots, admission, session reuse), the output processor
+(`output.py`), the engine's thread (`runner.py`) and the OpenAI-compatible server on top (`server.py`).
 
 The top layer: it may import `rocketkv_jax.models` and the core; nothing imports it.
 """
 
-from .engine import (Engine, EngineConfig, Prefilled, QueueFull, Request, SamplingParams, TokenEvent,
+from .engine import (Context, DecodeState, DeviceEngine, EngineConfig, Prefilled, Request, SamplingParams,
                      default_buckets, insert_jit)
+from .output import TokenEvent
+from .scheduler import Engine, QueueFull
 
-__all__ = ["Engine", "EngineConfig", "Prefilled", "QueueFull", "Request", "SamplingParams", "TokenEvent",
-           "default_buckets", "insert_jit"]
+__all__ = ["Context", "DecodeState", "DeviceEngine", "Engine", "EngineConfig", "Prefilled", "QueueFull", "Request",
+           "SamplingParams", "TokenEvent", "default_buckets", "insert_jit"]

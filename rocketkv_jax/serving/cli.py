@@ -360,7 +360,8 @@ def _cmd_serve(args) -> int:
   from rocketkv_jax.models import load
 
   from .connections import ConnectionLimits, uvicorn_config
-  from .engine import Engine, EngineConfig
+  from .engine import EngineConfig
+  from .scheduler import Engine
   from .server import ServerConfig, UvicornServer, create_app
   err = _console(True)
   log = lambda msg: err.log(msg)  # noqa: E731

@@ -1,84 +1,81 @@
-"""The continuous-batching engine: a fixed number of slots, static-shape caches, one decode loop.
+"""The device engine: the model on the device, and the JetStream surface over an explicit decode state.
 
-The JetStream shape: `prefill(request)` runs one request's prompt through the model and the method's stage 1
-(its compressed cache, batch 1), `insert(prefilled, slot)` writes that cache into slot i of the engine's
-batched caches while the other slots keep their state, and `generate()` advances every slot by
-`steps_per_call` tokens with ONE call of the one decode loop (`rocketkv_jax.models.loop.decode_loop_jit`, per-row
-sampling as arrays, the last token fed and its logits carried to the next call). `step()` = admit queued
-requests into free slots (prefill + insert each), then `generate()`; finished slots are freed at once.
+`DeviceEngine` holds the model's state, the method config the slots are sized for, and the compiled
+executables; it knows no request, queue, slot owner, tokenizer or history. Its calls are the three of
+JetStream's engine, each over arrays the caller passes in:
+
+- `prefill(prompt_ids, rows)`: one prompt (batch 1) at its padded bucket, under its own plan `rows`, to a
+  `Prefilled` (its logits [1, V] and per-layer caches, batch 1); `prefill_chunked`: the same over the K/V of
+  the prompt's first tokens (a stored history, given as per-layer arrays: `history.py`'s view), in chunks of
+  `prefill_chunk_tokens` (a generator: one chunk per next(), so the caller can decode between chunks), built of
+  `prefill_chunk` and `prefill_extend`; `feed`: tokens appended to a batch-1 cache through decode steps (a
+  compressed context's continuation).
+- `insert(state, prefilled, slot)`: a `DecodeState` whose row `slot` is the prefilled request's.
+- `generate(state, finished, sampling, process)`: ONE call of the one decode loop
+  (`rocketkv_jax.models.loop.decode_loop_jit`: every row advances by `steps_per_call` tokens, per-row sampling as
+  arrays, the last token fed and its logits carried to the next call); it returns the next `DecodeState` and the
+  call's tokens as device arrays without waiting for them, so a caller can queue call k before it reads call k - 1.
+
+The scheduler (`scheduler.py`, the `Engine` callers construct) owns the decode state and the requests. Apart
+from its compile cache the device engine keeps nothing across calls: each insert / generate donates the state it
+is given and returns the next one.
 
 What the plan depends on: every request runs the paper's plan for its OWN length, the one rule of
 `rocketkv_jax.plan_rows` (as `generate` does): prompt_len = its prompt's tokens, max_new_tokens = its max_tokens
 (a compressed context is planned for the engine's max_new_tokens, since its questions come later). The slots'
 static shapes come from the engine's limits, `plan_limits(method, token_budget, max_prompt_tokens,
 max_new_tokens, head_dim, max_len, **method_overrides)`: the maxima of every plan a request within them can
-get (`Engine.plan_summary()` says what that sizes). A request's plan rides in its cache rows as data, so every
-slot has the same shapes (one decode compile) and a request's tokens never depend on the other requests: the
-core gives each row what it would get alone, rows are sampled with their own key (fold_in(key(seed), token
+get (`DeviceEngine.plan_summary()` says what that sizes). A request's plan rides in its cache rows as data, so
+every slot has the same shapes (one decode compile) and a request's tokens never depend on the other requests:
+the core gives each row what it would get alone, rows are sampled with their own key (fold_in(key(seed), token
 index)), and the decode batch is always `max_slots` rows. A request's output is therefore a function of (its
 prompt, its sampling, the engine config, the model) only, and equals `generate`'s for the same prompt.
 
 Compiles: one prefill per bucket of padded prompt length (`prefill_buckets`, default powers of two from 64 up to
 max_prompt_tokens, plus max_prompt_tokens), one insert, and one decode loop per sampling kind in use (every row
-greedy; sampling; sampling with top-p / top-k cuts; any row processed: four at most); with a history, one extend
-prefill per (whole prompt, new tokens) bucket pair instead of the prefills; with contexts, one feed per power of
-two up to the longest question; with prompt logprobs, one scoring prefill per bucket; with processed requests, one
-row reset. `stats()["compiles"]` counts them.
+greedy; sampling; sampling with top-p / top-k cuts; any row processed: four at most, chosen in `generate` from
+the rows' arrays); with a history, one extend prefill per (whole prompt, new tokens) bucket pair instead of the
+prefills; with chunked prefill, one chunk executable per (prompt bucket, chunk length); with contexts, one feed
+per power of two up to the longest question; with prompt logprobs, one scoring prefill per bucket; with
+processed rows, one row reset. `DeviceEngine.compiles` counts them.
 
-Processed requests (penalties, logit bias, min_tokens or logprobs: `SamplingParams.processed`): while one is
-active, every decode call runs the loop's processing kind (`models/loop.RowProcessing`; neutral values for the
-other rows, whose tokens it does not change), which keeps each row's output token counts and prompt tokens
-[max_slots, V] on the device (made on the first such request) and returns MAX_LOGPROBS logprobs per token; a
-request's `TokenEvent.logprobs` keep its own k. Prompt logprobs (`SamplingParams.prompt_logprobs`, what an echo
-with logprobs needs) come from a scoring prefill of the whole prompt: such a request neither reuses nor adds to
-the history.
+Processed rows (penalties, logit bias, min_tokens or logprobs: `SamplingParams.processed`): the loop's
+processing kind (`models/loop.RowProcessing`; neutral values for the other rows, whose tokens it does not
+change) reads each row's output token counts and prompt tokens [max_slots, V] from `DecodeState.processing`
+(made by the first insert of such a row) and returns MAX_LOGPROBS logprobs per token.
 
-Tenants: a stored history is reused only by requests with the same `Request.cache_salt` (`history.py`).
-Failures: a request whose prefill raises ends alone (finish_reason "error", `TokenEvent.error`); the decode call
-is shared, so an error there is the runner's to report to every request in flight.
+Free rows: they hold whatever they last held (zeros of length 0 at start-up, or a finished request's cache);
+the caller marks them finished (they emit -1), their compute is wasted but harmless (rows never mix, a step
+past capacity writes nothing), and `insert` overwrites every leaf of the row, length and position included. A
+length-0 row is fine in decode: the step appends its token before attending.
 
-Free slots: their rows hold whatever they last held (zeros of length 0 at start-up, or a finished request's
-cache); they are marked finished in the loop (they emit -1), their compute is wasted but harmless (rows never
-mix, a step past capacity writes nothing), and `insert` overwrites every leaf of the row, length and position
-included. A length-0 row is fine in decode: the step appends its token before attending.
-
-Stops, detokenization and logprobs are the output processor's (`output.py`), on the host after each call.
+This module also defines what a request is (`Request`, `SamplingParams`, `Context`) and the engine's limits
+(`EngineConfig`): the types the scheduler, the protocol models and the server share. Sampling is validated in
+one place: `SamplingParams.__post_init__` (values on their own), then `check_limits` (against the engine's limits
+and vocabulary: run by `Engine.validate`, and by the server to name the HTTP field).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import itertools
-import logging
 import math
-import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
-from rocketkv_jax.models.generate import stop_ids as default_stop_ids
-from rocketkv_jax.models.llama import (fingerprint, prefill_chunk, prefill_chunk_layer_jit, prefill_extend,
-                                       prefill_extend_layer_jit, prefill_jit)
+from rocketkv_jax.models import llama
 from rocketkv_jax.models.loop import LoopConfig, RowProcessing, RowSampling, decode_loop_jit
 from rocketkv_jax.models.sharding import DATA, MODEL, cache_spec, default_impl, resolve_mesh, using
-from jax.sharding import NamedSharding, PartitionSpec
 
-from . import saved
-from .output import RequestState, TokenEvent, TokenLogprob, advance
-from .history import MAX_SALT
-from .history import HistoryStore
-
-__all__ = ["Context", "Engine", "EngineConfig", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "Prefilled", "QueueFull", "Request",
-           "SamplingParams", "TokenEvent", "TokenLogprob", "default_buckets", "insert_jit"]
-
-log = logging.getLogger("rocketkv_jax.serving")
+__all__ = ["Context", "DecodeState", "DeviceEngine", "EngineConfig", "LimitError", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
+           "Prefilled", "Request", "SamplingParams", "check_limits", "default_buckets", "insert_jit"]
 
 MIN_BUCKET = 64  # the smallest padded prompt length of the default buckets
 MAX_SEED = 2**32 - 1  # seeds are uint32 (jax.random.key)
@@ -90,10 +87,6 @@ MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit, vLLM's default)
 MAX_STOP_IDS = 64  # a request's own stop ids
 MAX_CACHE_SALT = 256  # characters of a client's cache_salt (a Request's may be longer: the server tags the tenant)
-
-
-class QueueFull(RuntimeError):
-  """The engine's queue holds max_queue requests: try later (a server answers 429)."""
 
 
 def default_buckets(max_prompt_tokens: int) -> tuple[int, ...]:
@@ -118,7 +111,7 @@ class EngineConfig:
   history_device_bytes: of the history, the most recent segments' K/V kept on the device (no copy to or from the
   host for a next turn over them; `history.py`), at most this many bytes. prefill_chunk_tokens: 0 prefills each
   admitted prompt whole inside one step; n > 0 prefills at most about n
-  prompt tokens per step (chunked prefill, module doc), so decoding slots never wait for a whole long prefill.
+  prompt tokens per step (chunked prefill, `scheduler.py`), so decoding slots never wait for a whole long prefill.
   """
 
   method: str
@@ -292,6 +285,30 @@ class SamplingParams:
     object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
 
 
+
+class LimitError(ValueError):
+  """A sampling value outside this engine's limits (`check_limits`); `field`: the SamplingParams field."""
+
+  def __init__(self, message: str, field: str):
+    super().__init__(message)
+    self.field = field
+
+
+def check_limits(s: SamplingParams, *, max_new_tokens: int, vocab: int) -> None:
+  """LimitError naming the value unless sampling `s` fits an engine of max_new_tokens and a vocabulary of `vocab`
+  token ids: what `SamplingParams` cannot check on its own. The one copy of these checks: `Engine.validate` runs it
+  on every request, and the server before submitting, so that its 400 names the HTTP field."""
+  if s.max_tokens > max_new_tokens:
+    raise LimitError(f"max_tokens={s.max_tokens} exceeds the engine's max_new_tokens={max_new_tokens}", "max_tokens")
+  if s.top_k > vocab:
+    raise LimitError(f"top_k={s.top_k} exceeds the vocabulary size {vocab} (0 is off)", "top_k")
+  bad = [i for i in s.stop_ids if i >= vocab]
+  if bad:
+    raise LimitError(f"stop_ids {bad[:4]} are not token ids in [0, {vocab})", "stop_ids")
+  bad = [i for i, _ in s.logit_bias if i >= vocab]
+  if bad:
+    raise LimitError(f"logit_bias token ids {bad[:4]} are not token ids in [0, {vocab})", "logit_bias")
+
 @dataclasses.dataclass
 class Context:
   """A context compressed once and reused by many requests (`Engine.compress_context`), query-agnostic:
@@ -320,20 +337,31 @@ class Request:
   cache_salt: str = ""
 
 
-class Prefilled(tuple):
-  """(logits_1V, caches_1) of one request's prefill, where its decode starts; `.request` is the request,
-  `.cached` the prompt tokens it did not prefill (history or context), `.scores` the prompt's `PromptScores`
-  (batch 1, on the device) when it asked for prompt logprobs."""
 
-  def __new__(cls, logits_1V, caches, request: Request, cached: int = 0, scores=None):
+class Prefilled(tuple):
+  """(logits_1V, caches_1) of one prefill, where its decode starts. `.request`: the request it answers (None
+  from the device engine, which knows no request; the scheduler attaches it), `.cached`: the prompt tokens it
+  did not prefill (history or context), `.scores`: the prompt's `PromptScores` (batch 1, on the device) from a
+  scoring prefill."""
+
+  def __new__(cls, logits_1V, caches, request: Request | None = None, cached: int = 0, scores=None):
     self = super().__new__(cls, (logits_1V, caches))
     self.request, self.cached, self.scores = request, cached, scores
     return self
 
 
-def prompt_tokens(request: Request) -> int:
-  """The tokens a request's answer follows: its context's and its prompt's."""
-  return len(request.prompt_ids) + (len(request.context.prompt_ids) if request.context is not None else 0)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeState:
+  """Where the next decode call starts, on the device, one row per slot (B = max_slots).
+
+  logits_BV: each row's next-token logits [B, V]. caches: the per-layer batched caches. processing: None until
+  the first processed row is inserted, then (counts [B, V] int32: each row's output tokens so far, prompt_mask
+  [B, V] bool: its prompt's tokens), what the loop's processing kind reads. `DeviceEngine.insert` and `generate`
+  donate the state they are given: only the one they return is valid."""
+
+  logits_BV: jax.Array
+  caches: tuple
+  processing: tuple | None = None
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -352,12 +380,12 @@ def insert_jit(caches, logits_BV, one_caches, one_logits_1V, slot):
   return jax.tree.map(put, caches, one_caches), put(logits_BV, one_logits_1V)
 
 
-class Engine:
-  """Continuous batching over `config.max_slots` slots (module doc). Not thread-safe: one thread owns it (the
-  server's `runner.EngineRunner`: every submit, abort and step travels to that thread), as JetStream's and vLLM's
-  engine cores are driven by one loop."""
+class DeviceEngine:
+  """The model, the method config and the compiled executables (module doc): prefill, insert and generate over
+  arrays the caller passes in. No request, queue, lock or tokenizer; nothing kept across calls but the compile
+  cache. Called from one thread (the scheduler's)."""
 
-  def __init__(self, model, tokenizer, config: EngineConfig, *, mesh=None, data_axis=DATA, model_axis=MODEL):
+  def __init__(self, model, config: EngineConfig, *, mesh=None, data_axis=DATA, model_axis=MODEL):
     """mesh: any `jax.sharding.Mesh` (`jax.make_mesh`, explicit or auto axes) whose batch and tensor-parallel
     axes are named data_axis / model_axis (`models.sharding.normalize_mesh`; the model placed on it by
     `load(mesh=)` with the same names): slots are split over the data axis, KV heads over the model axis."""
@@ -368,7 +396,7 @@ class Engine:
     if config.max_prompt_tokens + config.max_new_tokens > cfg.max_len:
       raise ValueError(f"max_prompt_tokens={config.max_prompt_tokens} + max_new_tokens={config.max_new_tokens} "
                        f"exceeds the model's max_len={cfg.max_len}")
-    self.model, self.tokenizer, self.config, self.mesh = model, tokenizer, config, mesh
+    self.model, self.config, self.mesh = model, config, mesh
     overrides = dict(config.method_overrides)
     if default_impl(mesh):
       overrides.setdefault("impl", default_impl(mesh))
@@ -376,46 +404,43 @@ class Engine:
     self.method_config = plan_limits(config.method, token_budget=config.token_budget,
                                      max_prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
                                      head_dim=cfg.head_dim, max_len=cfg.max_len, **overrides)
-    self.stop_ids = default_stop_ids(model, tokenizer, chat=True)
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
+    self.model_id = llama.fingerprint(model)
     self._graphdef, self._state = nnx.split(model)
     self._executables: dict = {}
-    self._queue: collections.deque[Request] = collections.deque()
-    self._slots: list[RequestState | None] = [None] * config.max_slots
-    self._pending: list[TokenEvent] = []  # abort events, emitted by the next step
-    self._inflight = None  # (tokens of the last decode call, not read yet; [(row, RequestState)] it decoded)
-    self._tokens_generated = 0
-    self._arrived: dict[str, float] = {}  # request id -> submit time (monotonic), while queued
     self._key = jax.random.key(0)  # unused by per-row sampling; the loop's signature takes one
-    self._processing = None  # (counts [B, V] int32, prompt_mask [B, V] bool): made for the first processed request
-    self._process_rows = None  # (the active rows it was built for, their RowProcessing arrays on the device)
-    self._inserts = itertools.count(1)
-    self._filling = None  # (request, its prefill's generator, seconds it queued): a prompt being prefilled
-    # the batched caches: the shapes of a batch-1 prefill (the same for every bucket), max_slots rows of zeros
-    # with length 0
-    B, T = config.max_slots, config.prefill_buckets[0]
-    shapes = jax.eval_shape(lambda s, t, n: prefill_jit(self._graphdef, s, t, n, config=self.method_config),
-                            self._state, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
-    logits_shape, cache_shapes = shapes
-    self._one_shapes = shapes  # (logits, caches) of one request: what a saved context must match
-    self._caches = jax.tree.map(
-        lambda s: self._place(jnp.zeros((B,) + s.shape[1:], s.dtype), batch=True, heads=len(s.shape) >= 2),
-        cache_shapes)
-    self._logits = self._place(jnp.zeros((B,) + logits_shape.shape[1:], logits_shape.dtype), batch=True)
-    self._placement = jax.tree.map(lambda x: x.sharding, (self._logits, self._caches))
-    self.model_id = fingerprint(model)
-    self._reused = self._prefilled = 0  # prompt tokens taken from history / context, and prefilled
-    self.history = None
-    if config.history_bytes:
-      self.history = HistoryStore(cfg.n_layers, (cfg.n_kv_heads, cfg.head_dim), np.dtype(model.dtype),
-                                  max_bytes=config.history_bytes, spill_dir=config.history_spill_dir,
-                                  max_device_bytes=config.history_device_bytes,
-                                  max_disk_bytes=config.history_disk_bytes)
+    # one request's (logits, caches): the shapes of a batch-1 prefill, the same for every bucket (a saved
+    # context must match them; a slot's row has them)
+    T = config.prefill_buckets[0]
+    self.prefill_shapes = jax.eval_shape(
+        lambda s, t, n: llama.prefill_jit(self._graphdef, s, t, n, config=self.method_config),
+        self._state, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    self._placement = None
+    if mesh is not None:  # where the batched logits and caches live (`init_state`)
+      B = config.max_slots
+      logits, caches = self.prefill_shapes
+      self._placement = (self._sharding((B,) + logits.shape[1:], batch=True),
+                         jax.tree.map(lambda s: self._sharding((B,) + s.shape[1:], batch=True,
+                                                               heads=len(s.shape) >= 2), caches))
+
+  @property
+  def compiles(self) -> int:
+    """Executables compiled so far (module doc lists which)."""
+    return len(self._executables)
+
+  def init_state(self) -> DecodeState:
+    """The decode state at start-up: max_slots rows of zeros with length 0 (every row free)."""
+    B = self.config.max_slots
+    logits, caches = self.prefill_shapes
+    caches = jax.tree.map(
+        lambda s: self.place(jnp.zeros((B,) + s.shape[1:], s.dtype), batch=True, heads=len(s.shape) >= 2), caches)
+    logits = self.place(jnp.zeros((B,) + logits.shape[1:], logits.dtype), batch=True)
+    return DecodeState(logits_BV=logits, caches=caches)
 
   def plan_summary(self) -> str:
     """What the slots are sized for (the start-up line of `rocketkv serve`)."""
     c, cfg = self.method_config, self.config
-    per_slot = cache_nbytes(jax.tree.map(lambda x: x[:1], self._caches))
+    per_slot = cache_nbytes(self.prefill_shapes[1])
     return (f"{cfg.max_slots} slots of {c.capacity} cache slots per KV head and layer ({per_slot / 2**20:.1f} MiB "
             f"each), the largest plan of a request up to max_prompt_tokens={cfg.max_prompt_tokens} and "
             f"max_new_tokens={cfg.max_new_tokens}: {c.cache_spec()}; each request runs the plan of its own length")
@@ -427,140 +452,6 @@ class Engine:
                      max_new_tokens=max_tokens, head_dim=self.model.config.head_dim,
                      max_len=self.model.config.max_len, config=self.method_config, **self._overrides).rows
 
-  def _keep_placement(self, logits, caches):
-    """The batched logits and caches put back where the engine keeps them (with a mesh, XLA may return a call's
-    outputs partitioned otherwise than its inputs, and every executable expects the engine's placement)."""
-    if self.mesh is None:
-      return logits, caches
-    return jax.tree.map(lambda x, s: x if x.sharding == s else jax.device_put(x, s), (logits, caches),
-                        self._placement)
-
-  def _place(self, x, batch: bool = False, heads: bool = False):
-    """x on the engine's mesh (`cache_spec`): slot rows over "data" (`batch`), KV heads (axis 1) over "model"
-    (`heads`), else replicated; unchanged without a mesh."""
-    if self.mesh is None:
-      return x
-    spec = cache_spec(x.shape, self.mesh, 1 if heads else None) if batch else PartitionSpec()
-    return jax.device_put(x, NamedSharding(self.mesh, spec))
-
-  # ------------------------------------------------------------------ requests
-
-  def validate(self, request: Request) -> None:
-    """ValueError naming the value unless the request fits this engine."""
-    if not isinstance(request, Request):
-      raise ValueError(f"request={request!r} must be a Request")
-    if not isinstance(request.request_id, str) or not request.request_id:
-      raise ValueError(f"request_id={request.request_id!r} must be a non-empty string")
-    ids, c = request.prompt_ids, self.config
-    if not isinstance(ids, (list, tuple)):
-      raise ValueError(f"prompt_ids must be a list of token ids, not {type(ids).__name__}")
-    if not ids:
-      raise ValueError("prompt_ids=[] is empty: a prompt needs at least one token")
-    if len(ids) > c.max_prompt_tokens:
-      raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={c.max_prompt_tokens}")
-    vocab = self.model.config.vocab_size
-    bad = [i for i in ids if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < vocab]
-    if bad:
-      raise ValueError(f"prompt_ids {bad[:4]} are not token ids in [0, {vocab})")
-    s = request.sampling
-    if not isinstance(s, SamplingParams):
-      raise ValueError(f"sampling={s!r} must be SamplingParams")
-    if s.max_tokens > c.max_new_tokens:
-      raise ValueError(f"max_tokens={s.max_tokens} exceeds the engine's max_new_tokens={c.max_new_tokens}")
-    if s.top_k > vocab:
-      raise ValueError(f"top_k={s.top_k} exceeds the vocabulary size {vocab} (0 is off)")
-    bad = [i for i in s.stop_ids if i >= vocab]
-    if bad:
-      raise ValueError(f"stop_ids {bad[:4]} are not token ids in [0, {vocab})")
-    bad = [i for i, _ in s.logit_bias if i >= vocab]
-    if bad:
-      raise ValueError(f"logit_bias token ids {bad[:4]} are not token ids in [0, {vocab})")
-    if not isinstance(request.cache_salt, str) or len(request.cache_salt) > MAX_SALT:
-      raise ValueError(f"cache_salt={str(request.cache_salt)[:40]!r} must be a string of at most {MAX_SALT} "
-                       f"characters")
-    if s.prompt_logprobs is not None and request.context is not None:
-      raise ValueError("prompt_logprobs needs the prompt prefilled in full: not with a compressed context")
-    if request.context is not None:
-      if not isinstance(request.context, Context):
-        raise ValueError(f"context={request.context!r} must be a Context (Engine.compress_context)")
-      if len(ids) + s.max_tokens > c.max_new_tokens:
-        raise ValueError(f"a prompt after a compressed context goes where new tokens go: prompt of {len(ids)} "
-                         f"tokens + max_tokens={s.max_tokens} exceeds the engine's max_new_tokens="
-                         f"{c.max_new_tokens}")
-    else:
-      self.plan(len(ids), s.max_tokens)  # the paper's plan for this length is valid (ValueError names why not)
-
-  def submit(self, request: Request) -> None:
-    """Validates and queues a request. Raises ValueError (bad request, duplicate id) or QueueFull."""
-    self.validate(request)
-    rid = request.request_id
-    if (any(r.request_id == rid for r in self._queue) or any(a and a.request.request_id == rid for a in self._slots)
-        or (self._filling is not None and self._filling[0].request_id == rid)):
-      raise ValueError(f"request_id={rid!r} is already queued or running")
-    if len(self._queue) >= self.config.max_queue:
-      raise QueueFull(f"the queue holds max_queue={self.config.max_queue} requests")
-    self._queue.append(request)
-    self._arrived[rid] = time.monotonic()
-
-  def abort(self, request_id: str) -> bool:
-    """Drops a queued or running request (its slot is freed at once); the next step() emits its final event
-    (finish_reason "abort"). False when no such request is queued or running."""
-    for r in self._queue:
-      if r.request_id == request_id:
-        self._queue.remove(r)
-        self._arrived.pop(request_id, None)
-        self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
-        return True
-    if self._filling is not None and self._filling[0].request_id == request_id:
-      r = self._filling[0]
-      self._filling[1].close()
-      self._filling = None
-      self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
-      return True
-    for i, a in enumerate(self._slots):
-      if a is not None and a.request.request_id == request_id:
-        self._slots[i], a.done = None, True
-        self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(a.request),
-                                        a.completion, a.cached))
-        return True
-    return False
-
-  def has_work(self) -> bool:
-    return bool(self._queue or self._pending or self._inflight is not None or self._filling is not None or
-                any(a is not None for a in self._slots))
-
-  def stats(self) -> dict:
-    h = self.history
-    return dict(queue_depth=len(self._queue), active_slots=sum(a is not None for a in self._slots),
-                max_slots=self.config.max_slots, tokens_generated=self._tokens_generated,
-                kv_bytes_device=cache_nbytes(self._caches), compiles=len(self._executables),
-                kv_bytes_host=h.host_bytes() if h else 0, kv_bytes_disk=h.disk_bytes() if h else 0,
-                kv_bytes_history_device=h.device_bytes() if h else 0,
-                history_segments=len(h.segments) if h else 0, prompt_tokens_reused=self._reused,
-                prompt_tokens_prefilled=self._prefilled)
-
-  def reset_counters(self) -> None:
-    """Zeroes the counters `stats()` reports (tokens generated, prompt tokens reused and prefilled): after a
-    warm-up, so /metrics counts client traffic only. Compiled pieces and the history are kept."""
-    self._tokens_generated = self._reused = self._prefilled = 0
-
-  def free_slots(self) -> list[int]:
-    return [i for i, a in enumerate(self._slots) if a is None]
-
-  @property
-  def decode_state(self):
-    """(logits [max_slots, V], per-layer batched caches): where the next decode call starts (read only)."""
-    return self._logits, self._caches
-
-  # ------------------------------------------------------------------ compiled pieces
-
-  def _compiled(self, key, lower):
-    exe = self._executables.get(key)
-    if exe is None:
-      with using(self.mesh):
-        exe = self._executables[key] = lower().compile()
-    return exe
-
   def bucket(self, n_tokens: int) -> int:
     """The padded prompt length a prompt of n_tokens is prefilled at."""
     for b in self.config.prefill_buckets:
@@ -568,71 +459,7 @@ class Engine:
         return b
     raise ValueError(f"prompt of {n_tokens} tokens exceeds max_prompt_tokens={self.config.max_prompt_tokens}")
 
-  # ------------------------------------------------------------------ JetStream-shaped primitives
-
-  def prefill(self, request: Request) -> Prefilled:
-    """One request's prefill: (logits [1, V], its per-layer caches, batch 1), where its decode starts.
-
-    With a context: a copy of the context's cache, the prompt fed through decode steps. With a history store:
-    the prompt's stored prefix is reused and the rest prefilled over it (`prefill_extend`), and the new
-    tokens' K/V join the history. Otherwise a plain prefill at the prompt's bucket."""
-    self.validate(request)
-    if request.context is not None:
-      return self._continue_context(request)
-    if self.history is not None and request.sampling.prompt_logprobs is None:
-      return self._prefill_over_history(request)
-    return self._prefill_alone(request)
-
-  def _prefill_alone(self, request: Request) -> Prefilled:
-    """A plain prefill at the prompt's bucket (no history read or written), planned for its own length; with
-    prompt logprobs, the scoring prefill (its own executable per bucket, MAX_LOGPROBS tokens per position)."""
-    n = len(request.prompt_ids)
-    T = self.bucket(n)
-    tokens = np.zeros((1, T), np.int32)
-    tokens[0, :n] = request.prompt_ids
-    lengths = np.array([n], np.int32)
-    tokens, lengths = self._place(jnp.asarray(tokens)), self._place(jnp.asarray(lengths))
-    rows = self.plan(n, request.sampling.max_tokens)
-    score = MAX_LOGPROBS if request.sampling.prompt_logprobs is not None else None
-    exe = self._compiled(("prefill", T) if score is None else ("prefill_scored", T), lambda: prefill_jit.lower(
-        self._graphdef, self._state, tokens, lengths, rows, config=self.method_config, score=score))
-    out = exe(self._state, tokens, lengths, rows)
-    self._prefilled += n
-    return Prefilled(out[0], out[1], request, scores=out[2] if score is not None else None)
-
-  def reusable(self, prompt_ids, cache_salt: str = "") -> int:
-    """Prompt tokens whose K/V the history holds and a prefill would reuse: the longest stored prefix (of the
-    same cache_salt), less the last `prompt_queries` tokens of the prompt (the method reads their queries,
-    which are not stored; all of it for H2O), and at least the last token (its logits start the decode)."""
-    if self.history is None:
-      return 0
-    _, common = self.history.match(prompt_ids, cache_salt)
-    return self._reuse(len(prompt_ids), common)
-
-  def _reuse(self, n: int, common: int) -> int:
-    """`reusable` of a prompt of n tokens whose longest stored prefix has `common` tokens."""
-    q = self.method_config.prompt_queries
-    return 0 if q is None else max(0, min(common, n - max(q, 1)))
-
-  def remember(self, prompt_ids, cache_salt: str = "") -> int:
-    """Prefills a prompt into the history without answering it (a document that questions will follow:
-    question-in-window reuse, where each question's prompt starts with it and stage 1's window is on the
-    question), for requests of this cache_salt. Returns the prompt tokens the history now holds for it."""
-    if self.history is None:
-      raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
-    request = Request("remember", list(prompt_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt)
-    self.validate(request)
-    self._prefill_over_history(request)
-    seg, n = self.history.match(request.prompt_ids, cache_salt)
-    return n
-
-  def _prefill_over_history(self, request: Request) -> Prefilled:
-    """The whole of `_fill` at once (chunks, if any, back to back)."""
-    for _, prefilled in self._fill(request):
-      if prefilled is not None:
-        return prefilled
-
-  def _chunks(self, m: int) -> list[int]:
+  def chunks(self, m: int) -> list[int]:
     """Sizes of the chunks m new prompt tokens are prefilled in: prefill_chunk_tokens each, the last one at most
     that (longer, up to prefill_chunk_tokens + prompt_queries, only where it would otherwise not hold the queries
     stage 1 reads); one chunk when chunking is off or the method reads every query (H2O)."""
@@ -644,306 +471,196 @@ class Engine:
       full -= 1
     return [c] * full + [m - full * c]
 
-  def _fill(self, request: Request):
-    """A request's prefill over the history (when kept; else over nothing), in `_chunks`: yields (tokens the
-    chunk prefilled, None) after each chunk but the last, then (its tokens, the Prefilled). A chunk writes its
-    K/V into per-layer buffers [1, S, K, H] on the device (`prefill_chunk`); the last runs `prefill_extend` over
-    them, which compresses the whole prompt; the new tokens' K/V then join the history."""
-    ids = list(request.prompt_ids)
-    n = len(ids)
-    seg, common = self.history.match(ids, request.cache_salt) if self.history is not None else (None, 0)
-    r = self._reuse(n, common) if self.history is not None else 0
-    S, cfg = self.bucket(n), self.model.config
-    view = self.history.view(seg, r, S) if self.history is not None else [None] * cfg.n_layers
-    chunks, done = self._chunks(n - r), r
-    history = view
-    if len(chunks) > 1:  # the stored history on the device once, then each chunk written into it
-      zeros = lambda: self._place(jnp.zeros((1, S, cfg.n_kv_heads, cfg.head_dim), self.model.dtype))  # noqa: E731
-      history = [tuple(jax.device_put(x) for x in h) if h is not None else (zeros(), zeros()) for h in view]
-      C = chunks[0]  # every chunk but the last
+  # ------------------------------------------------------------------ placement and compiled pieces
 
-      def run_chunk(graphdef, state, *args):
-        exe = self._compiled(("chunk", S, C), lambda: prefill_chunk_layer_jit.lower(graphdef, state, *args, cfg=cfg))
-        return exe(state, *args)
+  def _sharding(self, shape, batch: bool = False, heads: bool = False) -> NamedSharding:
+    spec = cache_spec(shape, self.mesh, 1 if heads else None) if batch else PartitionSpec()
+    return NamedSharding(self.mesh, spec)
 
-      for c in chunks[:-1]:
-        tokens = np.asarray([ids[done:done + c]], np.int32)
-        history = prefill_chunk(self.model, tokens, history, np.array([done], np.int32), run_layer=run_chunk)
-        done += c
-        self._prefilled += c
-        yield c, None
-    m = n - done
-    # after chunks the last one is at most prefill_chunk_tokens + prompt_queries long: padded to a power of two
-    # (>= MIN_BUCKET), not to the prompt buckets (a 32k bucket would prefill the padding)
-    T = self.bucket(m) if done == r else min(S, max(MIN_BUCKET, 1 << (m - 1).bit_length()))
+  def place(self, x, batch: bool = False, heads: bool = False):
+    """x on the engine's mesh (`cache_spec`): slot rows over "data" (`batch`), KV heads (axis 1) over "model"
+    (`heads`), else replicated; unchanged without a mesh."""
+    if self.mesh is None:
+      return x
+    return jax.device_put(x, self._sharding(x.shape, batch, heads))
+
+  def place_rows(self, tree):
+    """A pytree of per-row host arrays [max_slots, ...] on the device, rows split as the slots are."""
+    return jax.tree.map(lambda x: self.place(jnp.asarray(x), batch=True), tree)
+
+  def _keep_placement(self, logits, caches):
+    """The batched logits and caches put back where the engine keeps them (with a mesh, XLA may return a call's
+    outputs partitioned otherwise than its inputs, and every executable expects the engine's placement)."""
+    if self.mesh is None:
+      return logits, caches
+    return jax.tree.map(lambda x, s: x if x.sharding == s else jax.device_put(x, s), (logits, caches),
+                        self._placement)
+
+  def _compiled(self, key, lower):
+    exe = self._executables.get(key)
+    if exe is None:
+      with using(self.mesh):
+        exe = self._executables[key] = lower().compile()
+    return exe
+
+  # ------------------------------------------------------------------ prefill (batch 1)
+
+  def prefill(self, prompt_ids: Sequence[int], rows, *, scored: bool = False) -> Prefilled:
+    """A plain prefill of a prompt at its bucket (no history read or written), under its plan `rows`
+    (`plan`); scored: the scoring prefill (its own executable per bucket), whose `.scores` hold MAX_LOGPROBS
+    tokens per position."""
+    n = len(prompt_ids)
+    T = self.bucket(n)
     tokens = np.zeros((1, T), np.int32)
-    tokens[0, :m] = ids[done:]
+    tokens[0, :n] = prompt_ids
+    lengths = np.array([n], np.int32)
+    tokens, lengths = self.place(jnp.asarray(tokens)), self.place(jnp.asarray(lengths))
+    score = MAX_LOGPROBS if scored else None
+    exe = self._compiled(("prefill", T) if score is None else ("prefill_scored", T), lambda: llama.prefill_jit.lower(
+        self._graphdef, self._state, tokens, lengths, rows, config=self.method_config, score=score))
+    out = exe(self._state, tokens, lengths, rows)
+    return Prefilled(out[0], out[1], scores=out[2] if scored else None)
+
+  def buffers(self, view, S: int) -> list:
+    """The per-layer (K, V) buffers [1, S, K, H] on the device that a chunked prefill writes into: a stored
+    history's view (`HistoryStore.view`; None for a layer it does not hold) copied once, zeros elsewhere."""
+    cfg = self.model.config
+    zeros = lambda: self.place(jnp.zeros((1, S, cfg.n_kv_heads, cfg.head_dim), self.model.dtype))  # noqa: E731
+    return [tuple(jax.device_put(x) for x in h) if h is not None else (zeros(), zeros()) for h in view]
+
+  def prefill_chunk(self, chunk_ids: Sequence[int], buffers: list, start: int) -> list:
+    """`buffers` (`buffers`, [1, S, K, H] per layer) with the K/V of chunk_ids, the prompt's tokens from
+    position `start`, written in (`models.llama.prefill_chunk`); one executable per (S, chunk length)."""
+    cfg, C = self.model.config, len(chunk_ids)
+    S = buffers[0][0].shape[1]
+
+    def run_chunk(graphdef, state, *args):
+      exe = self._compiled(("chunk", S, C), lambda: llama.prefill_chunk_layer_jit.lower(graphdef, state, *args,
+                                                                                          cfg=cfg))
+      return exe(state, *args)
+
+    tokens = np.asarray([list(chunk_ids)], np.int32)
+    return llama.prefill_chunk(self.model, tokens, buffers, np.array([start], np.int32), run_layer=run_chunk)
+
+  def prefill_extend(self, new_ids: Sequence[int], history: list, start: int, S: int, rows, *,
+                     after_chunks: bool = False):
+    """The prompt's last new_ids (from position `start`) prefilled over the K/V before them (`history`: a
+    stored history's view or chunk `buffers`, per layer), then the whole prompt compressed under its plan
+    `rows` (`models.llama.prefill_extend`): (its Prefilled, the new tokens' per-layer (K, V) [1, T, K, H]).
+    S: the whole prompt's bucket. The new tokens are padded to their bucket, or after chunks (at most
+    prefill_chunk_tokens + prompt_queries of them) to a power of two >= MIN_BUCKET: a 32k bucket would prefill
+    the padding."""
+    m, cfg = len(new_ids), self.model.config
+    T = min(S, max(MIN_BUCKET, 1 << (m - 1).bit_length())) if after_chunks else self.bucket(m)
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :m] = new_ids
 
     def run_layer(graphdef, state, *args):
-      exe = self._compiled(("extend", S, T), lambda: prefill_extend_layer_jit.lower(
+      exe = self._compiled(("extend", S, T), lambda: llama.prefill_extend_layer_jit.lower(
           graphdef, state, *args, cfg=cfg, config=self.method_config))
       return exe(state, *args)
 
-    logits, caches, new_kv = prefill_extend(self.model, tokens, np.array([m], np.int32), history,
-                                            np.array([done], np.int32), self.method_config, seq_len=S,
-                                            run_layer=run_layer, rows=self.plan(n, request.sampling.max_tokens))
-    self._reused += r
-    self._prefilled += m
-    if self.history is not None:
-      if done > r:  # the chunks' K/V are in the buffers, the last chunk's in new_kv
-        new_kv = [tuple(jnp.concatenate([h[:, r:done], x[:, :m]], axis=1) for h, x in zip(hist, kv))
-                  for hist, kv in zip(history, new_kv)]
-      if self.history.max_device_bytes:  # the device tier keeps them where they are (it moves old ones out)
-        self.history.add(ids, [k[0] for k, _ in new_kv], [v[0] for _, v in new_kv], r, request.cache_salt)
-      else:
-        for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
-          for x in kv:
-            x.copy_to_host_async()
-        self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
-                         request.cache_salt)
-    yield m, Prefilled(logits, caches, request, cached=r)
+    logits, caches, new_kv = llama.prefill_extend(self.model, tokens, np.array([m], np.int32), history,
+                                                  np.array([start], np.int32), self.method_config, seq_len=S,
+                                                  run_layer=run_layer, rows=rows)
+    return Prefilled(logits, caches), new_kv
 
-  def _admission(self, request: Request):
-    """The generator of (prompt tokens prefilled, Prefilled or None) that admits a request: `_fill`'s chunks
-    when the request is prefilled over the history or chunked, else its whole prefill at once."""
-    whole = request.context is not None or request.sampling.prompt_logprobs is not None
-    if not whole and (self.history is not None or len(self._chunks(len(request.prompt_ids))) > 1):
-      self.validate(request)
-      return self._fill(request)
-    return iter([(len(request.prompt_ids), self.prefill(request))])
+  def prefill_chunked(self, prompt_ids: Sequence[int], view: list, start: int, rows, *, keep_kv: bool = True):
+    """A prompt's prefill over the K/V of its first `start` tokens (`view`: per layer (K, V) [1, S, K, H] with S
+    the prompt's bucket, as `HistoryStore.view` gives them, or None per layer when start is 0), in `chunks`: a
+    generator that yields (tokens the chunk prefilled, None) after each chunk but the last (each chunk writes its
+    K/V into the `buffers`), then (the last chunk's tokens, (Prefilled, new_kv)): the last chunk runs
+    `prefill_extend` over the buffers, which compresses the whole prompt under its plan `rows`. new_kv: per layer
+    (K, V) [1, >= n - start, K, H], the K/V of the prompt's tokens from `start` on (what a history stores), when
+    keep_kv."""
+    ids = list(prompt_ids)
+    n = len(ids)
+    S = self.bucket(n)
+    chunks, done = self.chunks(n - start), start
+    history = view
+    if len(chunks) > 1:  # the stored history on the device once, then each chunk written into it
+      history = self.buffers(view, S)
+      for c in chunks[:-1]:
+        history = self.prefill_chunk(ids[done:done + c], history, done)
+        done += c
+        yield c, None
+    m = n - done
+    p, new_kv = self.prefill_extend(ids[done:], history, done, S, rows, after_chunks=done > start)
+    if keep_kv and done > start:  # the chunks' K/V are in the buffers, the last chunk's in new_kv
+      new_kv = [tuple(jnp.concatenate([h[:, start:done], x[:, :m]], axis=1) for h, x in zip(hist, kv))
+                for hist, kv in zip(history, new_kv)]
+    yield m, (p, new_kv if keep_kv else None)
 
-  # ------------------------------------------------------------------ contexts (query-agnostic reuse)
-
-  def compress_context(self, prompt_ids) -> Context:
-    """Prefills and compresses a context once (stage 1's window on its own tail: query-agnostic), planned for
-    its length and the engine's max_new_tokens (its questions and answers come later); requests
-    with `context=` then continue copies of its cache. Never stored in or taken from the history."""
-    probe = Request("context", list(prompt_ids), SamplingParams(max_tokens=self.config.max_new_tokens))
-    self.validate(probe)
-    logits, caches = self._prefill_alone(probe)
-    return Context(list(prompt_ids), logits, caches)
-
-  def _feed(self, logits, caches, tokens: list[int]):
+  def feed(self, logits_1V, caches, tokens: Sequence[int]):
     """(logits, caches) after feeding `tokens` through decode steps (batch 1; the one decode loop with teacher
-    forcing, in calls of power-of-two lengths: one compile per length used)."""
+    forcing, in calls of power-of-two lengths: one compile per length used). The caches are donated."""
+    tokens = list(tokens)
     i = 0
     while i < len(tokens):
       n = 1 << ((len(tokens) - i).bit_length() - 1)
       forced = np.asarray([tokens[i:i + n]], np.int32)
       loop = LoopConfig(max_new_tokens=n, carry_logits=True)
-      args = (self._state, logits, caches, self._key, forced, None, None)
+      args = (self._state, logits_1V, caches, self._key, forced, None, None)
       exe = self._compiled(("feed", n), lambda: decode_loop_jit.lower(
           self._graphdef, *args, config=self.method_config, loop=loop))
       out = exe(*args)
-      logits, caches = out.logits_BV, out.caches
+      logits_1V, caches = out.logits_BV, out.caches
       i += n
-    return logits, caches
+    return logits_1V, caches
 
-  def _continue_context(self, request: Request) -> Prefilled:
-    ctx = request.context
-    caches = jax.tree.map(jnp.copy, ctx.caches)  # the decode loop donates its caches
-    logits, caches = self._feed(ctx.logits, caches, list(request.prompt_ids))
-    self._reused += len(ctx.prompt_ids)
-    self._prefilled += len(request.prompt_ids)
-    return Prefilled(logits, caches, request, cached=len(ctx.prompt_ids))
+  # ------------------------------------------------------------------ insert and generate (the batch)
 
-  def _stamp(self, kind: str, with_method: bool) -> dict:
-    cfg = self.model.config
-    stamp = dict(kind=kind, model=self.model_id, dtype=str(np.dtype(self.model.dtype)),
-                 kv_layout=[cfg.n_layers, cfg.n_kv_heads, cfg.head_dim])
-    if with_method:
-      stamp["method"] = str(self.method_config.cache_spec())
-    return stamp
-
-  def save_context(self, context: Context, path) -> None:
-    """Writes a compressed context with orbax, stamped with the model and the method's cache spec."""
-    if not isinstance(context, Context):
-      raise ValueError(f"context={context!r} must be a Context")
-    tree = dict(prompt_ids=np.asarray(context.prompt_ids, np.int32), logits=np.asarray(context.logits),
-                caches=[np.asarray(x) for x in jax.tree.leaves(context.caches)])
-    saved.save(path, tree, stamp=self._stamp("context", with_method=True))
-
-  def load_context(self, path) -> Context:
-    """A context saved by `save_context` (SavedFileError when saved for another model or method, or damaged)."""
-    tree, _ = saved.load(path, stamp=self._stamp("context", with_method=True))
-    logits_shape, cache_shapes = self._one_shapes
-    leaves, treedef = jax.tree.flatten(cache_shapes)
-    got = tree["caches"]
-    want = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
-    if [(tuple(x.shape), x.dtype) for x in got] != want or tree["logits"].shape != logits_shape.shape:
-      raise saved.SavedFileError(f"{path}: the cache's arrays do not have this engine's shapes")
-    caches = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in got])
-    return Context([int(i) for i in tree["prompt_ids"]], jnp.asarray(tree["logits"]), caches)
-
-  # ------------------------------------------------------------------ sessions' history on disk
-
-  def save_history(self, path) -> int:
-    """Writes every stored prompt history with orbax (stamped with the model; returns the segment count).
-    A history is the model's dense K/V, the same for every method: it loads under any method."""
-    if self.history is None:
-      raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
-    return self.history.save(path, stamp=self._stamp("history", with_method=False))
-
-  def load_history(self, path) -> int:
-    """Adds the histories saved at `path` (SavedFileError for another model or a damaged file)."""
-    if self.history is None:
-      raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
-    return self.history.load(path, stamp=self._stamp("history", with_method=False))
-
-  def insert(self, prefilled: Prefilled, slot: int) -> None:
-    """Writes a prefilled request into a free slot; it decodes from the next generate()."""
-    if not 0 <= slot < self.config.max_slots or self._slots[slot] is not None:
-      raise ValueError(f"slot={slot} is not a free slot (free: {self.free_slots()})")
-    logits, caches = prefilled
+  def insert(self, state: DecodeState, prefilled, slot: int, *, prompt_ids: Sequence[int] | None = None
+             ) -> DecodeState:
+    """`state` (donated) with row `slot` replaced by a prefill's (logits, caches). prompt_ids: for a processed
+    row, the tokens its repetition penalty counts as its prompt (a context's included): its processing row is
+    restarted (no output tokens counted, those tokens marked); the processing state is made on first use."""
+    logits, caches = prefilled[0], prefilled[1]
     slot_j = np.int32(slot)
-    exe = self._compiled(("insert",), lambda: insert_jit.lower(self._caches, self._logits, caches, logits, slot_j))
-    self._caches, self._logits = exe(self._caches, self._logits, caches, logits, slot_j)
-    self._logits, self._caches = self._keep_placement(self._logits, self._caches)
-    req = prefilled.request
-    if req.sampling.processed:
-      self._restart_processing(slot, req)
-    self._slots[slot] = RequestState(
-        request=req, prompt_tokens=prompt_tokens(req),
-          stops=frozenset(() if req.sampling.ignore_eos else self.stop_ids) | frozenset(req.sampling.stop_ids),
-        cached=getattr(prefilled, "cached", 0), scores=getattr(prefilled, "scores", None), serial=next(self._inserts))
+    exe = self._compiled(("insert",), lambda: insert_jit.lower(state.caches, state.logits_BV, caches, logits, slot_j))
+    new_caches, new_logits = exe(state.caches, state.logits_BV, caches, logits, slot_j)
+    new_logits, new_caches = self._keep_placement(new_logits, new_caches)
+    processing = state.processing
+    if prompt_ids is not None:
+      B, V = self.config.max_slots, self.model.config.vocab_size
+      if processing is None:
+        processing = (self.place(jnp.zeros((B, V), jnp.int32), batch=True),
+                      self.place(jnp.zeros((B, V), bool), batch=True))
+      mask = np.zeros((1, V), bool)
+      mask[0, list(prompt_ids)] = True
+      mask = self.place(jnp.asarray(mask), batch=True)
+      exe = self._compiled(("reset_row",), lambda: reset_row_jit.lower(*processing, mask, slot_j))
+      processing = exe(*processing, mask, slot_j)
+    return DecodeState(logits_BV=new_logits, caches=new_caches, processing=processing)
 
-  def _restart_processing(self, slot: int, req: Request) -> None:
-    """Zeroes row `slot`'s output token counts and marks its prompt's tokens (context included), for the
-    loop's processing kind; the state is made on first use (2 arrays [max_slots, V])."""
-    B, V = self.config.max_slots, self.model.config.vocab_size
-    if self._processing is None:
-      self._processing = (self._place(jnp.zeros((B, V), jnp.int32), batch=True),
-                          self._place(jnp.zeros((B, V), bool), batch=True))
-    mask = np.zeros((1, V), bool)
-    mask[0, req.prompt_ids] = True
-    if req.context is not None:
-      mask[0, req.context.prompt_ids] = True
-    slot_j, mask = np.int32(slot), self._place(jnp.asarray(mask), batch=True)
-    exe = self._compiled(("reset_row",), lambda: reset_row_jit.lower(*self._processing, mask, slot_j))
-    self._processing = exe(*self._processing, mask, slot_j)
+  def generate(self, state: DecodeState, finished_B, sampling: RowSampling, process: RowProcessing | None = None):
+    """Queues one decode call (every row not `finished_B` advances by steps_per_call tokens) and returns at once:
+    (the next DecodeState, the call's tokens [B, steps_per_call] (-1 for finished rows), and (token_logprobs,
+    top_ids, top_logprobs) of the processing kind or None), on the device; `state` is donated.
 
-  def generate(self) -> list[TokenEvent]:
-    """Launches one call of the decode loop (every active slot advances by steps_per_call tokens), then reads the
-    PREVIOUS call's tokens and returns their events (pending abort events first), freeing finished slots.
-
-    Pipelined: call k is queued on the device before the host waits for call k - 1's tokens, so the device
-    never idles while the host checks stops, detokenizes and admits requests. A request's tokens therefore
-    arrive one generate() after they were computed, and a row that finished keeps decoding for one more call
-    (its tokens are dropped). Once no slot is active, generate() only reads the last call."""
-    events, self._pending = self._pending, []
-    previous, self._inflight = self._inflight, None
-    active = [(i, a) for i, a in enumerate(self._slots) if a is not None]
-    if active:
-      self._inflight = (self._launch(active), active)
-    if previous is not None:
-      (tokens, scores), rows = previous
-      tokens = np.asarray(tokens)
-      scores = None if scores is None else [np.asarray(x) for x in scores]
-      for i, a in rows:
-        if a.done:  # finished in an earlier call or aborted
-          continue
-        event = advance(self.tokenizer, a, tokens[i].tolist(), None if scores is None else [x[i] for x in scores])
-        if event is not None:
-          events.append(event)
-          self._tokens_generated += len(event.token_ids)
-          if event.finished:
-            a.done = True
-            if self._slots[i] is a:
-              self._slots[i] = None
-    return events
-
-  def _launch(self, active):
-    """Queues one decode call for the active rows (asynchronous); returns (its tokens [B, steps_per_call], its
-    (token_logprobs, top_ids, top_logprobs) or None)."""
-    B = self.config.max_slots
-    temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
-    top_k, index, seed = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.uint32)
-    finished = np.ones(B, bool)
-    for i, a in active:
-      s = a.request.sampling
-      temperature[i], top_p[i], top_k[i], seed[i], index[i] = s.temperature, s.top_p, s.top_k, s.seed, a.sampled
-      finished[i] = False
-      a.sampled += self.config.steps_per_call
-    # four decode executables at most, chosen on the host (the loop has no data-dependent branch): every row
-    # greedy (the plain argmax loop), sampling without cuts, sampling with top-p / top-k cuts, and any row
-    # processed (penalties, bias, min_tokens or logprobs: cuts, processing and MAX_LOGPROBS logprobs per token)
-    process = None
-    if any(a.request.sampling.processed for _, a in active):
-      rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
-      process = self._row_processing(active)
+    sampling: every row's `RowSampling` as host arrays [B]. process: the rows' `RowProcessing` (`place_rows`;
+    its counts and prompt_mask are ignored: the state's are used), or None when no row is processed. The
+    executable is chosen here from them, on the host (the loop has no data-dependent branch): every row greedy
+    (the plain argmax loop), sampling without cuts, sampling with top-p / top-k cuts, or any row processed
+    (cuts, processing and MAX_LOGPROBS logprobs per token)."""
+    temperature, top_p, top_k = (np.asarray(x) for x in (sampling.temperature, sampling.top_p, sampling.top_k))
+    rows = sampling
+    if process is not None:
+      counts, mask = state.processing
+      process = process._replace(counts=counts, prompt_mask=mask)
       loop, kind = dataclasses.replace(self.loop, top_logprobs=MAX_LOGPROBS), "processed"
     elif not (temperature > 0).any():
       rows, loop, kind = None, self.loop, "greedy"
     else:
       cut = bool(((temperature > 0) & ((top_p < 1) | (top_k > 0))).any())
-      rows = RowSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, index=index)
       loop, kind = dataclasses.replace(self.loop, cut_rows=cut), ("cut" if cut else "sample")
-    args = (self._state, self._logits, self._caches, self._key, None, finished, rows, process)
+    args = (self._state, state.logits_BV, state.caches, self._key, None, finished_B, rows, process)
     exe = self._compiled(("decode", kind), lambda: decode_loop_jit.lower(
         self._graphdef, *args, config=self.method_config, loop=loop))
     out = exe(*args)
-    self._logits, self._caches = self._keep_placement(out.logits_BV, out.caches)
+    logits, caches = self._keep_placement(out.logits_BV, out.caches)
     if process is None:
-      return out.tokens, None
-    self._processing = (out.counts, self._processing[1])
-    return out.tokens, (out.token_logprobs, out.top_ids, out.top_logprobs)
-
-  def _row_processing(self, active) -> RowProcessing:
-    """The active rows' `RowProcessing` (built on the host when the set of active requests changes, then kept
-    on the device) with the engine's processing state."""
-    key = tuple(a.serial for _, a in active)
-    if self._process_rows is None or self._process_rows[0] != key:
-      B, V = self.config.max_slots, self.model.config.vocab_size
-      S = MAX_STOP_IDS + len(self.stop_ids)
-      presence, frequency = np.zeros(B, np.float32), np.zeros(B, np.float32)
-      repetition, min_tokens = np.ones(B, np.float32), np.zeros(B, np.int32)
-      bias_ids, bias = np.full((B, MAX_LOGIT_BIAS), V, np.int32), np.zeros((B, MAX_LOGIT_BIAS), np.float32)
-      stop_ids = np.full((B, S), V, np.int32)
-      for i, a in active:
-        s = a.request.sampling
-        presence[i], frequency[i], repetition[i] = s.presence_penalty, s.frequency_penalty, s.repetition_penalty
-        min_tokens[i] = s.min_tokens
-        for j, (t, b) in enumerate(s.logit_bias):
-          bias_ids[i, j], bias[i, j] = t, b
-        if s.min_tokens:
-          ids = sorted(a.stops)
-          stop_ids[i, :len(ids)] = ids
-      arrays = [self._place(jnp.asarray(x), batch=True)
-                for x in (presence, frequency, repetition, min_tokens, bias_ids, bias, stop_ids)]
-      self._process_rows = (key, arrays)
-    counts, mask = self._processing
-    return RowProcessing(*self._process_rows[1], counts=counts, prompt_mask=mask)
-
-  def step(self) -> list[TokenEvent]:
-    """Admits queued requests into free slots (prefill + insert each), then one generate(). With
-    prefill_chunk_tokens, the prefills of one step stop once they have taken that many prompt tokens: a long
-    prompt is prefilled one chunk per step, between decode calls (one prompt at a time, in arrival order)."""
-    budget, spent = self.config.prefill_chunk_tokens, 0
-    while not (budget and spent >= budget):
-      if self._filling is None:
-        if not (self._queue and None in self._slots):
-          break
-        req = self._queue.popleft()
-        arrived = self._arrived.pop(req.request_id, None)
-        waited = time.monotonic() - arrived if arrived is not None else 0.0
-        self._filling = (req, None, waited)
-      req, fill, waited = self._filling
-      try:
-        if fill is None:
-          fill = self._admission(req)
-          self._filling = (req, fill, waited)
-        n, prefilled = next(fill)
-        spent += n
-        if prefilled is not None:
-          self._filling = None
-          slot = self._slots.index(None)
-          self.insert(prefilled, slot)
-          self._slots[slot].queued_s = waited
-      except Exception as e:  # noqa: BLE001 - this request fails alone; the others decode on
-        log.exception("request %s failed in its prefill", req.request_id)
-        self._filling = None
-        self._pending.append(TokenEvent(req.request_id, [], "", True, "error", prompt_tokens(req), 0,
-                                        error=f"{type(e).__name__}: {e}"))
-    return self.generate()
-
-
+      return DecodeState(logits_BV=logits, caches=caches, processing=state.processing), out.tokens, None
+    processing = (out.counts, state.processing[1])
+    return (DecodeState(logits_BV=logits, caches=caches, processing=processing), out.tokens,
+            (out.token_logprobs, out.top_ids, out.top_logprobs))

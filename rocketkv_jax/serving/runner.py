@@ -1,9 +1,13 @@
-"""The engine's one thread: owns the `Engine`, loops `engine.step()` while there is work, and hands each
-request's events to its consumer (an asyncio queue of the server, through `loop.call_soon_threadsafe`).
+"""The engine's one thread: owns the `Engine` (the scheduler, `scheduler.py`, and through it the device engine),
+loops `engine.step()` while there is work, and hands each request's events to its consumer (an asyncio queue of
+the server, through `loop.call_soon_threadsafe`).
 
-The engine is not thread-safe, so nothing else touches it: submit, abort and shutdown travel to this thread
-through a command queue, and `stats()` reads a snapshot the thread refreshes after every command and step.
-Periodic work that reads the engine's state (saving sessions) runs on this thread too, between steps (`every`).
+The concurrency model of serving, in one place: the scheduler is not thread-safe by design (no lock), so this
+thread is the only one that touches it; submit, abort and shutdown travel to it through a command queue, and
+`stats()` reads a snapshot the thread refreshes after every command and step. Periodic work that reads the
+engine's state (saving sessions) runs on this thread too, between steps (`every`). The HTTP layer's event loop
+only parses, encodes, submits and awaits events. The one exception is start-up and shutdown: the server's
+warm-up and session loading run before this thread starts, and the last session save after it has stopped.
 """
 
 from __future__ import annotations
@@ -173,8 +177,7 @@ class EngineRunner:
       if not fut.set_running_or_notify_cancel():
         return None
       try:
-        self.engine.validate(request)
-        self.engine.submit(request)
+        self.engine.submit(request)  # validates (the one check against the engine's limits)
       except BaseException as e:  # noqa: BLE001 - ValueError / QueueFull go back to the caller
         fut.set_exception(e)
         return None

@@ -69,8 +69,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rocketkv_jax.models.generate import stop_ids as model_stop_ids
 
 from . import protocol
-from .engine import QueueFull, Request, SamplingParams
+from .engine import LimitError, Request, SamplingParams, check_limits
 from .runner import Aborted, EngineRunner, Failed, ShuttingDown
+from .scheduler import QueueFull
 
 __all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "request_sampling", "sample_sampling",
            "warm_up"]
@@ -695,17 +696,16 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
                      f"(--max-prompt-tokens)", param=param, code="context_length_exceeded")
 
   def check_sampling(req, sampling: SamplingParams) -> None:
-    """What the engine checks at submission against its own limits, checked here first so the 400 names the
-    field (what is left for the engine to refuse is about the prompt: its length and plan)."""
-    if sampling.max_tokens > max_new:
-      param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-      raise APIError(400, f"{param}={sampling.max_tokens} exceeds this server's --max-new-tokens={max_new}",
-                     param=param, code="invalid_value")
-    if sampling.top_k > vocab:
-      raise APIError(400, f"top_k={sampling.top_k} exceeds the vocabulary size {vocab} (0 or -1 is off)",
-                     param="top_k", code="invalid_value")
-    _check_token_ids(req.stop_token_ids or (), vocab, "stop_token_ids", "stop_token_ids")
-    _check_token_ids([t for t, _ in sampling.logit_bias], vocab, "logit_bias", "logit_bias token ids")
+    """The engine's own check of its limits (`check_limits`, which it runs again at submission), run here first
+    so the 400 names the HTTP field (what is left for the engine to refuse is about the prompt: its length and
+    plan)."""
+    try:
+      check_limits(sampling, max_new_tokens=max_new, vocab=vocab)
+    except LimitError as e:
+      param = {"max_tokens": "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens",
+               "stop_ids": "stop_token_ids"}.get(e.field, e.field)
+      hint = " (this server's --max-new-tokens)" if e.field == "max_tokens" else ""
+      raise APIError(400, f"{param}: {e}{hint}", param=param, code="invalid_value") from None
 
   async def submit_all(requests: list[Request], prompt_param: str):
     """Submits each request; on a refusal aborts the ones already in and raises the APIError."""

@@ -154,10 +154,10 @@ def test_chunked_prefill_equals_whole(model, history):  # noqa: F811
   kw = dict(KW, max_prompt_tokens=400, history_bytes=history)
   whole = Engine(model, Tok(), EngineConfig(**kw))
   chunked = Engine(model, Tok(), EngineConfig(**dict(kw, prefill_chunk_tokens=64)))
-  chunks = chunked._chunks(300)
+  chunks = chunked.device.chunks(300)
   q = chunked.method_config.prompt_queries
   assert sum(chunks) == 300 and set(chunks[:-1]) == {64} and q <= chunks[-1] <= 64  # the last holds the window
-  assert chunked._chunks(256 + q - 1) == [64] * 3 + [63 + q]  # a last chunk shorter than the window is merged
+  assert chunked.device.chunks(256 + q - 1) == [64] * 3 + [63 + q]  # a last chunk shorter than the window is merged
   short = Request("short", prompt(20, 1), SamplingParams(max_tokens=24))
   long_ = Request("long", prompt(300, 2), SamplingParams(max_tokens=8))
   want = {k: _tokens(v) for k, v in _events(whole, [short, long_]).items()}

@@ -387,7 +387,7 @@ def test_serve_refuses_a_bad_chat_template_before_loading(tmp_path, capsys, monk
 def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2):
   """A good --chat-template reaches the tokenizer the engine is built with."""
   import rocketkv_jax.models as models
-  import rocketkv_jax.serving.engine as engine_module
+  import rocketkv_jax.serving.scheduler as scheduler_module
   from rocketkv_jax.serving.cli import main
   model, tok = smollm2
   custom = dataclasses.replace(tok)
@@ -401,7 +401,7 @@ def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2):
     raise Stop()
 
   monkeypatch.setattr(models, "load", lambda *a, **k: (model, custom))
-  monkeypatch.setattr(engine_module, "Engine", engine)
+  monkeypatch.setattr(scheduler_module, "Engine", engine)
   path = tmp_path / "chat.jinja"
   path.write_text(TEMPLATE)
   try:
