@@ -174,7 +174,8 @@ def _validate_decode(cache, q, k_new, v_new, config) -> None:
   if cache.spec != config.cache_spec():
     raise ValueError(f"the cache was built by {cache.spec} but config is {config.cache_spec()}: decode a cache "
                      "with the config that built it")
-  b, n_kv, s, h = _check_leaves(cache, config, q.dtype if config.kv_scaled else cache.k.dtype)
+  # the model's dtype: q's with an FP8 cache, else the cache's (a missing cache.k is reported by _check_leaves)
+  b, n_kv, s, h = _check_leaves(cache, config, q.dtype if config.kv_scaled else getattr(cache.k, "dtype", q.dtype))
   if s != config.capacity:
     raise ValueError(f"cache capacity S={s} does not match config.capacity={config.capacity} "
                      f"({config.method}); was the cache built with this config?")
