@@ -9,6 +9,13 @@ import os
 MODES = ("aware", "agnostic")  # question inside stage 1's window / fed after the context was compressed
 
 
+def is_reference(method: str, budget) -> bool:
+  """Full KV run plainly (no budget, no overrides): the reference every figure is compared with. A method the
+  budget does not change but run with overrides (`full[kv_cache_dtype=float8_e4m3fn]`) is compared with it like
+  any other method."""
+  return budget is None and "[" not in method
+
+
 def task_key(r) -> tuple:
   """A task row's identity: (context, mode, method, budget, task, seed); a row without a mode (written before
   the modes existed) is query-aware."""

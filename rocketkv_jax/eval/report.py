@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from .cells import MODES, read_cells, task_key
+from .cells import MODES, is_reference, read_cells, task_key
 from .plot_style import method_color, method_width, model_label, tokens_label
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -118,7 +118,7 @@ def summarize(res) -> dict:
   for r in res["tasks"]:
     key = (r["context"], _mode(r), r["method"], r["budget"])
     scores.setdefault(key, {}).setdefault(r["task"], {})[r["seed"]] = r["score"]
-    if r["budget"] is None:
+    if is_reference(r["method"], r["budget"]):
       full_score[(r["context"], _mode(r), r["task"], r["seed"])] = r["score"]
   fid = {(r["context"], r["method"], r["budget"]): r for r in res["fidelity"]}
   out = []
@@ -132,7 +132,7 @@ def summarize(res) -> dict:
     row["accuracy"] = float(np.mean(list(row["per_task"].values())))
     row["accuracy_ci"] = task_ci(by_task)
     row["prompts"] = sum(len(v) for v in by_task.values())
-    if b is None:
+    if is_reference(m, b):
       full[f"{c}/{mode}"] = row["accuracy"]
       full_task.update({f"{c}/{mode}/{t}": v for t, v in row["per_task"].items()})
     ref = {t: [full_score.get((c, mode, t, s_)) for s_ in sorted(ss)] for t, ss in scores[k].items()}
@@ -220,7 +220,7 @@ def variant_verdicts(variants: list[dict]) -> dict:
 
 
 def _reference_methods(rows) -> set:
-  """Methods run without a budget (full KV): the reference of every comparison."""
+  """Methods run without a budget (full KV, plain or with overrides): their rows have budget None."""
   return {r["method"] for r in rows if r["budget"] is None}
 
 
@@ -325,12 +325,14 @@ def markdown(res) -> str:
   for c in g["contexts"]:
     lines += [f"## Context {c} tokens", ""]
     for mode in modes:
-      full = next((r for r in rows if r["context"] == c and r["mode"] == mode and r["budget"] is None), {})
+      full = next((r for r in rows if r["context"] == c and r["mode"] == mode and is_reference(r["method"], r["budget"])),
+                  {})
       if "accuracy" in full:
         pt = ", ".join(f"{t} {_fmt(v, True)}" for t, v in full.get("per_task", {}).items())
         lines += [f"Full KV task accuracy, {mode}: **{_fmt_ci(full['accuracy'], full.get('accuracy_ci'), True)}** "
                   f"({pt}; {full.get('prompts')} prompts).", ""]
-    fnll = by.get((c, None, next(iter(reference), "full"), None), {}).get("nll")
+    fnll = next((by[k].get("nll") for k in [(c, None, r_, None) for r_ in reference if is_reference(r_, None)]
+                 if k in by), None)
     if fnll is not None:
       lines += [f"Full-KV NLL of the teacher-forced tail: {_fmt(fnll)}.", ""]
     per_mode = [
@@ -449,7 +451,8 @@ def plots(res, prefix) -> list[str]:
                       lw=method_width(m), ms=3.5, capsize=2, elinewidth=0.8,
                       mfc="white" if mo == "agnostic" else method_color(m))  # agnostic: open markers
         if show_ref:
-          ref = next((by[k].get(key) for k in [(c, mo, r_, None) for r_ in reference] if k in by), None)
+          ref = next((by[k].get(key) for k in [(c, mo, r_, None) for r_ in reference if is_reference(r_, None)]
+                      if k in by), None)
           if ref is not None and not (floor and ref < floor):
             ax.axhline(ref, color=method_color("full"), ls=styles[mo], lw=1,
                        label=f"full KV{' ' + mo if per_mode else ''} ({ref:.2f})")

@@ -24,7 +24,7 @@ import numpy as np
 
 import rocketkv_jax
 from . import tasks as T
-from .cells import (MODES, CellLog, fidelity_key, read_cells, resume_settings, skip_key,
+from .cells import (MODES, CellLog, fidelity_key, is_reference, read_cells, resume_settings, skip_key,
                     task_key)
 from .engine import Runner, make_config
 from .report import can_plot, from_cells, summarize, write_outputs
@@ -470,8 +470,8 @@ def _fidelity_plan(args, runner, tok, C, res, skip) -> dict:
   have = {fidelity_key(r) for r in res["fidelity"]}
   todo = {(m, b) for m, b, c in confs if not isinstance(c, str) and (C, m, b, args.fid_samples, F) not in have}
   # a done row is skipped, except the reference (budget None) when rows compared with it remain
-  run_ = [(m, b, c) for m, b, c in sorted(confs, key=lambda x: x[1] is not None)  # the reference first
-          if not isinstance(c, str) and ((m, b) in todo or (b is None and todo))]
+  run_ = [(m, b, c) for m, b, c in sorted(confs, key=lambda x: not is_reference(x[0], x[1]))  # the reference first
+          if not isinstance(c, str) and ((m, b) in todo or (is_reference(m, b) and todo))]
   return {"prefix": prefix, "confs": confs, "todo": todo, "run": run_,
           "seqs": [T.fidelity_text(tok, C, s)[0] for s in range(args.fid_samples)] if todo else []}
 
@@ -505,7 +505,7 @@ def _fidelity(args, runner, tok, C, plan, res, prog, record, ready, error):
       error(C, "fidelity", m, b, e)
       if prog: prog.advance()
       continue
-    if b is None:
+    if is_reference(m, b):
       ref = lp
     nll = float(-np.take_along_axis(lp, target[..., None], -1).mean())
     row = {"context": C, "method": m, "budget": b, "sequences": len(ids), "tail": F, "nll": nll,

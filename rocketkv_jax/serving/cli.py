@@ -102,6 +102,21 @@ def parse_dtype(text: str) -> str:
       f"unknown dtype {text!r}: use one of " + "; ".join(" / ".join(v) for v in DTYPES.values()))
 
 
+KV_DTYPES = {"bfloat16": ("bfloat16", "bf16"), "float8_e4m3fn": ("float8_e4m3fn", "fp8", "e4m3"),
+             "float8_e5m2": ("float8_e5m2", "e5m2"), "auto": ("auto",)}
+
+
+def parse_kv_dtype(text: str) -> str | None:
+  """The method config's kv_cache_dtype for one of KV_DTYPES' spellings (case-insensitive); "auto" is None (K/V
+  stored in the model's dtype)."""
+  key = text.strip().lower()
+  for name, spellings in KV_DTYPES.items():
+    if key in spellings:
+      return None if name == "auto" else name
+  raise argparse.ArgumentTypeError(
+      f"unknown K/V cache dtype {text!r}: use one of " + "; ".join(" / ".join(v) for v in KV_DTYPES.values()))
+
+
 def _methods_list(text: str) -> tuple[str, ...]:
   from rocketkv_jax import METHODS
   methods = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
@@ -282,7 +297,7 @@ def _cmd_generate(args) -> int:
       warnings.simplefilter("ignore", RuntimeWarning)
       res = generate(model, tok, [ids], method=args.method, token_budget=args.token_budget,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     seed=args.seed, chat=chat, progress=log)
+                     seed=args.seed, chat=chat, progress=log, **kv_dtype_override(args))
   s, text, reason = res.stats, res.texts[0], res.finish_reasons[0]
   token_ids = res.token_ids[0][:-1] if reason == "stop" else res.token_ids[0]  # the stop id: out of both
   if args.json:
@@ -356,6 +371,11 @@ def check_bind(host: str, port: int) -> None:
                     f"({e.strerror or e})") from None
 
 
+def kv_dtype_override(args) -> dict:
+  """--kv-cache-dtype as a method override (none when K/V stay in the model's dtype)."""
+  return {} if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype}
+
+
 def _cmd_serve(args) -> int:
   from rocketkv_jax.models import load
 
@@ -377,7 +397,7 @@ def _cmd_serve(args) -> int:
                                history_bytes=int(args.history_gb * 2**30), history_spill_dir=args.history_spill_dir,
                                history_disk_bytes=int(args.history_disk_gb * 2**30),
                                prefill_chunk_tokens=args.prefill_chunk_tokens,
-                               history_device_bytes=int(args.history_device_gb * 2**30))
+                               history_device_bytes=int(args.history_device_gb * 2**30), **kv_dtype_override(args))
   if args.sessions_dir is not None and not engine_config.history_bytes:
     raise FlagError("--sessions-dir needs a history: set --history-gb > 0")
   from .sessions import DirError, SessionsDir, check_writable
@@ -604,8 +624,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "auto (the checkpoint's own: bfloat16 for most HF checkpoints)")
     sp.set_defaults(max_new_tokens=max_new_tokens)
 
+  def kv_dtype(sp):
+    sp.add_argument("--kv-cache-dtype", type=parse_kv_dtype, default=None, metavar="DTYPE",
+                    help="how the cache stores K and V: auto (the model's dtype; the default), bfloat16 (bf16), "
+                         "float8_e4m3fn (fp8, e4m3) or float8_e5m2 (e5m2): FP8 halves the K/V bytes, one scale "
+                         "per sequence and KV head from the prompt (docs/ALGORITHM.md)")
+
   g = sub.add_parser("generate", help="generate text for one prompt")
   common(g, 64)
+  kv_dtype(g)
   g.add_argument("--method", default="rocketkv", choices=list(METHODS), help="KV-cache method (default rocketkv)")
   src = g.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", help="the prompt text")
@@ -638,6 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
   common(s, 256)
+  kv_dtype(s)
   s.add_argument("--method", default="rocketkv", choices=list(METHODS), help="KV-cache method (default rocketkv)")
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
   s.add_argument("--port", type=_number(int, low=0, high=65535), default=8000,

@@ -183,3 +183,19 @@ def test_registered_extension_is_compared_with_the_method_it_extends():
   assert base_method("rocketkv_plus") == "rocketkv"  # a registered extension: paired against the paper's method
   assert base_method("rocketkv_plus[hsa_recent_tokens=4]") == "rocketkv_plus"
   assert base_method("rocketkv[topr=16]") == "rocketkv" and base_method("snapkv") == "snapkv"
+
+
+def test_full_with_overrides_is_compared_with_plain_full_not_taken_as_the_reference():
+  """`full[kv_cache_dtype=...]` runs without a budget too: it must get its ratio to plain full, and plain full's
+  accuracy stays the reference (before, whichever budget-None row came last replaced it)."""
+  res = _run("snapkv", 256, list(range(4)), [1, 0, 0, 0], [1, 1, 0, 0])
+  fp8 = "full[kv_cache_dtype=float8_e4m3fn]"
+  res["tasks"] += [dict(context=4096, method=fp8, budget=None, task="passkey", seed=s, score=v)
+                   for s, v in zip(range(4), [1, 0, 0, 0])]
+  res["meta"]["grid"]["methods"].append(fp8)
+  rows = {(r["method"], r["budget"]): r for r in summarize(res)["rows"]}
+  assert rows[("full", None)]["accuracy"] == 0.5 and rows[("full", None)]["relative_accuracy"] == 1.0
+  assert rows[(fp8, None)]["accuracy"] == 0.25 and rows[(fp8, None)]["relative_accuracy"] == 0.5
+  assert rows[("snapkv", 256)]["relative_accuracy"] == 0.5
+  res["summary"] = summarize(res)
+  assert f"| 4096 | {fp8} |" in markdown(res)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rocketkv_jax.serving.cli import build_parser, kv_report, main, parse_dtype
+from rocketkv_jax.serving.cli import build_parser, kv_report, main, parse_dtype, parse_kv_dtype
 
 from tests.models.test_loaders import write_gguf
 
@@ -38,6 +38,32 @@ def test_generate_json(tiny_gguf, capsys):
   s = out["stats"]
   assert s["method"] == "rocketkv" and s["kv_bytes"] > 0
   assert s["compression_ratio"] == round(s["compression_ratio"], 4) and s["prefill_s"] == round(s["prefill_s"], 3)
+
+
+def test_generate_with_an_fp8_kv_cache(tiny_gguf, capsys):
+  """--kv-cache-dtype fp8 stores K/V in float8_e4m3fn: the cache the run reports holds fewer bytes than the same
+  run's in the model's dtype (float32 here), and it still generates."""
+  args = ["generate", "--model", tiny_gguf, "--method", "rocketkv", "--token-budget", "64", "--max-new-tokens", "4",
+          "--prompt", PROMPT * 6]
+  plain, _ = run_json(capsys, args)
+  fp8, _ = run_json(capsys, args + ["--kv-cache-dtype", "fp8"])
+  assert 1 <= len(fp8["token_ids"]) <= 4
+  # K and V go from 4 bytes per element to 1, plus one float32 scale each per (sequence, layer, KV head); the
+  # pages, lengths and plan leaves are unchanged
+  from tests.models.test_loaders import CFG
+  kv_elements = 2 * CFG.n_layers * CFG.n_kv_heads * plain["stats"]["capacity"] * CFG.head_dim
+  scales = 2 * CFG.n_layers * CFG.n_kv_heads * 4
+  assert fp8["stats"]["capacity"] == plain["stats"]["capacity"]
+  assert plain["stats"]["kv_bytes"] - fp8["stats"]["kv_bytes"] == 3 * kv_elements - scales
+  assert fp8["stats"]["full_kv_bytes"] == plain["stats"]["full_kv_bytes"]  # full is counted in the model's dtype
+
+
+def test_kv_dtype_spellings():
+  assert all(parse_kv_dtype(s) == "float8_e4m3fn" for s in ("fp8", "FP8", "e4m3", "float8_e4m3fn"))
+  assert parse_kv_dtype("e5m2") == "float8_e5m2" and parse_kv_dtype("bf16") == "bfloat16"
+  assert parse_kv_dtype("auto") is None
+  assert build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "float8_e4m3fn"
+  assert build_parser().parse_args(["serve"]).kv_cache_dtype is None
 
 
 def test_generate_reports_missing_model(tmp_path, capsys):
@@ -142,6 +168,8 @@ def test_kv_report_without_warning():
     (["serve", "--max-connections", "0"], "--max-connections: must be >= 1"),
     (["serve", "--request-timeout-s", "0"], "--request-timeout-s: must be > 0"),
     (["serve", "--request-timeout-s", "inf"], "--request-timeout-s: must be a finite number"),
+    (["generate", "--prompt", "x", "--kv-cache-dtype", "int4"], "unknown K/V cache dtype 'int4'"),
+    (["serve", "--kv-cache-dtype", "fp4"], "unknown K/V cache dtype 'fp4'"),
 ])
 def test_bad_flags_fail_fast_without_loading_the_model(args, shown, capsys, monkeypatch):
   import rocketkv_jax.models as models

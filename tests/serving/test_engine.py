@@ -19,9 +19,11 @@ from tests.models.conftest import tiny_config, tiny_params
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring event of one XLA compile
+CACHE_HIT = "/jax/compilation_cache/cache_hits"  # one executable read from the persistent cache (no compile event)
 COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, secs, **kw: COMPILES.append(event) if event == BACKEND_COMPILE else None)
+jax.monitoring.register_event_listener(lambda event, **kw: COMPILES.append(event) if event == CACHE_HIT else None)
 
 
 class Tok(TextTokenizer):
