@@ -4,7 +4,8 @@
 # Usage: benchmarks/run_h200.sh OUT_DIR PART...   (parts: peak lat128 lat32 lat16_64 methods32 max32 t1024
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
 #        serve32max serve32max_rk serve32chunk serve32arrive prefill_flops turn2dev turn2 mesh70b kernels_s2 profile391
-#        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part)
+#        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part; fp8_tests fp8_lat32 fp8_max32
+#        fp8_lat_long fp8_serve32max: issue 40)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
 # stage2_kernels part, which timed the fused selection kernel removed on 2026-12-04, with it.)
@@ -47,6 +48,18 @@ for part in "$@"; do
       done ;;
     serve32)  # the engine at 32k prompts, 1 and 8 slots, every request prefilled in engine.step()
       serve 400 --methods full,rocketkv --token-budget 256 --prompt 32k --slots 1,8 ;;
+    fp8_tests)  # issue 40: the FP8 K/V kernels and methods compiled on the GPU against their XLA references
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kv_quant.py tests/core/test_kv_fp8.py \
+        >>"$out/log.txt" 2>&1 || echo "part exited $? : fp8_tests" >>"$out/log.txt" ;;
+    fp8_lat32)  # issue 40: lat32 with K/V in float8_e4m3fn (run beside lat32: the same file, side by side)
+      run 200 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 --kv-cache-dtype float8_e4m3fn ;;
+    fp8_max32)  # issue 40: max32 with K/V in float8_e4m3fn (the largest batch, against max32's)
+      run 300 --contexts 32k --methods full,rocketkv --budgets 256 --batches 32,max --kv-cache-dtype float8_e4m3fn ;;
+    fp8_lat_long)  # issue 40: 16k / 64k / 128k at batch 1 and 8, bf16 then FP8
+      run 250 --contexts 16k,64k,128k --methods rocketkv,full --budgets 256 --batches 1,8
+      run 250 --contexts 16k,64k,128k --methods rocketkv,full --budgets 256 --batches 1,8 --kv-cache-dtype float8_e4m3fn ;;
+    fp8_serve32max)  # issue 40: serve32max for RocketKV with FP8 K/V (the engine at the most slots)
+      serve 540 --methods rocketkv --token-budget 256 --prompt 32k --slots max --kv-cache-dtype float8_e4m3fn ;;
     serve32max)  # the most slots that fit (admission auto: prefills are shared once real ones would take over
                  # 90 s, i.e. RocketKV's hundreds of slots)
       serve 540 --methods full,rocketkv --token-budget 256 --prompt 32k --slots max ;;

@@ -100,8 +100,16 @@ def percentile_ms(xs, q) -> float | None:
 
 # ---------------------------------------------------------------------------------------------- engine set-up
 
+def method_overrides(args) -> dict:
+  """The method config fields the flags set: impl (unless auto) and kv_cache_dtype (unless the model's)."""
+  out = {} if args.impl == "auto" else {"impl": args.impl}
+  if args.kv_cache_dtype:
+    out["kv_cache_dtype"] = args.kv_cache_dtype
+  return out
+
+
 def engine_config(args, method: str, slots: int) -> EngineConfig:
-  overrides = {} if args.impl == "auto" else {"impl": args.impl}
+  overrides = method_overrides(args)
   return EngineConfig(method, token_budget=args.token_budget, max_slots=slots, max_prompt_tokens=args.prompt,
                       max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call,
                       prefill_buckets=(args.prompt,), max_queue=max(1, args.requests_for(slots)),
@@ -258,7 +266,7 @@ def measure_turn2(model, tokenizer, args, method: str, news: list[int]) -> list[
   rng = np.random.default_rng(17)
   top = args.prompt + max(news)
   buckets = tuple(sorted(set(news) | {args.prompt, top}))
-  overrides = {} if args.impl == "auto" else {"impl": args.impl}
+  overrides = method_overrides(args)
   kw = dict(method=method, token_budget=args.token_budget, max_slots=1, max_prompt_tokens=top,
             max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, prefill_buckets=buckets,
             method_overrides=overrides)
@@ -411,6 +419,8 @@ def parse_args(argv):
   ap.add_argument("--reserve-gb", type=float, default=4.0,
                   help="device memory 'max' leaves for prefill and decode temporaries")
   ap.add_argument("--impl", default="auto")
+  ap.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"],
+                  help="how the slots' caches store K/V (the configs' kv_cache_dtype; default: the model's dtype)")
   ap.add_argument("--compile-cache", default=None, help="a directory for JAX's persistent compilation cache")
   ap.add_argument("--turn2", default="",
                   help="comma list of new-token counts: also measure second-turn prefill over the stored history "
@@ -448,7 +458,7 @@ def main(argv=None):
               weight_bytes=facts["weight_bytes"], token_budget=args.token_budget, prompt=args.prompt,
               max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, admission=args.admission,
               prefill_chunk_tokens=args.prefill_chunk_tokens, arrival_s=args.arrival_s,
-              history_device_gb=args.history_device_gb)
+              history_device_gb=args.history_device_gb, kv_cache_dtype=args.kv_cache_dtype)
   out = open(args.out, "a") if args.out else None
   records = []
 
