@@ -28,7 +28,7 @@ def select(config, cache: KVCache, q_BKGH, choice=None):
   channel choice already made (`ops.cache_append`'s choose_q)."""
   idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr(config, q_BKGH),
                        page_size=config.page_size, k=config.topk, num_slots=cache.capacity,
-                       sink=getattr(config, "hsa_sink_tokens", 0), recent=getattr(config, "hsa_recent_tokens", 0),
+                       sink=config.hsa_sink_tokens, recent=config.hsa_recent_tokens,
                        impl=config.impl, choice=choice, page_size_B=cache.row_page_size, topr_B=cache.row_topr)
   return idx, ops.prefix_valid(idx, cache.length)
 

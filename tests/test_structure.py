@@ -7,7 +7,9 @@
 - no import cycle among the project's modules;
 - the package (rocketkv_jax, kernels, models) never imports `benchmarks` (a checkout's scripts, not installed),
   by an import statement or by `importlib.import_module("benchmarks...")`;
-- nothing imports the removed fused selection kernel (`kernels/hsa_select.py`, issue 38).
+- nothing imports the removed fused selection kernel (`kernels/hsa_select.py`, issue 38);
+- no capability probes in the core or the kernels: no `hasattr(...)`, no `getattr(config, "name", default)`; a
+  method's capabilities are ClassVars it declares (`MethodConfig.uses_kt_pages`, `scores_channels`, issue 38).
 """
 import ast
 import pathlib
@@ -198,3 +200,21 @@ def test_nothing_imports_the_removed_fused_selection():
           or (mod in ("rocketkv_jax.kernels", "kernels") and "hsa_select" in names)):
         found.append(f"{path.relative_to(ROOT)}:{line}: imports {mod} {names}")
   assert not found, "imports of the removed kernels/hsa_select.py:\n" + "\n".join(found)
+
+
+def test_no_capability_probes_in_the_core():
+  """A method says what it can do by ClassVars (`uses_kt_pages`, `scores_channels`, ...), read as plain
+  attributes; probing an object for an attribute (`hasattr(c, "topr")`, `getattr(self, "kt_pages", None)`) hides
+  which methods have it. Checked in the core (methods included) and the kernels."""
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if _layer(name) not in ("core", "kernels"):
+      continue
+    for node in ast.walk(tree):
+      if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        continue
+      if node.func.id == "hasattr" or (
+          node.func.id == "getattr" and len(node.args) == 3 and isinstance(node.args[0], ast.Name)
+          and node.args[0].id in ("self", "cls", "c", "config") and isinstance(node.args[1], ast.Constant)):
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+  assert not found, "capability probes (declare a ClassVar instead):\n" + "\n".join(found)

@@ -5,7 +5,8 @@ under jit); its methods are what the rest of the code asks of a method:
 
   prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache     what it keeps of a layer's prompt (stage 1)
   decode(cache, q_BKGH, k_new_BKH, v_new_BKH) -> (out, cache)  append, select, attend (stage 2)
-  capacity, evicts, budgeted, uses_kt_pages                  static facts
+  capacity, evicts, budgeted, uses_kt_pages, scores_channels  static facts (the capabilities: ClassVars, never probed
+                                                             with hasattr)
   row_fields, for_rows(configs)                              what each row of a batch plans for itself (data),
                                                              and the static config a batch of plans compiles for
   step_read_bytes(length, head_dim=, itemsize=)              the bytes a decode step must read (the floor)
@@ -114,7 +115,9 @@ class MethodConfig:
   method: ClassVar[str]
   evicts: ClassVar[bool] = False  # the cache never runs out of slots: a decode step may overwrite a token
   budgeted: ClassVar[bool] = True  # the token budget changes the method (False: full)
-  uses_kt_pages: ClassVar[bool] = False  # the cache keeps per-page key min/max (methods that score pages)
+  uses_kt_pages: ClassVar[bool] = False  # the cache keeps per-page key min/max (methods that score pages): the
+  # config has page_size, kt_cache_dtype and kt_pages
+  scores_channels: ClassVar[bool] = False  # it scores the group's top-`topr` query channels: the config has topr
   plan_fields: ClassVar[tuple[str, ...]] = ()  # fields `from_budget` takes as inputs of the plan (documentation)
   # Fields the plan sets from each sequence's own length, run per row as data (`RowPlan`): a batch config holds
   # their maxima (`for_rows`). Of them, "topr" and "page_size" are also cache leaves (row_topr, row_page_size).
@@ -244,7 +247,7 @@ class MethodConfig:
   def num_kt_pages(self) -> int:
     """KT pages per (sequence, KV head) (methods with `uses_kt_pages`): `kt_pages` when a batch of plans set it
     (rows with smaller pages need more of them), else `kt_num_pages(capacity, page_size)`."""
-    return getattr(self, "kt_pages", None) or kt_num_pages(self.capacity, self.page_size)
+    return self.kt_pages or kt_num_pages(self.capacity, self.page_size)
 
   def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
     """The shape of every array leaf this method's cache holds (leaves not named here are None)."""
@@ -405,7 +408,7 @@ class SelectingMixin:
     check_sparse(self)
 
   def check_shapes(self, n_heads, n_kv_heads, head_dim):
-    if hasattr(self, "topr") and self.topr > head_dim:
+    if self.scores_channels and self.topr > head_dim:
       raise ValueError(f"config.topr={self.topr} must be <= head_dim={head_dim}")
 
   def select(self, cache: KVCache, q_BKGH):
@@ -430,15 +433,16 @@ class SelectingMixin:
 
 
 def check_sparse(c) -> None:
-  """Checks the top-k knobs a selecting method has (topk; page_size, topr, kt_cache_dtype where present)."""
+  """Checks the top-k knobs a selecting method has: topk; page_size and kt_cache_dtype (`uses_kt_pages`); topr
+  (`scores_channels`)."""
   check_int("topk", c.topk)
-  if hasattr(c, "page_size"):
+  if c.uses_kt_pages:
     check_int("page_size", c.page_size)
-  if hasattr(c, "topr"):
+    if c.kt_cache_dtype not in KT_CACHE_DTYPES:
+      raise ValueError(f"kt_cache_dtype={c.kt_cache_dtype!r} must be one of {KT_CACHE_DTYPES} "
+                       "(None: the keys' dtype)")
+  if c.scores_channels:
     check_int("topr", c.topr)
-  if getattr(c, "kt_cache_dtype", None) not in KT_CACHE_DTYPES:
-    raise ValueError(f"kt_cache_dtype={c.kt_cache_dtype!r} must be one of {KT_CACHE_DTYPES} "
-                     "(None: the keys' dtype)")
 
 
 def valid_slots(cache: KVCache):

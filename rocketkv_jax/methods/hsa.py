@@ -39,6 +39,10 @@ class HSAConfig(HSAStage2Mixin, SelectingMixin, KeepAllConfig):
 
   method: ClassVar[str] = "hsa"
   uses_kt_pages: ClassVar[bool] = True
+  scores_channels: ClassVar[bool] = True
+  # rocketkv's forced pages (fields there) are not an option of hsa: none, declared so the selection reads them
+  hsa_sink_tokens: ClassVar[int] = 0
+  hsa_recent_tokens: ClassVar[int] = 0
   row_fields: ClassVar[tuple[str, ...]] = ("topr", "page_size")
   page_size: int
   topr: int

@@ -36,6 +36,7 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
 
   method: ClassVar[str] = "rocketkv"
   uses_kt_pages: ClassVar[bool] = True
+  scores_channels: ClassVar[bool] = True
   plan_fields: ClassVar[tuple[str, ...]] = ("window_size", "plan_page_size", "plan_topk")
   row_fields: ClassVar[tuple[str, ...]] = ("prompt_budget", "topr", "page_size")
   # window_size: min(32, prompt length); a shorter window only ever belongs to a prompt that stage 1 keeps whole

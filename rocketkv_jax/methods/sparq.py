@@ -25,6 +25,7 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
   float32 is the sum of the valid values, as the cache holds them (an FP8 cache's dequantized values)."""
 
   method: ClassVar[str] = "sparq"
+  scores_channels: ClassVar[bool] = True
   row_fields: ClassVar[tuple[str, ...]] = ("topr",)
   topr: int
   topk: int
