@@ -4,22 +4,22 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from rocketkv_jax import hsa, ops
+from rocketkv_jax import ops, stage2
 from rocketkv_jax.budget import stage2_pages
 from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, append_choosing_at, check_budget, kt_itemsize,
                                        seq_len)
 
 
 class HSAStage2Mixin:
-  """What the methods whose stage 2 is HSA (hsa, rocketkv, rocketkv_plus) share: the selection (`hsa.select`),
+  """What the methods whose stage 2 is HSA (hsa, rocketkv, rocketkv_plus) share: the selection (`stage2.select`),
   its read bytes, and the decode step, which with kernels has the append's kernel make the channel choice that
   the selection then takes (with XLA: the shared step, append, select, attend, the reference choosing)."""
 
   def select(self, cache, q_BKGH, choice=None):
-    return hsa.select(self, cache, q_BKGH, choice=choice)
+    return stage2.select(self, cache, q_BKGH, choice=choice)
 
   def score_read_bytes(self, length, *, head_dim, itemsize):
-    return hsa.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))
+    return stage2.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))
 
   def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
     # With kernels, the choice kernel's launch is folded into the append's, and the scoring takes the gather
@@ -29,7 +29,7 @@ class HSAStage2Mixin:
     if not ops.uses_kernels(self.impl):  # the reference makes the choice inside `ops.hsa_select`
       return super().decode(cache, q_BKGH, k_new_BKH, v_new_BKH)
     cache, choice = append_choosing_at(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self, q_BKGH,
-                                       hsa.topr(self, q_BKGH))
+                                       stage2.topr(self, q_BKGH))
     return self.attend(cache, q_BKGH, choice=choice), cache
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from rocketkv_jax import hsa, stage1
+from rocketkv_jax import stage1, stage2
 from rocketkv_jax.budget import check_int, plan_budget, stage2_replan
 from rocketkv_jax.methods.base import MethodConfig, SelectingMixin
 from rocketkv_jax.methods.hsa import HSAStage2Mixin
@@ -59,7 +59,7 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   def __post_init__(self):
     super().__post_init__()
     stage1.check_config(self)
-    hsa.check_forced(self)
+    stage2.check_forced(self)
     for name in ("plan_page_size", "plan_topk"):
       if getattr(self, name) is not None:
         check_int(name, getattr(self, name))
@@ -137,7 +137,7 @@ class RocketKVPlusConfig(RocketKVConfig):
   (`hsa_recent_tokens=8`). Stage 1 is RocketKV's. Registered because it beat `rocketkv` on the whole accuracy
   grid with no loss (benchmarks/results/accuracy_h200_2026-12-01.md). Its KT cache is as large as K (the
   paper's 3-slot pages: two thirds of K). Token budgets below 24 leave no page to choose besides the forced
-  ones and are refused (hsa.check_forced)."""
+  ones and are refused (stage2.check_forced)."""
 
   method: ClassVar[str] = "rocketkv_plus"
   hsa_recent_tokens: int = 8

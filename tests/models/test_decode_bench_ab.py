@@ -29,7 +29,7 @@ def test_ab_times_each_variant_of_a_tracing_flag(tmp_path):
     ("ROWS_MAX_PAGE_SIZE=16,0", "must be MODULE.FLAG=V1,V2"),
     ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE", "must be MODULE.FLAG=V1,V2"),
     ("rocketkv_jax.nope.FLAG=1,2", "cannot import 'rocketkv_jax.nope'"),
-    ("rocketkv_jax.hsa.NOPE=1,2", "has no attribute 'NOPE'"),
+    ("rocketkv_jax.stage2.NOPE=1,2", "has no attribute 'NOPE'"),
     ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16", "at least two distinct values"),
     ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,16", "at least two distinct values"),
     ("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=yes,no", "must be Python literals"),
