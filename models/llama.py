@@ -38,6 +38,7 @@ from flax import nnx
 
 from rocketkv_jax import decode_step, ops, prefill_compress
 
+from . import layer_ops
 from .sharding import WHOLE, active_mesh, constrain_cache, per_shard
 
 __all__ = [
@@ -193,14 +194,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
 
 
 def apply_rope(x_BTXH: jax.Array, pos_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotate-half RoPE (HF convention): pairs channel i with channel i + H/2 (the core's `ops.rope`, the
+  """Rotate-half RoPE (HF convention): pairs channel i with channel i + H/2 (`layer_ops.rope`, the
   semantics the decode step's fused `qkv_rope` kernel computes)."""
-  return ops.rope(x_BTXH, pos_BT, jnp.asarray(inv_freq, jnp.float32))
+  return layer_ops.rope(x_BTXH, pos_BT, jnp.asarray(inv_freq, jnp.float32))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm(x) * w over the last axis (the core's `ops.rms_norm`: `add_rms_norm`'s semantics)."""
-  return ops.rms_norm(x, w, eps=eps)
+  """RMSNorm(x) * w over the last axis (`layer_ops.rms_norm`: `add_rms_norm`'s semantics)."""
+  return layer_ops.rms_norm(x, w, eps=eps)
 
 
 class Block(nnx.Module):
@@ -355,14 +356,14 @@ def embed_tokens(model: Llama, tokens) -> jax.Array:
 
 def add_norm(x, delta, w, eps: float, impl: str = "xla"):
   """(h, normed) [..., D]: the residual h = x + delta (h = x when delta is None) and rms_norm(h, w, eps),
-  through the core's `ops.add_rms_norm`. With kernels (`ops.uses_kernels(impl)`) one kernel runs over the
+  through `layer_ops.add_rms_norm`. With kernels (`ops.uses_kernels(impl)`) one kernel runs over the
   rows; otherwise the op's reference runs on the arrays' own shapes (the decode step's [B, 1, D]: in bf16,
   XLA's excess-precision rewrites depend on the shapes, and the XLA path keeps the numbers it always had)."""
   if ops.uses_kernels(impl):
     rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
-    h, normed = ops.add_rms_norm(rows(x), rows(delta), w, eps=eps, impl=impl)
+    h, normed = layer_ops.add_rms_norm(rows(x), rows(delta), w, eps=eps, impl=impl)
     return h.reshape(x.shape), normed.reshape(x.shape)
-  return ops.add_rms_norm(x, delta, w, eps=eps, impl="xla")
+  return layer_ops.add_rms_norm(x, delta, w, eps=eps, impl="xla")
 
 
 def _logits(model: Llama, normed_BD: jax.Array) -> jax.Array:
@@ -402,15 +403,15 @@ def prefill_qkv(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT):
 
 def _decode_qkv(blk: Block, cfg: LlamaConfig, normed_B1D, pos_B, impl: str):
   """q [B, N, H], k and v [B, K, H] of one token per row from the attention-normed input [B, 1, D]: the
-  projection, then the core's `ops.qkv_rope` (one kernel with kernels; else its reference, which computes
+  projection, then `layer_ops.qkv_rope` (one kernel with kernels; else its reference, which computes
   exactly `rope_heads`' numbers: tests/models/test_decode_kernels.py)."""
   return _rope_split(cfg, _qkv_projection(blk, cfg, normed_B1D)[:, 0], pos_B, impl)
 
 
 def _rope_split(cfg: LlamaConfig, qkv_BX, pos_B, impl: str):
   inv = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
-  return ops.qkv_rope(qkv_BX, pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                      impl=impl)
+  return layer_ops.qkv_rope(qkv_BX, pos_B, inv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                            head_dim=cfg.head_dim, impl=impl)
 
 
 def _attn_out(blk: Block, attn_XNH, dtype):

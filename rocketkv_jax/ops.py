@@ -1,11 +1,12 @@
-"""The one dispatch table: every op of the decode hot path, with its semantics and its kernel.
+"""The one dispatch table: every op of the KV core's decode hot path, with its semantics and its kernel.
 
 Each op's semantics is its kernel module's `*_reference` (plain jnp, f32 accumulation). `impl` chooses:
   "xla"        the reference (or a named faster XLA variant below, tested against the same reference),
   "pallas"     the Pallas Triton kernel (GPU),
   "interpret"  the same kernel in Pallas interpret mode (CPU tests run the GPU's kernel bodies),
   "auto"       "pallas" on a GPU, "xla" elsewhere.
-Every wrapper below takes the kernel's arguments with `impl` instead of `interpret`.
+Every wrapper below takes the kernel's arguments with `impl` instead of `interpret`. The model's own ops (RMSNorm,
+RoPE) keep their table with the model (`rocketkv_jax.models.layer_ops`), dispatched by the same rule (`run`).
 
 Layouts: q [B, K, G, H] (query heads grouped by KV head), k/v [B, K, S, H], KT pages [B, K, H, P].
 
@@ -25,8 +26,7 @@ import numpy as np
 from jax import lax
 
 from rocketkv_jax.kernels import cache_append as cache_append_kernel
-from rocketkv_jax.kernels import dense_decode, hsa_scores, page_topk as page_topk_kernel, qkv_rope as qkv_rope_kernel
-from rocketkv_jax.kernels import rms_norm as rms_norm_kernel, sparse_decode, topk_select
+from rocketkv_jax.kernels import dense_decode, hsa_scores, page_topk as page_topk_kernel, sparse_decode, topk_select
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 
@@ -222,17 +222,20 @@ OPS = {
     "page_topk": Op(_page_topk_xla, _page_topk_pallas),
     "hsa_select": Op(_hsa_select_xla, _hsa_select_pallas),
     "cache_append": Op(cache_append_scatter, cache_append_kernel.cache_append),
-    "add_rms_norm": Op(rms_norm_kernel.add_rms_norm_reference, rms_norm_kernel.add_rms_norm),
-    "qkv_rope": Op(qkv_rope_kernel.qkv_rope_reference, qkv_rope_kernel.qkv_rope),
 }
 
 
-def call(op: str, *args, impl: str, **kwargs):
-  """Runs `op` the way `impl` asks."""
+def run(op: Op, *args, impl: str, **kwargs):
+  """Runs `op`'s XLA path or its kernel, the way `impl` asks (the one rule, for this table and the model's)."""
   impl = resolve_impl(impl)
   if impl == "xla":
-    return OPS[op].xla(*args, **kwargs)
-  return OPS[op].kernel(*args, interpret=impl == "interpret", **kwargs)
+    return op.xla(*args, **kwargs)
+  return op.kernel(*args, interpret=impl == "interpret", **kwargs)
+
+
+def call(op: str, *args, impl: str, **kwargs):
+  """Runs this table's `op` the way `impl` asks."""
+  return run(OPS[op], *args, impl=impl, **kwargs)
 
 
 # ----------------------------------------------------------------------------- named entry points
@@ -292,28 +295,6 @@ def cache_append(k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP=None, k
   return call("cache_append", k_BKSH, v_BKSH, k_new_BKH, v_new_BKH, slot, kt_min_BKHP, kt_max_BKHP,
               page_size=page_size, impl=impl, choose_q=choose_q, topr=topr, page_size_B=page_size_B, topr_B=topr_B,
               **scales)
-
-
-def add_rms_norm(x_BD, delta_BD, w_D, *, eps, impl):
-  """(h, normed): h = x + delta (x when delta is None), normed = RMSNorm(h) * w."""
-  return call("add_rms_norm", x_BD, delta_BD, w_D, eps=eps, impl=impl)
-
-
-def qkv_rope(qkv_BX, pos_B, inv_freq_half, *, n_heads, n_kv_heads, head_dim, impl):
-  """One token's fused projection split into q [B, N, H], k, v [B, K, H], q and k rotated at pos[b]."""
-  return call("qkv_rope", qkv_BX, pos_B, inv_freq_half, n_heads=n_heads, n_kv_heads=n_kv_heads,
-              head_dim=head_dim, impl=impl)
-
-
-def rope(x_XH, pos, inv_freq_half):
-  """Rotate-half RoPE of heads x [..., X, H] at positions pos [...] (XLA: the semantics `qkv_rope` fuses; the
-  model's prefill rotates whole prompts with it)."""
-  return qkv_rope_kernel.rope_reference(x_XH, pos, inv_freq_half)
-
-
-def rms_norm(x_D, w_D, *, eps):
-  """RMSNorm(x) * w over the last axis (XLA: `add_rms_norm`'s semantics with no residual add)."""
-  return rms_norm_kernel.add_rms_norm_reference(x_D, None, w_D, eps=eps)[1]
 
 
 def prefix_valid(idx_BKM, length_B):

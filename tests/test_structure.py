@@ -8,6 +8,8 @@
 - the package (rocketkv_jax, kernels, models) never imports `benchmarks` (a checkout's scripts, not installed),
   by an import statement or by `importlib.import_module("benchmarks...")`;
 - nothing imports the removed fused selection kernel (`kernels/hsa_select.py`, issue 38);
+- the KV core's op table (`rocketkv_jax/ops.py`) holds no model op: the model's RMSNorm / RoPE kernels are
+  imported by `models/layer_ops.py` only, never by the core (issue 38);
 - no capability probes in the core or the kernels: no `hasattr(...)`, no `getattr(config, "name", default)`; a
   method's capabilities are ClassVars it declares (`MethodConfig.uses_kt_pages`, `scores_channels`, issue 38).
 """
@@ -218,3 +220,18 @@ def test_no_capability_probes_in_the_core():
           and node.args[0].id in ("self", "cls", "c", "config") and isinstance(node.args[1], ast.Constant)):
         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
   assert not found, "capability probes (declare a ClassVar instead):\n" + "\n".join(found)
+
+
+def test_the_models_ops_stay_out_of_the_core():
+  """The model's own kernels (kernels/rms_norm.py, kernels/qkv_rope.py) are the model's ops (`models/layer_ops.py`);
+  the KV core never imports them."""
+  model_kernels = ("rocketkv_jax.kernels.rms_norm", "rocketkv_jax.kernels.qkv_rope")
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if _layer(name) != "core":
+      continue
+    for mod, names, line in _imports(name, tree):
+      if any(_is(mod, m) for m in model_kernels) or (
+          mod == "rocketkv_jax.kernels" and {"rms_norm", "qkv_rope"} & set(names)):
+        found.append(f"{path.relative_to(ROOT)}:{line}: imports {mod} {names}")
+  assert not found, "the core imports the model's kernels:\n" + "\n".join(found)
