@@ -6,14 +6,16 @@ from typing import ClassVar
 
 from rocketkv_jax import ops, stage2
 from rocketkv_jax.budget import stage2_pages
-from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, append_choosing_at, check_budget, kt_itemsize,
-                                       seq_len)
+from rocketkv_jax.cache import kv_scales
+from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, append_at, append_choosing_at, check_budget,
+                                       kt_itemsize, seq_len)
 
 
 class HSAStage2Mixin:
   """What the methods whose stage 2 is HSA (hsa, rocketkv, rocketkv_plus) share: the selection (`stage2.select`),
-  its read bytes, and the decode step, which with kernels has the append's kernel make the channel choice that
-  the selection then takes (with XLA: the shared step, append, select, attend, the reference choosing)."""
+  its read bytes, and the decode step: append, select, attend in one function, each one op (api -> method ->
+  ops -> kernel, one visit each). With kernels the append's kernel also makes the channel choice that the
+  selection then takes; with XLA the selection's reference makes the same choice itself."""
 
   def select(self, cache, q_BKGH, choice=None):
     return stage2.select(self, cache, q_BKGH, choice=choice)
@@ -22,15 +24,20 @@ class HSAStage2Mixin:
     return stage2.score_read_bytes(self, length, kt_itemsize=kt_itemsize(self, itemsize))
 
   def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
+    """The step of `MethodConfig.decode` with `SelectingMixin.attend` (append at cache.length, exact attention
+    over the selection), the same ops in the same order, written out so a step enters this module once."""
     # With kernels, the choice kernel's launch is folded into the append's, and the scoring takes the gather
     # layout at every batch: the same selection as append-then-select (tests/core/test_methods.py). H200, 32k,
     # t=256, RocketKV's decode step at batch 8 5.054 / 5.098 ms against 5.133 / 5.187 with the scoring's own
     # choice in two runs, batch 1 4.814 / 4.932 against 4.813 / 5.099 (benchmarks/results/stage2_h200_2026-12-02d/).
-    if not ops.uses_kernels(self.impl):  # the reference makes the choice inside `ops.hsa_select`
-      return super().decode(cache, q_BKGH, k_new_BKH, v_new_BKH)
-    cache, choice = append_choosing_at(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self, q_BKGH,
-                                       stage2.topr(self, q_BKGH))
-    return self.attend(cache, q_BKGH, choice=choice), cache
+    slot = cache.length  # `next_slot`: these methods never evict
+    if ops.uses_kernels(self.impl):
+      cache, choice = append_choosing_at(cache, k_new_BKH, v_new_BKH, slot, self, q_BKGH, stage2.topr(self, q_BKGH))
+    else:  # the reference makes the choice inside `ops.hsa_select`
+      cache, choice = append_at(cache, k_new_BKH, v_new_BKH, slot, self), None
+    idx, valid = stage2.select(self, cache, q_BKGH, choice=choice)
+    out = ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl, **kv_scales(cache))
+    return out, cache
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
