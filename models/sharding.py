@@ -158,12 +158,8 @@ def shard_model(model, mesh, data_axis=DATA, model_axis=MODEL):
   flat = nnx.to_flat_state(state)
   for path, var in flat:
     name = "/".join(str(p) for p in path)
-    x = var.get_value() if hasattr(var, "get_value") else var.value
-    placed = jax.device_put(x, NamedSharding(mesh, param_spec(name, x.shape, mesh)))
-    if hasattr(var, "set_value"):
-      var.set_value(placed)
-    else:
-      var.value = placed
+    x = var.get_value()
+    var.set_value(jax.device_put(x, NamedSharding(mesh, param_spec(name, x.shape, mesh))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

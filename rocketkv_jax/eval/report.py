@@ -526,7 +526,7 @@ def write_outputs(res, prefix) -> list[str]:
   if d:
     os.makedirs(d, exist_ok=True)
   with open(prefix + ".json", "w") as f:
-    json.dump(res, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+    json.dump(res, f, indent=1, default=lambda o: o.tolist() if isinstance(o, (np.ndarray, np.generic)) else str(o))
   md = markdown(res)
   with open(prefix + ".md", "w") as f:
     f.write(md)

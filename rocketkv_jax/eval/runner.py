@@ -701,8 +701,9 @@ def main(argv=None, prog: str = "python -m rocketkv_jax.eval"):
 
 def grid_of(args) -> dict:
   """The grid's settings, as the result's meta records them."""
-  g = {k: getattr(args, k) for k in ("methods", "budgets", "contexts", "samples", "tasks", "fid_samples", "fid_tail",
-                                     "max_new", "chat", "dtype", "impl", "diag_budgets") if hasattr(args, k)}
+  given = vars(args)  # a grid read back from an older result may lack the later settings
+  g = {k: given[k] for k in ("methods", "budgets", "contexts", "samples", "tasks", "fid_samples", "fid_tail",
+                             "max_new", "chat", "dtype", "impl", "diag_budgets") if k in given}
   g["modes"] = list(modes_of(args))
   return {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
 

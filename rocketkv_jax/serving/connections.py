@@ -68,6 +68,7 @@ class GuardedH11Protocol(H11Protocol):
   one per connection; the limits come from the subclass `protocol_class` makes."""
 
   limits: ConnectionLimits = ConnectionLimits()
+  request_deadline = None  # the armed deadline's timer handle (None: none; before connection_made too)
 
   def connection_made(self, transport) -> None:
     super().connection_made(transport)
@@ -95,7 +96,7 @@ class GuardedH11Protocol(H11Protocol):
     self.request_deadline = self.loop.call_later(self.limits.request_timeout_s, self._request_timed_out)
 
   def _disarm_request_deadline(self) -> None:
-    if getattr(self, "request_deadline", None) is not None:
+    if self.request_deadline is not None:
       self.request_deadline.cancel()
       self.request_deadline = None
 

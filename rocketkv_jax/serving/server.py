@@ -379,8 +379,9 @@ def _doc(request_model, response_model) -> dict:
 
 
 def _token_name(tokenizer, token_id: int | None) -> str | None:
-  inner = getattr(tokenizer, "tokenizer", None)
-  if token_id is None or inner is None or not hasattr(inner, "id_to_token"):
+  from tokenizers import Tokenizer
+  inner = getattr(tokenizer, "tokenizer", None)  # a TextTokenizer's `tokenizers.Tokenizer`; a test's stand-in has none
+  if token_id is None or not isinstance(inner, Tokenizer):
     return None
   return inner.id_to_token(token_id)
 

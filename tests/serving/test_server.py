@@ -28,7 +28,7 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5,", STORY + "The book had n
 QUESTIONS = ["What is 2 + 2?", "Name a fruit.", STORY + "\nWhat was Alice tired of?", "Say hello."]
 
 
-def _free_port() -> int:
+def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
@@ -44,7 +44,7 @@ class Served:
     self.api_key = (server_kw or {}).get("api_key")
     self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, **(server_kw or {})))
     self.runner = self.app.state.runner
-    self.port = _free_port()
+    self.port = free_port()
     config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                             timeout_graceful_shutdown=drain_s + 5)
     self.server = UvicornServer(config, self.runner, drain_s=drain_s)
@@ -123,7 +123,7 @@ def served(smollm2):
 # --- requests as a user makes them -----------------------------------------------------------------------------
 
 
-def _complete(client, prompt, max_tokens, stream, **kw):
+def complete(client, prompt, max_tokens, stream, **kw):
   """(text, finish_reason, usage) of a greedy completion, streamed or not."""
   if not stream:
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
@@ -139,7 +139,7 @@ def _complete(client, prompt, max_tokens, stream, **kw):
   return text, finish, usage
 
 
-def _chat(client, question, max_tokens, stream, **kw):
+def chat(client, question, max_tokens, stream, **kw):
   msgs = [{"role": "user", "content": question}]
   if not stream:
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0, **kw)
@@ -187,8 +187,8 @@ def test_metrics_parse_and_latency_histograms(served):
                "rocketkv_e2e_request_latency_seconds", "rocketkv_request_queue_time_seconds"):
     assert before[name].type == "histogram", name
   assert before["rocketkv_tokens_generated"].type == "counter" and before["rocketkv_queue_depth"].type == "gauge"
-  _complete(served.client, PROMPTS[0], 4, stream=True)
-  _complete(served.client, PROMPTS[1], 4, stream=False)
+  complete(served.client, PROMPTS[0], 4, stream=True)
+  complete(served.client, PROMPTS[1], 4, stream=False)
   after = families()
   for name in ("rocketkv_time_to_first_token_seconds", "rocketkv_e2e_request_latency_seconds",
                "rocketkv_request_queue_time_seconds", "rocketkv_time_per_output_token_seconds"):
@@ -198,27 +198,27 @@ def test_metrics_parse_and_latency_histograms(served):
 def test_completion_and_chat(served, smollm2):
   _, tok = smollm2
   c = served.client
-  text, finish, usage = _complete(c, PROMPTS[0], 6, stream=False)
+  text, finish, usage = complete(c, PROMPTS[0], 6, stream=False)
   assert finish == "length" and usage.completion_tokens == 6
   assert usage.prompt_tokens == len(tok.encode(PROMPTS[0]))
   assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-  assert _complete(c, PROMPTS[0], 6, stream=True) == (text, finish, usage)
+  assert complete(c, PROMPTS[0], 6, stream=True) == (text, finish, usage)
   # a stop string cuts the answer before it and reports "stop"
   word = text.split()[1] if len(text.split()) > 1 else text.strip()
-  t2, f2, u2 = _complete(c, PROMPTS[0], 6, stream=False, stop=[word, "\u2603"])
+  t2, f2, u2 = complete(c, PROMPTS[0], 6, stream=False, stop=[word, "\u2603"])
   assert f2 == "stop" and t2 == text[:text.index(word)] and u2.completion_tokens <= 6
 
   # a list of prompts: one choice each, in order, each as alone
   r = c.completions.create(model=MODEL, prompt=[PROMPTS[1], PROMPTS[0]], max_tokens=6, temperature=0)
   assert [ch.index for ch in r.choices] == [0, 1] and r.choices[1].text == text
-  assert r.choices[0].text == _complete(c, PROMPTS[1], 6, stream=False)[0]
+  assert r.choices[0].text == complete(c, PROMPTS[1], 6, stream=False)[0]
   assert r.usage.completion_tokens == 12
 
-  ctext, cfinish, cusage = _chat(c, QUESTIONS[0], 8, stream=False)
+  ctext, cfinish, cusage = chat(c, QUESTIONS[0], 8, stream=False)
   assert cfinish in ("stop", "length") and ctext
   assert (cfinish == "length") == (cusage.completion_tokens == 8)
   assert cusage.prompt_tokens == len(tok.encode(QUESTIONS[0], chat=True))
-  assert _chat(c, QUESTIONS[0], 8, stream=True) == (ctext, cfinish, cusage)
+  assert chat(c, QUESTIONS[0], 8, stream=True) == (ctext, cfinish, cusage)
 
 
 def test_concurrent_requests_equal_alone(served):
@@ -232,7 +232,7 @@ def test_concurrent_requests_equal_alone(served):
 
   def run(job):
     chat, prompt, max_tokens, stream = job
-    return (_chat if chat else _complete)(served.client, prompt, max_tokens, stream)
+    return (chat if chat else complete)(served.client, prompt, max_tokens, stream)
 
   with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
     together = list(pool.map(run, jobs))
@@ -288,7 +288,7 @@ def test_unknown_route_gets_openai_error(served):
   assert status == 404 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
-def _error(status, body) -> tuple[int, dict]:
+def error_of(status, body) -> tuple[int, dict]:
   err = json.loads(body)["error"]
   assert set(err) == {"message", "type", "param", "code"} and err["message"], err
   return status, err
@@ -309,11 +309,11 @@ def test_neutral_values_and_unknown_fields_are_accepted(served, smollm2):
   neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "length_penalty": 1, "use_beam_search": False, "best_of": 1,
              "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "n": 1, "echo": False,
              "top_k": -1, "user": "u", "x_unknown_field": {"a": [1]}}
-  assert _complete(c, PROMPTS[0], 3, stream=False, extra_body=neutral) == _complete(c, PROMPTS[0], 3, stream=False)
+  assert complete(c, PROMPTS[0], 3, stream=False, extra_body=neutral) == complete(c, PROMPTS[0], 3, stream=False)
   # stop_token_ids (vLLM's) is implemented: the first greedy token, named as a stop id, ends the answer at once
-  first, _, _ = _complete(c, PROMPTS[0], 1, stream=False)
+  first, _, _ = complete(c, PROMPTS[0], 1, stream=False)
   (first_id,) = tok.encode(first)
-  text, finish, usage = _complete(c, PROMPTS[0], 6, stream=False, extra_body={"stop_token_ids": [first_id]})
+  text, finish, usage = complete(c, PROMPTS[0], 6, stream=False, extra_body={"stop_token_ids": [first_id]})
   assert finish == "stop" and usage.completion_tokens <= 1 and text == ""
 
 
@@ -322,7 +322,7 @@ def test_a_bad_value_fails_only_its_own_request(served, smollm2):
   finish with the same text as alone (the issue: top_k=10**12 raised inside the shared step, 4 requests got 500)."""
   _, tok = smollm2
   good = [(PROMPTS[0], 16, False), (PROMPTS[3], 16, True), (PROMPTS[5], 16, False)]
-  alone = [_complete(served.client, p, n, s) for p, n, s in good]
+  alone = [complete(served.client, p, n, s) for p, n, s in good]
   ok = dict(model=MODEL, prompt="hello", max_tokens=2)
   bad = [({"top_k": 10**12, "temperature": 1}, "top_k"), ({"top_k": tok.vocab_size + 1, "temperature": 1}, "top_k"),
          ({"top_k": -2}, "top_k"), ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"),
@@ -331,10 +331,10 @@ def test_a_bad_value_fails_only_its_own_request(served, smollm2):
          ({"temperature": 1e6}, "temperature"), ({"top_p": float("nan")}, "top_p"), ({"top_p": 10**400}, "top_p"),
          ({"stop_token_ids": [10**12]}, "stop_token_ids"), ({"stop_token_ids": [tok.vocab_size]}, "stop_token_ids")]
   with concurrent.futures.ThreadPoolExecutor(len(good)) as pool:
-    futures = [pool.submit(_complete, served.client, p, n, s) for p, n, s in good]
+    futures = [pool.submit(complete, served.client, p, n, s) for p, n, s in good]
     served.wait_metric("rocketkv_active_slots", lambda v: v >= 1)
     for fields, param in bad:
-      status, err = _error(*served.http("POST", "/v1/completions", json.dumps(dict(ok, **fields))))
+      status, err = error_of(*served.http("POST", "/v1/completions", json.dumps(dict(ok, **fields))))
       assert status == 400 and err["param"] == param, (fields, err)
     assert [f.result(timeout=300) for f in futures] == alone
   m = served.metrics()
@@ -373,7 +373,7 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
 def test_malformed_bodies_get_400(served, path, body):
   if isinstance(body, dict):
     body = json.dumps({"model": MODEL, **body}) if "model" not in body else json.dumps(body)
-  status, err = _error(*served.http("POST", path, body))
+  status, err = error_of(*served.http("POST", path, body))
   assert status == 400, err
 
 
@@ -407,7 +407,7 @@ def test_a_body_over_the_limit_gets_413_at_once(served):
   status, _, body = _raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % (9 * 2**20))
   assert time.monotonic() - t0 < 5
-  status, err = _error(status, body)
+  status, err = error_of(status, body)
   assert status == 413 and err["code"] == "request_too_large"
 
 
@@ -424,12 +424,12 @@ def test_health_answers_while_a_large_prompt_is_tokenized(served):
       assert served.http("GET", "/health")[0] == 200
       waits.append(time.monotonic() - t0)
       time.sleep(0.1)
-    status, err = _error(*big.result(timeout=300))
+    status, err = error_of(*big.result(timeout=300))
   assert status == 400 and err["code"] == "context_length_exceeded"
   assert waits and max(waits) < 1.0, waits
 
 
-def _request(port, method, path, body=None, headers=None):
+def http_request(port, method, path, body=None, headers=None):
   """(status, headers, body) through http.client, which sends the Host header we give, if any."""
   conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
   try:
@@ -443,10 +443,10 @@ def _request(port, method, path, body=None, headers=None):
 def test_post_needs_a_json_content_type(served):
   body = json.dumps(dict(model=MODEL, prompt="hi", max_tokens=1, temperature=0))
   for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
-    status, _, text = _request(served.port, "POST", "/v1/completions", body, {"Content-Type": ctype} if ctype else {})
-    status, err = _error(status, text)
+    status, _, text = http_request(served.port, "POST", "/v1/completions", body, {"Content-Type": ctype} if ctype else {})
+    status, err = error_of(status, text)
     assert status == 415 and err["code"] == "unsupported_media_type", ctype
-  status, _, _ = _request(served.port, "POST", "/v1/completions", body,
+  status, _, _ = http_request(served.port, "POST", "/v1/completions", body,
                           {"Content-Type": "application/json; charset=utf-8"})
   assert status == 200
 
@@ -454,21 +454,21 @@ def test_post_needs_a_json_content_type(served):
 def test_loopback_server_refuses_foreign_host_and_origin(served):
   port = served.port
   for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "10.0.0.1"):
-    status, _, text = _request(port, "GET", "/v1/models", headers={"Host": host})
-    status, err = _error(status, text)
+    status, _, text = http_request(port, "GET", "/v1/models", headers={"Host": host})
+    status, err = error_of(status, text)
     assert status == 403 and err["code"] == "host_not_allowed", host
   for host in (f"localhost:{port}", "localhost", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
-    assert _request(port, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+    assert http_request(port, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
   for origin in ("http://evil.example", "null", f"http://evil.example:{port}"):
-    status, err = _error(*_request(port, "POST", "/v1/completions", "{}",
+    status, err = error_of(*http_request(port, "POST", "/v1/completions", "{}",
                                    {"Origin": origin, "Content-Type": "application/json"})[::2])
     assert status == 403 and err["code"] == "origin_not_allowed", origin
-  assert _request(port, "GET", "/v1/models", headers={"Origin": "http://localhost:3000"})[0] == 200
+  assert http_request(port, "GET", "/v1/models", headers={"Origin": "http://localhost:3000"})[0] == 200
   # no CORS headers, ever: a preflight is not answered with permission
   for method, path, headers in (("OPTIONS", "/v1/completions", {"Origin": "http://localhost:3000",
                                                                 "Access-Control-Request-Method": "POST"}),
                                 ("GET", "/v1/models", {"Origin": "http://localhost:3000"})):
-    status, got, _ = _request(port, method, path, headers=headers)
+    status, got, _ = http_request(port, method, path, headers=headers)
     assert not any(k.startswith("access-control-") for k in got), got
 
 
@@ -487,192 +487,3 @@ def test_version_tokenize_detokenize(served, smollm2):
   assert status == 200 and json.loads(text) == {"prompt": PROMPTS[0]}
   status, text = served.http("POST", "/tokenize", json.dumps({"model": "gpt-4", "prompt": "a"}))
   assert status == 404
-
-
-# --- overload, disconnect, shutdown: one slot, a queue of one -------------------------------------------------------
-
-
-TINY_KEY = "sk-tiny-test-key"
-
-
-@pytest.fixture(scope="module")
-def tiny(smollm2):
-  """One slot, a queue of one, and an API key (so every call here also proves the key is accepted)."""
-  model, tok = smollm2
-  s = Served(model, tok, drain_s=0.2, server_kw=dict(api_key=TINY_KEY), method="rocketkv", token_budget=64,
-             max_slots=1, max_prompt_tokens=128, max_new_tokens=64, steps_per_call=1, max_queue=1)
-  try:
-    yield s
-  finally:
-    if s.thread.is_alive():
-      s.stop()
-
-
-def _first_chunk(client, max_tokens=64):
-  stream = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=max_tokens, temperature=0,
-                                     stream=True)
-  it = iter(stream)
-  next(it)
-  return stream, it
-
-
-def test_overload_429_and_disconnect_frees_the_slot(tiny):
-  c = tiny.client
-  stream, _ = _first_chunk(c)                  # holds the one slot
-  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    queued = pool.submit(_complete, c, PROMPTS[0], 2, False)    # waits in the queue of one
-    tiny.wait_metric("rocketkv_queue_depth", lambda v: v == 1)
-    with pytest.raises(openai.RateLimitError) as e:
-      c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
-    assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
-    gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
-    stream.close()                             # the client goes away mid-stream
-    text, finish, usage = queued.result(timeout=120)  # the freed slot serves the queued request at once
-    assert finish == "length" and usage.completion_tokens == 2
-  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
-  tiny.wait_metric("rocketkv_in_flight", lambda v: v == 0)
-  # the abandoned request stopped well short of its 64 tokens
-  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
-
-
-def test_disconnect_while_waiting_for_a_whole_answer(tiny):
-  """A non-streaming client that goes away is noticed too (the server watches the connection)."""
-  gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
-  conn = http.client.HTTPConnection("127.0.0.1", tiny.port, timeout=60)
-  body = json.dumps(dict(model=MODEL, prompt=PROMPTS[3], max_tokens=64, temperature=0))
-  conn.request("POST", "/v1/completions", body=body, headers=tiny.headers())
-  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
-  conn.sock.shutdown(socket.SHUT_RDWR)
-  conn.close()
-  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
-  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
-
-
-def test_disconnect_aborts_all_n_samples(tiny):
-  """n = 2 on one slot: sample 0 decodes, sample 1 waits in the queue; a client gone mid-stream frees both."""
-  gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
-  stream = tiny.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=64, temperature=1.0, n=2,
-                                          stream=True)
-  next(iter(stream))
-  tiny.wait_metric("rocketkv_queue_depth", lambda v: v == 1)
-  stream.close()
-  tiny.wait_metric("rocketkv_in_flight", lambda v: v == 0)
-  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
-  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 64
-
-
-def test_api_key_guards_all_but_health(tiny):
-  port = tiny.port
-  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TINY_KEY}):
-    for path in ("/v1/models", "/metrics", "/tokenize"):
-      status, err = _error(*_request(port, "GET", path, headers=headers)[::2])
-      assert status == 401 and err["code"] == "invalid_api_key", (path, headers)
-  for path in ("/health", "/version", "/docs", "/openapi.json"):  # the schema is public: no secret in it
-    assert _request(port, "GET", path)[0] == 200, path
-  ok = {"Authorization": f"Bearer {TINY_KEY}"}
-  assert _request(port, "GET", "/v1/models", headers=ok)[0] == 200
-  assert _request(port, "GET", "/metrics", headers=ok)[0] == 200
-  wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0, timeout=60)
-  with pytest.raises(openai.AuthenticationError):
-    wrong.models.list()
-  assert [m.id for m in tiny.client.models.list().data] == [MODEL]
-
-
-def test_shutdown_aborts_in_flight_cleanly(tiny):
-  stream, it = _first_chunk(tiny.client)
-  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
-  stopper = threading.Thread(target=tiny.stop)
-  stopper.start()
-  with pytest.raises(openai.APIError) as e:   # the stream ends with an error event, not a cut connection
-    for _ in it:
-      pass
-  assert "aborted" in str(e.value)
-  stopper.join(120)
-  assert not tiny.thread.is_alive() and not tiny.runner.alive
-  assert tiny.runner.stats()["active_slots"] == 0
-
-
-def test_rocketkv_serve_command(smollm2, tmp_path):
-  """`rocketkv serve` as a user starts it: answers, then stops cleanly on Ctrl-C (SIGINT)."""
-  import os
-  import signal
-  import subprocess
-  import sys
-  port = _free_port()
-  cmd = [sys.executable, "-m", "rocketkv_jax.serving.cli", "serve", "--model", "smollm2", "--method", "rocketkv",
-         "--token-budget", "64", "--port", str(port), "--max-slots", "2", "--max-prompt-tokens", "128",
-         "--max-new-tokens", "8", "--log-level", "warning"]
-  log = open(tmp_path / "serve.log", "w+")
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, COLUMNS="200"))
-  try:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    t0 = time.monotonic()
-    while True:
-      try:
-        assert [m.id for m in client.models.list().data] == [MODEL]
-        break
-      except openai.APIConnectionError:
-        assert proc.poll() is None, open(tmp_path / "serve.log").read()
-        assert time.monotonic() - t0 < 400, "the server did not come up"  # warm-up compiles every executable
-        time.sleep(0.2)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
-                                       max_tokens=4, temperature=0)
-    assert r.choices[0].message.content and r.usage.completion_tokens <= 4
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0, open(tmp_path / "serve.log").read()
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait(10)
-    log.close()
-
-
-def test_sampling_defaults_come_from_the_generation_config():
-  """A field the request leaves out takes the checkpoint's generation default, else OpenAI's; given ones win."""
-  from rocketkv_jax.serving.protocol import CompletionRequest
-  from rocketkv_jax.serving.server import request_sampling
-  gen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-  body = lambda **kw: CompletionRequest(model=MODEL, prompt="a", **kw)  # noqa: E731
-  s = request_sampling(body(), default_max_tokens=8, stop_ids=(1,), defaults=gen)
-  assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.8, 20)
-  s = request_sampling(body(temperature=0, top_k=-1), default_max_tokens=8, stop_ids=(1,), defaults=gen)
-  assert (s.temperature, s.top_p, s.top_k) == (0, 0.8, 0)
-  s = request_sampling(body(), default_max_tokens=8, stop_ids=(1,), defaults=None)
-  assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
-
-
-def test_ready_means_compiled(smollm2):
-  """With warm-up, nothing compiles on live traffic: a mixed stream (prompt lengths in every bucket, greedy,
-  sampled, top-p and top-k cut, penalties, logit bias, min_tokens, logprobs, echo with logprobs (the scored
-  prefill), n > 1, completions and chat, streaming or not) leaves the compile count where start-up left it, and
-  /metrics starts at zero tokens (warm-up traffic is not counted)."""
-  model, tok = smollm2
-  with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True)) as s:
-    m = s.metrics()
-    compiles = m["rocketkv_compiles_total"]
-    assert compiles > 0 and m["rocketkv_tokens_generated_total"] == 0
-    words = "the quick brown fox jumps over a lazy dog while " * 30
-    jobs = []
-    for i, n_words in enumerate((1, 5, 30, 90, 150)):
-      for j, extra in enumerate(({}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.9},
-                                 {"temperature": 0.8, "top_k": 5}, {"logprobs": 2, "echo": True},
-                                 {"logprobs": 0, "echo": True, "temperature": 0.8},
-                                 {"presence_penalty": 0.5, "frequency_penalty": 0.3},
-                                 {"repetition_penalty": 1.3, "temperature": 0.8, "top_p": 0.9},
-                                 {"logit_bias": {"17": 5.0}, "min_tokens": 3, "n": 2}, {"logprobs": 5})):
-        jobs.append((" ".join(words.split()[:n_words]), dict(extra, seed=i * 10 + j), (i + j) % 2 == 0))
-
-    def run(job):
-      prompt, extra, stream = job
-      r = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=stream, extra_body=extra,
-                                      **({"temperature": extra["temperature"]} if "temperature" in extra else {}))
-      return list(r) if stream else r
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-      list(pool.map(run, jobs))
-    _chat(s.client, QUESTIONS[0], 4, stream=True)
-    _chat(s.client, QUESTIONS[1], 4, stream=False, logprobs=True, top_logprobs=3, n=2)
-    m = s.metrics()
-    assert m["rocketkv_compiles_total"] == compiles, (compiles, m["rocketkv_compiles_total"])
-    assert m["rocketkv_tokens_generated_total"] > 0

@@ -1,0 +1,207 @@
+"""The server's lifecycle end to end, beside `test_server.py` (split from it so the suite's workers share the
+load): overload (429), disconnects, the API key, shutdown, `rocketkv serve` as a command, generation defaults, and
+ready-means-compiled (nothing compiles on live traffic after warm-up)."""
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import threading
+import time
+import warnings
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from tests.serving.test_server import (MODEL, PROMPTS, QUESTIONS, Served, chat, complete, error_of,  # noqa: E402
+                                       free_port, http_request, serving)
+
+warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+
+# --- overload, disconnect, shutdown: one slot, a queue of one -------------------------------------------------------
+TINY_KEY = "sk-tiny-test-key"
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2):
+  """One slot, a queue of one, and an API key (so every call here also proves the key is accepted)."""
+  model, tok = smollm2
+  s = Served(model, tok, drain_s=0.2, server_kw=dict(api_key=TINY_KEY), method="rocketkv", token_budget=64,
+             max_slots=1, max_prompt_tokens=128, max_new_tokens=64, steps_per_call=1, max_queue=1)
+  try:
+    yield s
+  finally:
+    if s.thread.is_alive():
+      s.stop()
+
+
+def _first_chunk(client, max_tokens=64):
+  stream = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=max_tokens, temperature=0,
+                                     stream=True)
+  it = iter(stream)
+  next(it)
+  return stream, it
+
+
+def test_overload_429_and_disconnect_frees_the_slot(tiny):
+  c = tiny.client
+  stream, _ = _first_chunk(c)                  # holds the one slot
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    queued = pool.submit(complete, c, PROMPTS[0], 2, False)    # waits in the queue of one
+    tiny.wait_metric("rocketkv_queue_depth", lambda v: v == 1)
+    with pytest.raises(openai.RateLimitError) as e:
+      c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
+    assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+    gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
+    stream.close()                             # the client goes away mid-stream
+    text, finish, usage = queued.result(timeout=120)  # the freed slot serves the queued request at once
+    assert finish == "length" and usage.completion_tokens == 2
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
+  tiny.wait_metric("rocketkv_in_flight", lambda v: v == 0)
+  # the abandoned request stopped well short of its 64 tokens
+  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(tiny):
+  """A non-streaming client that goes away is noticed too (the server watches the connection)."""
+  gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
+  conn = http.client.HTTPConnection("127.0.0.1", tiny.port, timeout=60)
+  body = json.dumps(dict(model=MODEL, prompt=PROMPTS[3], max_tokens=64, temperature=0))
+  conn.request("POST", "/v1/completions", body=body, headers=tiny.headers())
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
+  conn.sock.shutdown(socket.SHUT_RDWR)
+  conn.close()
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
+  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 40
+
+
+def test_disconnect_aborts_all_n_samples(tiny):
+  """n = 2 on one slot: sample 0 decodes, sample 1 waits in the queue; a client gone mid-stream frees both."""
+  gen_before = tiny.metrics()["rocketkv_tokens_generated_total"]
+  stream = tiny.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=64, temperature=1.0, n=2,
+                                          stream=True)
+  next(iter(stream))
+  tiny.wait_metric("rocketkv_queue_depth", lambda v: v == 1)
+  stream.close()
+  tiny.wait_metric("rocketkv_in_flight", lambda v: v == 0)
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 0)
+  assert tiny.metrics()["rocketkv_tokens_generated_total"] - gen_before < 64
+
+
+def test_api_key_guards_all_but_health(tiny):
+  port = tiny.port
+  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TINY_KEY}):
+    for path in ("/v1/models", "/metrics", "/tokenize"):
+      status, err = error_of(*http_request(port, "GET", path, headers=headers)[::2])
+      assert status == 401 and err["code"] == "invalid_api_key", (path, headers)
+  for path in ("/health", "/version", "/docs", "/openapi.json"):  # the schema is public: no secret in it
+    assert http_request(port, "GET", path)[0] == 200, path
+  ok = {"Authorization": f"Bearer {TINY_KEY}"}
+  assert http_request(port, "GET", "/v1/models", headers=ok)[0] == 200
+  assert http_request(port, "GET", "/metrics", headers=ok)[0] == 200
+  wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0, timeout=60)
+  with pytest.raises(openai.AuthenticationError):
+    wrong.models.list()
+  assert [m.id for m in tiny.client.models.list().data] == [MODEL]
+
+
+def test_shutdown_aborts_in_flight_cleanly(tiny):
+  stream, it = _first_chunk(tiny.client)
+  tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
+  stopper = threading.Thread(target=tiny.stop)
+  stopper.start()
+  with pytest.raises(openai.APIError) as e:   # the stream ends with an error event, not a cut connection
+    for _ in it:
+      pass
+  assert "aborted" in str(e.value)
+  stopper.join(120)
+  assert not tiny.thread.is_alive() and not tiny.runner.alive
+  assert tiny.runner.stats()["active_slots"] == 0
+
+
+def test_rocketkv_serve_command(smollm2, tmp_path):
+  """`rocketkv serve` as a user starts it: answers, then stops cleanly on Ctrl-C (SIGINT)."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  port = free_port()
+  cmd = [sys.executable, "-m", "rocketkv_jax.serving.cli", "serve", "--model", "smollm2", "--method", "rocketkv",
+         "--token-budget", "64", "--port", str(port), "--max-slots", "2", "--max-prompt-tokens", "128",
+         "--max-new-tokens", "8", "--log-level", "warning"]
+  log = open(tmp_path / "serve.log", "w+")
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, COLUMNS="200"))
+  try:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    t0 = time.monotonic()
+    while True:
+      try:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        break
+      except openai.APIConnectionError:
+        assert proc.poll() is None, open(tmp_path / "serve.log").read()
+        assert time.monotonic() - t0 < 400, "the server did not come up"  # warm-up compiles every executable
+        time.sleep(0.2)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       max_tokens=4, temperature=0)
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 4
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, open(tmp_path / "serve.log").read()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(10)
+    log.close()
+
+
+def test_sampling_defaults_come_from_the_generation_config():
+  """A field the request leaves out takes the checkpoint's generation default, else OpenAI's; given ones win."""
+  from rocketkv_jax.serving.protocol import CompletionRequest
+  from rocketkv_jax.serving.server import request_sampling
+  gen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+  body = lambda **kw: CompletionRequest(model=MODEL, prompt="a", **kw)  # noqa: E731
+  s = request_sampling(body(), default_max_tokens=8, stop_ids=(1,), defaults=gen)
+  assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.8, 20)
+  s = request_sampling(body(temperature=0, top_k=-1), default_max_tokens=8, stop_ids=(1,), defaults=gen)
+  assert (s.temperature, s.top_p, s.top_k) == (0, 0.8, 0)
+  s = request_sampling(body(), default_max_tokens=8, stop_ids=(1,), defaults=None)
+  assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
+
+
+def test_ready_means_compiled(smollm2):
+  """With warm-up, nothing compiles on live traffic: a mixed stream (prompt lengths in every bucket, greedy,
+  sampled, top-p and top-k cut, penalties, logit bias, min_tokens, logprobs, echo with logprobs (the scored
+  prefill), n > 1, completions and chat, streaming or not) leaves the compile count where start-up left it, and
+  /metrics starts at zero tokens (warm-up traffic is not counted)."""
+  model, tok = smollm2
+  with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True)) as s:
+    m = s.metrics()
+    compiles = m["rocketkv_compiles_total"]
+    assert compiles > 0 and m["rocketkv_tokens_generated_total"] == 0
+    words = "the quick brown fox jumps over a lazy dog while " * 30
+    jobs = []
+    for i, n_words in enumerate((1, 5, 30, 90, 150)):
+      for j, extra in enumerate(({}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.9},
+                                 {"temperature": 0.8, "top_k": 5}, {"logprobs": 2, "echo": True},
+                                 {"logprobs": 0, "echo": True, "temperature": 0.8},
+                                 {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+                                 {"repetition_penalty": 1.3, "temperature": 0.8, "top_p": 0.9},
+                                 {"logit_bias": {"17": 5.0}, "min_tokens": 3, "n": 2}, {"logprobs": 5})):
+        jobs.append((" ".join(words.split()[:n_words]), dict(extra, seed=i * 10 + j), (i + j) % 2 == 0))
+
+    def run(job):
+      prompt, extra, stream = job
+      r = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=stream, extra_body=extra,
+                                      **({"temperature": extra["temperature"]} if "temperature" in extra else {}))
+      return list(r) if stream else r
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      list(pool.map(run, jobs))
+    chat(s.client, QUESTIONS[0], 4, stream=True)
+    chat(s.client, QUESTIONS[1], 4, stream=False, logprobs=True, top_logprobs=3, n=2)
+    m = s.metrics()
+    assert m["rocketkv_compiles_total"] == compiles, (compiles, m["rocketkv_compiles_total"])
+    assert m["rocketkv_tokens_generated_total"] > 0
