@@ -226,22 +226,22 @@ def test_concurrent_requests_equal_alone(served):
   none mixed up, each equal to the same request alone (greedy)."""
   jobs = []
   for i in range(32):
-    chat = i % 4 == 3
-    prompt = QUESTIONS[i % len(QUESTIONS)] if chat else PROMPTS[i % len(PROMPTS)]
-    jobs.append((chat, prompt, 2 + i % 7, i % 2 == 0))
+    is_chat = i % 4 == 3
+    prompt = QUESTIONS[i % len(QUESTIONS)] if is_chat else PROMPTS[i % len(PROMPTS)]
+    jobs.append((is_chat, prompt, 2 + i % 7, i % 2 == 0))
 
   def run(job):
-    chat, prompt, max_tokens, stream = job
-    return (chat if chat else complete)(served.client, prompt, max_tokens, stream)
+    is_chat, prompt, max_tokens, stream = job
+    return (chat if is_chat else complete)(served.client, prompt, max_tokens, stream)
 
   with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
     together = list(pool.map(run, jobs))
   alone = {}
   for job, got in zip(jobs, together):
-    chat, prompt, max_tokens, stream = job
-    key = (chat, prompt, max_tokens)
+    is_chat, prompt, max_tokens, stream = job
+    key = (is_chat, prompt, max_tokens)
     if key not in alone:  # alone, and through the other transport
-      alone[key] = run((chat, prompt, max_tokens, not stream))
+      alone[key] = run((is_chat, prompt, max_tokens, not stream))
     ref = alone[key]
     assert got[0] == ref[0] and got[1] == ref[1], (job, got, ref)
     assert got[2].completion_tokens == ref[2].completion_tokens <= max_tokens
