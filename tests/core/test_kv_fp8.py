@@ -11,7 +11,7 @@ import pytest
 import rocketkv_jax as rk
 from rocketkv_jax.cache import read_keys, read_values
 from rocketkv_jax.kernels.kv_quant import dequantize, fp8_max, quantize
-from tests.core.test_methods import CASES, H, K, N
+from tests.core.test_methods import CASES, H, K, N, decode_steps, plan_config, run_steps
 
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
@@ -30,24 +30,6 @@ def _steps(seed, b, n_steps):
   ks = jax.random.split(jax.random.PRNGKey(seed + 1000), 3)
   return (jax.random.normal(ks[0], (n_steps, b, N, H)), jax.random.normal(ks[1], (n_steps, b, K, H)),
           jax.random.normal(ks[2], (n_steps, b, K, H)))
-
-
-def _decode(config, cache, steps):
-  """([B, steps, N, H] float64 outputs, final cache)."""
-  outs = []
-  for qs, kn, vn in zip(*steps):
-    out, cache = rk.decode_step(cache, qs, kn, vn, config=config)
-    outs.append(np.asarray(out, np.float64))
-  return np.stack(outs, 1), cache
-
-
-def _run(config, q, k, v, lengths, steps):
-  return _decode(config, rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config), steps)
-
-
-def _config(method, t, prompt_len, new_tokens, **kw):
-  return rk.make_config(method, token_budget=t, prompt_len=prompt_len, max_new_tokens=new_tokens, head_dim=H,
-                        impl="xla", **kw)
 
 
 def _poison_cache(cache):
@@ -77,10 +59,10 @@ def _on_grid(x_BKH, scale_BK, dtype):
 
 def test_invalid_dtype_is_refused():
   with pytest.raises(ValueError, match="kv_cache_dtype='float8'"):
-    _config("rocketkv", 64, 200, 4, kv_cache_dtype="float8")
+    plan_config("rocketkv", 64, 200, 4, kv_cache_dtype="float8")
   with pytest.raises(ValueError, match="kv_cache_dtype=<class"):
-    _config("full", 64, 200, 4, kv_cache_dtype=jnp.float8_e4m3fn)
-  config = _config("full", 64, 100, 2, kv_cache_dtype="bfloat16")
+    plan_config("full", 64, 200, 4, kv_cache_dtype=jnp.float8_e4m3fn)
+  config = plan_config("full", 64, 100, 2, kv_cache_dtype="bfloat16")
   q, k, v = _inputs(0, 1, 100)  # float32
   with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16'.*float32"):
     rk.prefill_compress(q, k, v, jnp.array([100]), config=config)
@@ -91,9 +73,9 @@ def test_bfloat16_is_unchanged():
   T, lengths, n = 150, [150, 77], 2
   q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(1, 2, T))
   steps = tuple(x.astype(jnp.bfloat16) for x in _steps(1, 2, n))
-  base = _config("rocketkv", 64, T, n)
-  a, ca = _run(base, q, k, v, lengths, steps)
-  b, cb = _run(dataclasses.replace(base, kv_cache_dtype="bfloat16"), q, k, v, lengths, steps)
+  base = plan_config("rocketkv", 64, T, n)
+  a, ca = run_steps(base, q, k, v, lengths, steps)
+  b, cb = run_steps(dataclasses.replace(base, kv_cache_dtype="bfloat16"), q, k, v, lengths, steps)
   np.testing.assert_array_equal(a, b)
   assert ca.k.dtype == jnp.bfloat16 and ca.k_scale is None and cb.k_scale is None
   assert rk.cache_nbytes(ca) == rk.cache_nbytes(cb)
@@ -105,7 +87,7 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   stage-1 keep, KT pages (both from the full-precision prompt), scores and outputs. The decode tokens are put on
   the FP8 grid, so that storing them is exact and the two caches stay equal."""
   n_steps = 4
-  c32 = _config(method, t, T, n_steps)
+  c32 = plan_config(method, t, T, n_steps)
   c8 = dataclasses.replace(c32, kv_cache_dtype=E4M3)
   q, k, v = _inputs(7, len(lengths), T)
   lengths = jnp.asarray(lengths, jnp.int32)
@@ -122,8 +104,8 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   qs, ks, vs = _steps(7, len(lengths), n_steps)
   ks = jnp.stack([_on_grid(x, cache8.k_scale, cache8.k.dtype) for x in ks])
   vs = jnp.stack([_on_grid(x, cache8.v_scale, cache8.v.dtype) for x in vs])
-  got, end8 = _decode(c8, cache8, (qs, ks, vs))
-  want, end32 = _decode(c32, held, (qs, ks, vs))
+  got, end8 = decode_steps(c8, cache8, (qs, ks, vs))
+  want, end32 = decode_steps(c32, held, (qs, ks, vs))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(read_keys(end8)), np.asarray(end32.k))
   if end8.kt_min is not None:
@@ -136,11 +118,11 @@ def test_full_budget_fp8_is_close_to_dense(method, dtype):
   """With a budget covering the sequence, FP8 K/V is dense attention within FP8's error (FP8_TOLERANCE)."""
   T, lengths, n_steps = 90, [90, 61], 3
   t = 2 * (T + n_steps)
-  config = _config(method, t, T, n_steps, kv_cache_dtype=dtype)
+  config = plan_config(method, t, T, n_steps, kv_cache_dtype=dtype)
   q, k, v = _inputs(3, 2, T)
   steps = _steps(3, 2, n_steps)
-  ours, cache = _run(config, q, k, v, lengths, steps)
-  dense, _ = _run(_config("full", t, T, n_steps), q, k, v, lengths, steps)
+  ours, cache = run_steps(config, q, k, v, lengths, steps)
+  dense, _ = run_steps(plan_config("full", t, T, n_steps), q, k, v, lengths, steps)
   err = np.linalg.norm(ours - dense) / np.linalg.norm(dense)
   print(f"{method} {dtype} relative error {err:.4f}")
   assert err < FP8_TOLERANCE[dtype], (method, dtype, err)
@@ -152,12 +134,12 @@ def test_full_budget_fp8_is_close_to_dense(method, dtype):
 def test_decode_token_past_the_prompt_saturates(method, dtype):
   """A decode token 10x past the prompt's amax is stored at the dtype's largest value: finite outputs, no inf."""
   T, lengths, n_steps = 120, [120, 70], 2
-  config = _config(method, 64, T, n_steps, kv_cache_dtype=dtype)
+  config = plan_config(method, 64, T, n_steps, kv_cache_dtype=dtype)
   q, k, v = _inputs(9, 2, T)
   qs, ks, vs = _steps(9, 2, n_steps)
   big = 10 * float(jnp.abs(k).max())
   ks, vs = ks.at[0, :, :, 0].set(big), vs.at[0, :, :, 1].set(-big)
-  outs, cache = _run(config, q, k, v, lengths, (qs, ks, vs))
+  outs, cache = run_steps(config, q, k, v, lengths, (qs, ks, vs))
   assert np.isfinite(outs).all()
   m = fp8_max(cache.k.dtype)
   k_held = np.asarray(cache.k.astype(jnp.float32))
@@ -168,14 +150,14 @@ def test_decode_token_past_the_prompt_saturates(method, dtype):
 @pytest.mark.parametrize("method", ["full", "rocketkv", "quest"])
 def test_poisoned_junk_never_leaks_fp8(method):
   T, lengths, n_steps = 200, [200, 90], 2
-  config = _config(method, 64, T, n_steps, kv_cache_dtype=E4M3)
+  config = plan_config(method, 64, T, n_steps, kv_cache_dtype=E4M3)
   q, k, v = _inputs(5, 2, T)
   steps = _steps(5, 2, n_steps)
-  clean, _ = _run(config, q, k, v, lengths, steps)
+  clean, _ = run_steps(config, q, k, v, lengths, steps)
   pad = np.arange(T)[None, :, None, None] >= np.asarray(lengths)[:, None, None, None]
   qp, kp, vp = (jnp.where(pad, jnp.nan, x) for x in (q, k, v))  # NaN in the prompt's padding: not in the scales
   cache = _poison_cache(rk.prefill_compress(qp, kp, vp, jnp.asarray(lengths), config=config))
-  outs, _ = _decode(config, cache, steps)
+  outs, _ = decode_steps(config, cache, steps)
   assert np.isfinite(outs).all()
   np.testing.assert_allclose(outs, clean, rtol=1e-5, atol=1e-5)
 
@@ -184,11 +166,11 @@ def test_poisoned_junk_never_leaks_fp8(method):
 def test_kernels_match_xla_fp8(method):
   """The Pallas kernels (interpret mode) read and append FP8 as the XLA path does, bf16 model."""
   T, lengths, n_steps = 150, [150, 77], 2
-  xla = _config(method, 64, T, n_steps, kv_cache_dtype=E4M3)
+  xla = plan_config(method, 64, T, n_steps, kv_cache_dtype=E4M3)
   q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(12, 2, T))
   steps = tuple(x.astype(jnp.bfloat16) for x in _steps(12, 2, n_steps))
-  want, cw = _run(xla, q, k, v, lengths, steps)
-  got, cg = _run(dataclasses.replace(xla, impl="interpret"), q, k, v, lengths, steps)
+  want, cw = run_steps(xla, q, k, v, lengths, steps)
+  got, cg = run_steps(dataclasses.replace(xla, impl="interpret"), q, k, v, lengths, steps)
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
   np.testing.assert_array_equal(np.asarray(cg.k.astype(jnp.float32)), np.asarray(cw.k.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(cg.v.astype(jnp.float32)), np.asarray(cw.v.astype(jnp.float32)))
@@ -197,7 +179,7 @@ def test_kernels_match_xla_fp8(method):
 def test_scales_come_from_the_whole_prompt():
   """k_scale = amax over the prompt's valid tokens (kept or evicted) / 448; a zero head gets 1."""
   T, lengths = 200, [200, 120]
-  config = _config("snapkv", 64, T, 2, kv_cache_dtype=E4M3)
+  config = plan_config("snapkv", 64, T, 2, kv_cache_dtype=E4M3)
   q, k, v = _inputs(4, 2, T)
   k = k.at[:, :, 1].set(0.0)  # KV head 1: all zeros
   cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths), config=config)
@@ -208,14 +190,14 @@ def test_scales_come_from_the_whole_prompt():
 
 
 def test_read_bytes_and_cache_bytes():
-  c16 = _config("rocketkv", 256, 4000, 32)
+  c16 = plan_config("rocketkv", 256, 4000, 32)
   c8 = dataclasses.replace(c16, kv_cache_dtype=E4M3)
   # KT pages stay in the keys' dtype (bf16: 2 bytes); each attended K and V element goes to 1 byte, plus the two
   # float32 scales
   m = min(c16.topk, 3000)
   assert c8.step_read_bytes(3000, head_dim=H, itemsize=2) == \
       c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8
-  full16, full8 = _config("full", 64, 100, 4), _config("full", 64, 100, 4, kv_cache_dtype=E5M2)
+  full16, full8 = plan_config("full", 64, 100, 4), plan_config("full", 64, 100, 4, kv_cache_dtype=E5M2)
   assert full8.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H + 8
   assert full16.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H * 2
   q, k, v = _inputs(0, 2, 100, jnp.bfloat16)
@@ -226,7 +208,7 @@ def test_read_bytes_and_cache_bytes():
 
 def test_decode_checks_the_fp8_cache():
   T = 100
-  config = _config("full", 64, T, 2, kv_cache_dtype=E4M3)
+  config = plan_config("full", 64, T, 2, kv_cache_dtype=E4M3)
   q, k, v = _inputs(0, 1, T)
   cache = rk.prefill_compress(q, k, v, jnp.array([T]), config=config)
   with pytest.raises(ValueError, match="cache.k_scale is missing"):
@@ -253,11 +235,11 @@ def test_pallas_fp8_matches_xla_gpu(method, dtype):
   if not any(d.platform == "gpu" for d in jax.devices()):
     pytest.skip("needs a GPU")
   T, lengths, n_steps = 1000, [1000, 301, 77], 3
-  xla = _config(method, 128, T, n_steps, kv_cache_dtype=dtype)
+  xla = plan_config(method, 128, T, n_steps, kv_cache_dtype=dtype)
   q, k, v = _inputs(13, 3, T, jnp.bfloat16)
   steps = tuple(x.astype(jnp.bfloat16) for x in _steps(13, 3, n_steps))
-  want, cw = _run(xla, q, k, v, lengths, steps)
-  got, cg = _run(dataclasses.replace(xla, impl="pallas"), q, k, v, lengths, steps)
+  want, cw = run_steps(xla, q, k, v, lengths, steps)
+  got, cg = run_steps(dataclasses.replace(xla, impl="pallas"), q, k, v, lengths, steps)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
   # a GPU's division may round a stored value to the neighbouring FP8 step
   np.testing.assert_allclose(np.asarray(cg.k.astype(jnp.float32)), np.asarray(cw.k.astype(jnp.float32)), rtol=0.13)

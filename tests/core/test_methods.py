@@ -26,7 +26,7 @@ def _steps(seed, b, n_steps, n=N, n_kv=K, h=H, dtype=jnp.float32):
           jax.random.normal(ks[2], (n_steps, b, n_kv, h), dtype))
 
 
-def _decode(config, cache, steps):
+def decode_steps(config, cache, steps):
   """Decodes `steps` from `cache`: ([B, steps, N, H] float64 outputs, final cache)."""
   outs = []
   for qs, kn, vn in zip(*steps):
@@ -35,11 +35,11 @@ def _decode(config, cache, steps):
   return np.stack(outs, 1), cache
 
 
-def _run(config, q, k, v, lengths, steps):
-  return _decode(config, rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config), steps)
+def run_steps(config, q, k, v, lengths, steps):
+  return decode_steps(config, rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config), steps)
 
 
-def _config(method, t, prompt_len, new_tokens, **kw):
+def plan_config(method, t, prompt_len, new_tokens, **kw):
   return rk.make_config(method, token_budget=t, prompt_len=prompt_len, max_new_tokens=new_tokens, head_dim=H,
                         impl="xla", **kw)
 
@@ -63,10 +63,10 @@ CASES = [  # (method, budget, prompt T, lengths)
 @pytest.mark.parametrize("method,t,T,lengths", CASES)
 def test_matches_reference(method, t, T, lengths):
   n_steps = 6
-  config = _config(method, t, T, n_steps)
+  config = plan_config(method, t, T, n_steps)
   q, k, v = _inputs(1, len(lengths), T)
   steps = _steps(1, len(lengths), n_steps)
-  ours, cache = _run(config, q, k, v, lengths, steps)
+  ours, cache = run_steps(config, q, k, v, lengths, steps)
   for b, L in enumerate(lengths):
     ref = RefSequence(method, config, q[b], k[b], v[b], L)
     want = np.stack([ref.step(steps[0][i, b], steps[1][i, b], steps[2][i, b]) for i in range(n_steps)])
@@ -79,17 +79,17 @@ def test_matches_reference(method, t, T, lengths):
 
 def test_rocketkv_sinks_and_fp8_pages():
   T, lengths, n_steps = 400, [400, 333], 4
-  config = dataclasses.replace(_config("rocketkv", 64, T, n_steps), sink_tokens=4)
+  config = dataclasses.replace(plan_config("rocketkv", 64, T, n_steps), sink_tokens=4)
   q, k, v = _inputs(2, 2, T)
   steps = _steps(2, 2, n_steps)
-  ours, cache = _run(config, q, k, v, lengths, steps)
+  ours, cache = run_steps(config, q, k, v, lengths, steps)
   for b, L in enumerate(lengths):
     ref = RefSequence("rocketkv", config, q[b], k[b], v[b], L)
     assert all(ref.keep[kh][:4] == [0, 1, 2, 3] for kh in range(K))
     want = np.stack([ref.step(*(s[i, b] for s in steps)) for i in range(n_steps)])
     np.testing.assert_allclose(ours[b], want, rtol=2e-4, atol=2e-4)
   fp8 = dataclasses.replace(config, kt_cache_dtype="float8_e5m2")
-  out8, cache8 = _run(fp8, q, k, v, lengths, steps)
+  out8, cache8 = run_steps(fp8, q, k, v, lengths, steps)
   assert cache8.kt_min.dtype == jnp.float8_e5m2 and np.isfinite(out8).all()
   assert cache8.kt_min.nbytes * 4 == cache.kt_min.nbytes  # float32 keys -> 1-byte pages
 
@@ -99,24 +99,24 @@ def test_full_budget_is_dense(method):
   """A budget covering the whole sequence reproduces dense attention."""
   T, lengths, n_steps = 90, [90, 61], 3
   t = 2 * (T + n_steps)  # top_k = t // 2 covers every token; stage 1 keeps the whole prompt
-  config = _config(method, t, T, n_steps)
-  full = _config("full", t, T, n_steps)
+  config = plan_config(method, t, T, n_steps)
+  full = plan_config("full", t, T, n_steps)
   q, k, v = _inputs(3, 2, T)
   steps = _steps(3, 2, n_steps)
-  ours, _ = _run(config, q, k, v, lengths, steps)
-  dense, _ = _run(full, q, k, v, lengths, steps)
+  ours, _ = run_steps(config, q, k, v, lengths, steps)
+  dense, _ = run_steps(full, q, k, v, lengths, steps)
   np.testing.assert_allclose(ours, dense, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", rk.METHODS)
 def test_ragged_batch_equals_alone(method):
   T, lengths, n_steps = 260, [260, 130, 201], 3
-  config = _config(method, 64, T, n_steps)
+  config = plan_config(method, 64, T, n_steps)
   q, k, v = _inputs(4, 3, T)
   steps = _steps(4, 3, n_steps)
-  batch, _ = _run(config, q, k, v, lengths, steps)
+  batch, _ = run_steps(config, q, k, v, lengths, steps)
   for b, L in enumerate(lengths):
-    alone, _ = _run(config, q[b:b + 1, :L], k[b:b + 1, :L], v[b:b + 1, :L], [L],
+    alone, _ = run_steps(config, q[b:b + 1, :L], k[b:b + 1, :L], v[b:b + 1, :L], [L],
                     tuple(s[:, b:b + 1] for s in steps))
     np.testing.assert_allclose(batch[b], alone[0], rtol=1e-5, atol=1e-5, err_msg=f"{method} seq {b}")
 
@@ -144,16 +144,16 @@ def _poison_cache(cache):
 @pytest.mark.parametrize("method", rk.METHODS)
 def test_poisoned_junk_never_leaks(method):
   T, lengths, n_steps = 200, [200, 90], 3
-  config = _config(method, 64, T, n_steps)
+  config = plan_config(method, 64, T, n_steps)
   q, k, v = _inputs(5, 2, T)
   steps = _steps(5, 2, n_steps)
-  clean, _ = _run(config, q, k, v, lengths, steps)
+  clean, _ = run_steps(config, q, k, v, lengths, steps)
   pad = np.arange(T)[None, :, None, None] >= np.asarray(lengths)[:, None, None, None]
   qp, kp, vp = (jnp.where(pad, jnp.nan, x) for x in (q, k, v))  # NaN in the prompt's padding
   cache = rk.prefill_compress(qp, kp, vp, jnp.asarray(lengths), config=config)
   if method not in ("streaming_llm", "h2o"):  # those are full after prefill: no junk slot to poison
     cache = _poison_cache(cache)
-  outs, _ = _decode(config, cache, steps)
+  outs, _ = decode_steps(config, cache, steps)
   assert np.isfinite(outs).all()
   np.testing.assert_allclose(outs, clean, rtol=1e-5, atol=1e-5)
 
@@ -161,22 +161,22 @@ def test_poisoned_junk_never_leaks(method):
 @pytest.mark.parametrize("method", ["full", "h2o", "rocketkv", "sparq", "quest"])
 def test_jit_equals_eager(method):
   T, lengths, n_steps = 160, [160, 100], 2
-  config = _config(method, 64, T, n_steps)
+  config = plan_config(method, 64, T, n_steps)
   q, k, v = _inputs(6, 2, T)
   steps = _steps(6, 2, n_steps)
-  jitted, _ = _run(config, q, k, v, lengths, steps)
+  jitted, _ = run_steps(config, q, k, v, lengths, steps)
   with jax.disable_jit():
-    eager, _ = _run(config, q, k, v, lengths, steps)
+    eager, _ = run_steps(config, q, k, v, lengths, steps)
   np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_inside_user_jit_loop():
   """decode_step traces inside a caller's jit (as the model's decode loop does) without host checks."""
   T, lengths, n_steps = 200, [200, 150], 4
-  config = _config("rocketkv", 64, T, n_steps)
+  config = plan_config("rocketkv", 64, T, n_steps)
   q, k, v = _inputs(7, 2, T)
   steps = _steps(7, 2, n_steps)
-  want, _ = _run(config, q, k, v, lengths, steps)
+  want, _ = run_steps(config, q, k, v, lengths, steps)
   cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths), config=config)
 
   @jax.jit
@@ -192,7 +192,7 @@ def test_decode_inside_user_jit_loop():
 
 def test_kv_heads_keep_different_tokens():
   T, L = 400, 400
-  config = _config("rocketkv", 64, T, 4)
+  config = plan_config("rocketkv", 64, T, 4)
   q, k, v = _inputs(8, 1, T)
   cache = rk.prefill_compress(q, k, v, jnp.array([L]), config=config)
   n = int(cache.length[0])
@@ -205,11 +205,11 @@ def test_kv_heads_keep_different_tokens():
 
 def test_bfloat16_matches_float32():
   T, lengths, n_steps = 200, [200, 120], 2
-  config = _config("rocketkv", 256, T, n_steps)  # no eviction, top-k covers all: selection is stable
+  config = plan_config("rocketkv", 256, T, n_steps)  # no eviction, top-k covers all: selection is stable
   q, k, v = _inputs(9, 2, T)
   steps = _steps(9, 2, n_steps)
-  f32, _ = _run(config, q, k, v, lengths, steps)
-  bf, cache = _run(config, *(x.astype(jnp.bfloat16) for x in (q, k, v)), lengths,
+  f32, _ = run_steps(config, q, k, v, lengths, steps)
+  bf, cache = run_steps(config, *(x.astype(jnp.bfloat16) for x in (q, k, v)), lengths,
                    tuple(s.astype(jnp.bfloat16) for s in steps))
   assert cache.k.dtype == jnp.bfloat16 and cache.kt_min.dtype == jnp.bfloat16
   assert np.linalg.norm(bf - f32) / np.linalg.norm(f32) < 2e-2
@@ -217,7 +217,7 @@ def test_bfloat16_matches_float32():
 
 def test_cache_is_static_and_donated():
   T, n_steps = 200, 3
-  config = _config("rocketkv", 64, T, n_steps)
+  config = plan_config("rocketkv", 64, T, n_steps)
   q, k, v = _inputs(10, 2, T)
   cache = rk.prefill_compress(q, k, v, jnp.array([200, 100]), config=config)
   shapes = jax.tree.map(lambda x: (x.shape, x.dtype), cache)
@@ -233,28 +233,28 @@ def test_cache_is_static_and_donated():
 def test_sub_batches_assemble_into_one_batch(method):
   """Prefill in sub-batches, concat_caches, decode as one batch == prefill and decode all at once."""
   T, lengths, n_steps = 220, [220, 150, 199], 2
-  config = _config(method, 64, T, n_steps)
+  config = plan_config(method, 64, T, n_steps)
   q, k, v = _inputs(11, 3, T)
   steps = _steps(11, 3, n_steps)
-  want, _ = _run(config, q, k, v, lengths, steps)
+  want, _ = run_steps(config, q, k, v, lengths, steps)
   parts = [rk.prefill_compress(q[:1], k[:1], v[:1], jnp.array(lengths[:1]), config=config),
            rk.prefill_compress(q[1:], k[1:], v[1:], jnp.array(lengths[1:]), config=config)]
-  got, _ = _decode(config, rk.concat_caches(parts), steps)
+  got, _ = decode_steps(config, rk.concat_caches(parts), steps)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="does not match"):
-    rk.concat_caches([parts[0], rk.prefill_compress(q, k, v, jnp.array(lengths), config=_config("full", 64, T, 2))])
+    rk.concat_caches([parts[0], rk.prefill_compress(q, k, v, jnp.array(lengths), config=plan_config("full", 64, T, 2))])
 
 
 @pytest.mark.parametrize("method", ["full", "snapkv", "hsa", "rocketkv", "quest", "sparq", "exact_topk"])
 def test_pallas_impl_matches_xla(method):
   """The impl switch: the Pallas kernels (interpret mode on CPU) give what the XLA path gives."""
   T, lengths, n_steps = 150, [150, 77], 2
-  xla = _config(method, 64, T, n_steps)
+  xla = plan_config(method, 64, T, n_steps)
   pallas = dataclasses.replace(xla, impl="interpret")
   q, k, v = _inputs(12, 2, T)
   steps = _steps(12, 2, n_steps)
-  want, _ = _run(xla, q, k, v, lengths, steps)
-  got, _ = _run(pallas, q, k, v, lengths, steps)
+  want, _ = run_steps(xla, q, k, v, lengths, steps)
+  got, _ = run_steps(pallas, q, k, v, lengths, steps)
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
@@ -264,7 +264,7 @@ def test_choice_in_append_keeps_the_step(method):
   gives the same outputs and caches as the step in its parts (append, then select with the scoring's own
   choice, then attend), over steps that run past the capacity (length stops at it)."""
   T, lengths, n_steps = 150, [150, 77], 4
-  config = dataclasses.replace(_config(method, 64, T, 2), impl="interpret")  # capacity for 2 new tokens, 4 steps
+  config = dataclasses.replace(plan_config(method, 64, T, 2), impl="interpret")  # capacity for 2 new tokens, 4 steps
   q, k, v = _inputs(14, 2, T)
   steps = _steps(14, 2, n_steps)
   cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config)
@@ -298,11 +298,11 @@ def test_pallas_impl_matches_xla_gpu(method):
   if not any(d.platform == "gpu" for d in jax.devices()):
     pytest.skip("needs a GPU")
   T, lengths, n_steps = 1000, [1000, 301, 77], 3
-  xla = _config(method, 128, T, n_steps)
+  xla = plan_config(method, 128, T, n_steps)
   pallas = dataclasses.replace(xla, impl="pallas")
   q, k, v = _inputs(13, 3, T)
   steps = _steps(13, 3, n_steps)
   with jax.default_matmul_precision("highest"):
-    want, _ = _run(xla, q, k, v, lengths, steps)
-    got, _ = _run(pallas, q, k, v, lengths, steps)
+    want, _ = run_steps(xla, q, k, v, lengths, steps)
+    got, _ = run_steps(pallas, q, k, v, lengths, steps)
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
