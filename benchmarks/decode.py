@@ -104,7 +104,7 @@ def chunk_loop(chunk: int) -> LoopConfig:
 def decode_chunk(model, logits_BV, caches, config, *, n):
   """n greedy decode steps of the whole model through the decode loop (caches donated): LoopOutput."""
   graphdef, state = nnx.split(model)
-  return decode_loop_jit(graphdef, state, logits_BV, caches, jax.random.key(0), None, None, config=config,
+  return decode_loop_jit(graphdef, state, logits_BV, caches, None, None, config=config,
                          loop=chunk_loop(n))
 
 
@@ -151,10 +151,9 @@ def compile_decode(model, config, caches, chunk: int):
   graphdef, state = nnx.split(model)
   b = caches[0].k.shape[0]
   logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
-  key = jax.random.key(0)
-  compiled = decode_loop_jit.lower(graphdef, state, logits, caches, key, None, None, config=config,
+  compiled = decode_loop_jit.lower(graphdef, state, logits, caches, None, None, config=config,
                                    loop=chunk_loop(chunk)).compile()
-  return (lambda caches: compiled(state, logits, caches, key, None, None)), compiled
+  return (lambda caches: compiled(state, logits, caches, None, None)), compiled
 
 
 def timed_calls(run, caches, *, chunk: int, reps: int):

@@ -23,7 +23,7 @@ from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 
 from .llama import Llama, prefill_jit
 from .sharding import DATA, MODEL, default_impl, host_readable, resolve_mesh, shard_batch, to_host, using
-from .loop import LoopConfig, LoopOutput, check_loop_args, compile_once, decode_loop_jit
+from .loop import LoopConfig, LoopOutput, RowSampling, check_loop_args, compile_once, decode_loop_jit, uniform_rows
 from .tokenizer import TextTokenizer
 
 __all__ = ["GenerateResult", "GenerateStats", "Prefilled", "check_sampling", "check_token_ids", "decode_prefilled",
@@ -184,7 +184,8 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   """Generates for a batch of prompts (strings or token-id lists) of different lengths.
 
   method/token_budget pick the KV cache (any method of the core; "full" ignores the budget).
-  temperature 0 is greedy; otherwise temperature + top_p sampling from `seed`. Unset (None), they are the
+  temperature 0 is greedy; otherwise temperature + top_p sampling, every prompt keyed by `seed` (`uniform_rows`: a
+  prompt samples the same tokens alone or in any batch, and the server's for the same seed). Unset (None), they are the
   checkpoint's own defaults (its generation_config.json, `tokenizer.generation`), else greedy and 1.0. Each
   sequence stops at its EOS (the chat end-of-turn token with chat=True, the generation config's eos ids) or after
   max_new_tokens.
@@ -208,8 +209,7 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   temperature, top_p = sampling_defaults(tokenizer, temperature, top_p)
   check_sampling(temperature=temperature, top_p=top_p, seed=seed)
   progress = progress or (lambda msg: None)
-  loop = LoopConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    stop_ids=stop_ids(model, tokenizer, chat))
+  loop = LoopConfig(max_new_tokens=max_new_tokens, stop_ids=stop_ids(model, tokenizer, chat), cut_rows=top_p < 1)
   cfg = model.config
   ids = encode_prompts(tokenizer, prompts, chat)
   check_token_ids(ids, cfg.vocab_size)
@@ -242,8 +242,8 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   prefilled = Prefilled(logits_BV=logits, caches=caches, lengths=lengths.tolist(),
                         prefill_s=time.perf_counter() - t1, compile_s=t1 - t0)
   with using(mesh):
-    return decode_prefilled(model, tokenizer, prefilled, config, loop, token_budget=token_budget, seed=seed,
-                            progress=progress)
+    return decode_prefilled(model, tokenizer, prefilled, config, loop, token_budget=token_budget,
+                            rows=uniform_rows(B, temperature, top_p, seed), progress=progress)
 
 
 def _check_overrides(method: str, overrides: dict) -> None:
@@ -257,9 +257,10 @@ def _check_overrides(method: str, overrides: dict) -> None:
 
 
 def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefilled, config, loop: LoopConfig, *,
-                     token_budget: int, seed: int = 0, progress=None) -> GenerateResult:
+                     token_budget: int, rows: RowSampling | None = None, progress=None) -> GenerateResult:
   """Runs the decode loop from a prefilled batch (its caches are donated) and builds the result: texts without
-  their stop id, and the stats (`token_budget` is reported as given)."""
+  their stop id, and the stats (`token_budget` is reported as given). rows: the batch's sampling (`uniform_rows`);
+  None is greedy."""
   progress = progress or (lambda msg: None)
   cfg = model.config
   logits, caches = prefilled.logits_BV, host_readable(prefilled.caches)  # (several processes: lengths replicated)
@@ -270,13 +271,12 @@ def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefille
   full_kv_bytes = (2 * cfg.n_layers * B * cfg.n_kv_heads * cfg.head_dim * (max(prefilled.lengths) + loop.max_new_tokens)
                    * itemsize)
   graphdef, state = nnx.split(model)
-  key = jax.random.key(seed)
   t2 = time.perf_counter()
   progress(f"compiling decode loop ({loop.max_new_tokens} tokens, {config.method})")
-  run = compile_once(decode_loop_jit, graphdef, state, logits, caches, key, None, None, config=config, loop=loop)
+  run = compile_once(decode_loop_jit, graphdef, state, logits, caches, None, None, rows, config=config, loop=loop)
   t3 = time.perf_counter()
   progress(f"decode up to {loop.max_new_tokens} tokens ({config.method})")
-  out: LoopOutput = run(state, logits, caches, key, None, None)
+  out: LoopOutput = run(state, logits, caches, None, None, rows)
   tokens, steps = to_host(out.tokens), int(to_host(out.steps))
   decode_s = time.perf_counter() - t3
   del out

@@ -12,6 +12,10 @@ kept); later entries are -1. With stop ids the loop is a while loop that ends on
 them it always runs max_new_tokens - 1 steps (a loop of static trip count, which XLA runs without reading a
 predicate back per step).
 
+One sampler: without a `RowSampling` every row takes its argmax (greedy); with one, each row samples under its own
+temperature, top-p, top-k and seed (`sample_rows`): the engine's requests, and `generate`'s batch through
+`uniform_rows` (every row the same values and seed).
+
 Per-row processing (`RowProcessing`, the engine's requests with penalties, logit bias, min_tokens or logprobs):
 before a row samples, its logits get its logit bias added, its stop ids masked while it has produced fewer than
 min_tokens tokens, then vLLM's penalties (repetition over the prompt's and the output's tokens, then frequency
@@ -33,7 +37,7 @@ from flax import nnx
 from .llama import Llama, decode_body
 
 __all__ = ["LoopConfig", "LoopOutput", "RowProcessing", "RowSampling", "check_loop_args", "compile_once", "decode_loop",
-           "decode_loop_jit", "process_logits", "sample_rows", "sample_token"]
+           "decode_loop_jit", "process_logits", "sample_rows", "uniform_rows"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,7 +45,6 @@ class LoopConfig:
   """What the loop does; frozen and hashable (a static jit argument: a new value recompiles).
 
   max_new_tokens: tokens produced per row (the first from the prefill logits), so max_new_tokens - 1 steps.
-  temperature: 0 is greedy (argmax); else softmax(logits / temperature) sampling, cut to the nucleus top_p.
   stop_ids: token ids that end a row (EOS, end of turn); () runs every step.
   return_logprobs: also return log_softmax of each token's logits [B, max_new_tokens, V] (float32).
   carry_logits: also feed the last token (one more model step: max_new_tokens steps in all) and return the
@@ -54,8 +57,6 @@ class LoopConfig:
   """
 
   max_new_tokens: int
-  temperature: float = 0.0
-  top_p: float = 1.0
   stop_ids: tuple[int, ...] = ()
   return_logprobs: bool = False
   carry_logits: bool = False
@@ -66,12 +67,6 @@ class LoopConfig:
     n = self.max_new_tokens
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"max_new_tokens={n!r} must be an int >= 1")
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature!r} must be >= 0")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-    object.__setattr__(self, "temperature", float(self.temperature))
-    object.__setattr__(self, "top_p", float(self.top_p))
     stop = tuple(int(i) for i in self.stop_ids)
     if any(i < 0 for i in stop):
       raise ValueError(f"stop_ids={stop} must be token ids >= 0")
@@ -156,18 +151,6 @@ def process_logits(logits_BV, proc: RowProcessing, counts_BV, index_B):
   return x
 
 
-def sample_token(logits_BV, key, temperature: float, top_p: float):
-  """Greedy when temperature == 0; else temperature + nucleus (top_p) sampling."""
-  if temperature == 0.0:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  logits = logits_BV.astype(jnp.float32) / temperature
-  if top_p < 1.0:
-    B = logits.shape[0]
-    cutoff = cut_off_logit(logits, jnp.full((B,), top_p, jnp.float32), jnp.zeros((B,), jnp.int32))
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
 def cut_off_logit(logits_BV, top_p_B, top_k_B):
   """[B, 1]: each row's smallest kept logit: the last of the smallest prefix (by descending logit) whose
   probability mass reaches top_p, shortened to top_k tokens where top_k > 0; at least one token."""
@@ -202,8 +185,20 @@ def sample_rows(logits_BV, rows: RowSampling, offset, *, cut: bool = True):
   return jnp.where(hot, tok, greedy)
 
 
+def uniform_rows(batch: int, temperature: float, top_p: float = 1.0, seed: int = 0) -> RowSampling | None:
+  """The `RowSampling` of `batch` rows that all sample alike (generate's): temperature and top_p, each row keyed by
+  `seed` from token index 0, so a row's tokens depend on its own prompt and the seed only, never on its
+  companions (and equal the serving engine's for the same request and seed). None when greedy (temperature 0):
+  the loop's argmax path."""
+  if temperature == 0:
+    return None
+  full = lambda v, dtype: jnp.full((batch,), v, dtype)  # noqa: E731
+  return RowSampling(temperature=full(temperature, jnp.float32), top_p=full(top_p, jnp.float32),
+                     top_k=full(0, jnp.int32), seed=full(seed, jnp.uint32), index=full(0, jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "loop"), donate_argnames=("caches",))
-def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows=None, process=None, *,
+def decode_loop_jit(graphdef, state, logits_BV, caches, forced_BT, finished_B, rows=None, process=None, *,
                     config, loop: LoopConfig) -> LoopOutput:
   """`decode_loop` over nnx.split(model), every argument given (forced_BT, finished_B, rows and process may be
   None): lower and compile it to time compilation apart. The caches are donated."""
@@ -217,18 +212,15 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
   V = logits_BV.shape[-1]
   K = loop.top_logprobs
 
-  def pick(logits, key, done, i, counts):
+  def pick(logits, done, i, counts):
     """The next token of each row (-1 where the row has ended) and whether the row ends with it."""
-    sub = None
     if rows is not None:
       x = logits if process is None else process_logits(logits, process, counts, rows.index + i)
       tok = sample_rows(x, rows, i, cut=loop.cut_rows)
-    else:
-      if loop.temperature > 0:  # greedy needs no key (and no threefry kernel per step)
-        key, sub = jax.random.split(key)
-      tok = sample_token(logits, sub, loop.temperature, loop.top_p)
+    else:  # greedy: no key, no threefry kernel per step
+      tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tok = jnp.where(done, -1, tok)
-    return tok, done | jnp.isin(tok, stop_S), key
+    return tok, done | jnp.isin(tok, stop_S)
 
   def logprobs(logits):
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -253,7 +245,7 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
 
   done = jnp.zeros((B,), bool) if finished_B is None else finished_B.astype(bool)
   counts = None if process is None else process.counts
-  tok, done, key = pick(logits_BV, key, done, 0, counts)
+  tok, done = pick(logits_BV, done, 0, counts)
   counts = count(counts, tok)
   out = jnp.full((B, last), -1, jnp.int32).at[:, 0].set(tok)
   lp = jnp.zeros((B, last, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logprobs(logits_BV)) \
@@ -264,17 +256,17 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
   carried = logits_BV if loop.carry_logits else None
 
   def body(i, carry):
-    tok, caches, done, out, lp, key, carried, counts, extra = carry
+    tok, caches, done, out, lp, carried, counts, extra = carry
     fed = jnp.maximum(tok, 0) if forced_BT is None else forced_BT[:, i - 1]
     logits, caches = decode_body(model, fed, caches, config)
-    tok, done, key = pick(logits, key, done, i, counts)
+    tok, done = pick(logits, done, i, counts)
     out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
     if lp is not None:
       lp = jax.lax.dynamic_update_slice(lp, logprobs(logits)[:, None], (0, i, 0))
-    return (tok, caches, done, out, lp, key, (logits if carried is not None else None), count(counts, tok),
+    return (tok, caches, done, out, lp, (logits if carried is not None else None), count(counts, tok),
             scores(logits, tok, i, extra))
 
-  carry = (tok, caches, done, out, lp, key, carried, counts, extra)
+  carry = (tok, caches, done, out, lp, carried, counts, extra)
   if loop.stop_ids:
     def cond(c):
       i, (_, _, done, *_) = c
@@ -285,7 +277,7 @@ def decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished
   else:
     carry = jax.lax.fori_loop(1, last, body, carry)
     steps = jnp.int32(last - 1)
-  _, caches, _, out, lp, _, carried, counts, extra = carry
+  _, caches, _, out, lp, carried, counts, extra = carry
   if loop.carry_logits:
     out = out[:, :n]
     lp = None if lp is None else lp[:, :n]
@@ -307,26 +299,24 @@ def check_loop_args(logits_BV, caches, config, loop: LoopConfig, forced_BT=None)
                        f"{loop.max_new_tokens - 1})")
 
 
-def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, key=None, forced_BT=None,
+def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, forced_BT=None,
                 finished_B=None, rows: RowSampling | None = None, process: RowProcessing | None = None) -> LoopOutput:
   """Runs the loop (module doc) from the prefill's last logits [B, V] and the per-layer caches (donated).
 
-  config: the method config the caches were built with. key: the sampling key (jax.random.key(0) when None;
-  unused when greedy). forced_BT: [B, F >= max_new_tokens - 1] int32 teacher forcing: step i feeds
+  config: the method config the caches were built with. forced_BT: [B, F >= max_new_tokens - 1] int32 teacher forcing: step i feeds
   forced[:, i - 1] instead of the row's last token (out[:, i] is still the model's own choice; pair with
   return_logprobs to score forced[:, :max_new_tokens] under the model); needs stop_ids=(). finished_B: [B]
   bool rows that have already ended (padding rows of a batch): they emit -1 only. rows: per-row sampling
-  (`RowSampling`); when given it replaces loop.temperature / top_p and `key`. process: per-row logit processing
+  (`RowSampling`, `uniform_rows`); None is greedy. process: per-row logit processing
   (`RowProcessing`; needs rows): the output's `counts` are the rows' counts after the call.
   """
   if process is not None and rows is None:
     raise ValueError("process (RowProcessing) needs rows (RowSampling): processing is per row")
   check_loop_args(logits_BV, caches, config, loop, forced_BT)
-  key = jax.random.key(0) if key is None else key
   forced_BT = None if forced_BT is None else jnp.asarray(forced_BT, jnp.int32)
   finished_B = None if finished_B is None else jnp.asarray(finished_B, bool)
   graphdef, state = nnx.split(model)
-  return decode_loop_jit(graphdef, state, logits_BV, caches, key, forced_BT, finished_B, rows, process,
+  return decode_loop_jit(graphdef, state, logits_BV, caches, forced_BT, finished_B, rows, process,
                          config=config, loop=loop)
 
 

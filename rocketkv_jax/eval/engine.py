@@ -166,8 +166,8 @@ class Runner:
     return exe
 
   def _loop_args(self, logits_BV, caches, forced_BT, config, loop):
-    # decode_loop_jit(graphdef, state, logits, caches, key, forced, finished, rows); graphdef is static
-    return {"config": config, "loop": loop}, (self.state, logits_BV, caches, jax.random.key(0), forced_BT, None, None)
+    # decode_loop_jit(graphdef, state, logits, caches, forced, finished, rows); graphdef is static
+    return {"config": config, "loop": loop}, (self.state, logits_BV, caches, forced_BT, None, None)
 
   def _run_loop(self, logits_BV, caches, config, loop, forced_BT=None):
     """`models.decode_loop` (the one decode loop) from a cached executable; the caches are donated."""

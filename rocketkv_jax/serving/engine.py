@@ -408,7 +408,6 @@ class DeviceEngine:
     self.model_id = llama.fingerprint(model)
     self._graphdef, self._state = nnx.split(model)
     self._executables: dict = {}
-    self._key = jax.random.key(0)  # unused by per-row sampling; the loop's signature takes one
     # one request's (logits, caches): the shapes of a batch-1 prefill, the same for every bucket (a saved
     # context must match them; a slot's row has them)
     T = config.prefill_buckets[0]
@@ -600,7 +599,7 @@ class DeviceEngine:
       n = 1 << ((len(tokens) - i).bit_length() - 1)
       forced = np.asarray([tokens[i:i + n]], np.int32)
       loop = LoopConfig(max_new_tokens=n, carry_logits=True)
-      args = (self._state, logits_1V, caches, self._key, forced, None, None)
+      args = (self._state, logits_1V, caches, forced, None, None)
       exe = self._compiled(("feed", n), lambda: decode_loop_jit.lower(
           self._graphdef, *args, config=self.method_config, loop=loop))
       out = exe(*args)
@@ -654,7 +653,7 @@ class DeviceEngine:
     else:
       cut = bool(((temperature > 0) & ((top_p < 1) | (top_k > 0))).any())
       loop, kind = dataclasses.replace(self.loop, cut_rows=cut), ("cut" if cut else "sample")
-    args = (self._state, state.logits_BV, state.caches, self._key, None, finished_B, rows, process)
+    args = (self._state, state.logits_BV, state.caches, None, finished_B, rows, process)
     exe = self._compiled(("decode", kind), lambda: decode_loop_jit.lower(
         self._graphdef, *args, config=self.method_config, loop=loop))
     out = exe(*args)

@@ -131,6 +131,10 @@ def test_sampling_is_seeded(tiny_model):
   tiny_p = generate(tiny_model, IdTokenizer(), ps, method="full", max_new_tokens=10, temperature=0.7,
                     top_p=1e-6, seed=3)
   assert tiny_p.token_ids == greedy.token_ids  # top_p -> 0 keeps only the argmax
+  # one sampler: every row is keyed by the seed alone, so a prompt samples the same tokens alone or in a batch
+  alone = generate(tiny_model, IdTokenizer(), ps[1:], seed=1, **kw)
+  assert alone.token_ids[0] == a.token_ids[1]
+  assert generate(tiny_model, IdTokenizer(), ps, seed=2, **kw).token_ids != a.token_ids
 
 
 def test_stats_report_compression(tiny_model):

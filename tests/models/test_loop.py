@@ -127,8 +127,8 @@ def test_kernels_in_the_loop_equal_xla(tiny_model, kernel_impl, method):
 
 
 def test_loop_config_and_argument_checks(tiny_model):
-  for bad, match in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1), "temperature"),
-                     (dict(top_p=0.0), "top_p"), (dict(stop_ids=(-3,)), "stop_ids")):
+  for bad, match in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(stop_ids=(-3,)), "stop_ids"),
+                     (dict(top_logprobs=-1), "top_logprobs")):
     with pytest.raises(ValueError, match=match):
       LoopConfig(**{"max_new_tokens": 2, **bad})
   assert LoopConfig(max_new_tokens=2, stop_ids=[5, 2, 5]).stop_ids == (2, 5)  # hashable, one order

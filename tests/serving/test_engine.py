@@ -132,13 +132,23 @@ def test_continuous_batching_equals_each_request_alone(engine, alone):
 
 
 def test_greedy_engine_equals_generate_with_the_same_plan(model, alone):
-  """The engine plans each request from its own length and max_tokens, the rule generate follows: greedy tokens
-  agree with generate's for the same prompt and max_new_tokens, alone and in a batch of mixed lengths
-  (generate's list ends with its stop id, the engine's does not)."""
+  """The engine plans each request from its own length and max_tokens, the rule generate follows, and samples as
+  generate does: greedy tokens agree with generate's for the same prompt and max_new_tokens, alone and in a batch
+  of mixed lengths, sampled ones for the same seed (generate's list ends with its stop id, the engine's does
+  not)."""
   greedy = [i for i in range(len(LENGTHS)) if SAMPLINGS[i].temperature == 0]
   for i in greedy:
     res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32,
                    max_new_tokens=SAMPLINGS[i].max_tokens)
+    got = res.token_ids[0]
+    if got and got[-1] == 2:
+      got = got[:-1]
+    assert got == alone[str(i)]["tokens"], i
+  # one sampler: a sampled request (temperature, top-p, seed) gets generate's tokens for the same seed
+  for i in (1, 4):
+    s = SAMPLINGS[i]
+    res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32,
+                   max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
     got = res.token_ids[0]
     if got and got[-1] == 2:
       got = got[:-1]
