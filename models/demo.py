@@ -19,9 +19,10 @@ from flax import nnx
 from rocketkv_jax import METHODS, plan_rows
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 
+from .executables import SHARED
 from .generate import Prefilled, decode_prefilled, stop_ids
 from .llama import compress_layers, prefill_dense_jit
-from .loop import LoopConfig, compile_once
+from .loop import LoopConfig
 from .weights import load
 
 DOCUMENT = "alice_chapter1.txt"
@@ -77,7 +78,7 @@ def run_demo(*, model: str = "smollm2", methods=("full", "rocketkv"), token_budg
   graphdef, state = nnx.split(llm)
   t0 = time.perf_counter()
   log("compiling prefill")
-  pre = compile_once(prefill_dense_jit, graphdef, state, tokens, lengths)
+  pre = SHARED.for_args(prefill_dense_jit, graphdef, state, tokens, lengths)
   t1 = time.perf_counter()
   log(f"prefill {T} tokens (dense attention; each method then compresses it)")
   logits, layer_qkv = pre(state, tokens, lengths)

@@ -23,7 +23,8 @@ from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 
 from .llama import Llama, prefill_jit
 from .sharding import DATA, MODEL, default_impl, host_readable, resolve_mesh, shard_batch, to_host, using
-from .loop import LoopConfig, LoopOutput, RowSampling, check_loop_args, compile_once, decode_loop_jit, uniform_rows
+from .executables import SHARED
+from .loop import LoopConfig, LoopOutput, RowSampling, check_loop_args, decode_loop_jit, uniform_rows
 from .tokenizer import TextTokenizer
 
 __all__ = ["GenerateResult", "GenerateStats", "Prefilled", "check_sampling", "check_token_ids", "decode_prefilled",
@@ -234,7 +235,7 @@ def generate(model: Llama, tokenizer: TextTokenizer, prompts: Sequence, *, metho
   t0 = time.perf_counter()
   progress(f"compiling prefill ({B} x {T} tokens, {method})")
   with using(mesh):
-    pre = compile_once(prefill_jit, graphdef, state, tokens_j, lengths_j, plan.rows, config=config)
+    pre = SHARED.for_args(prefill_jit, graphdef, state, tokens_j, lengths_j, plan.rows, config=config)
   t1 = time.perf_counter()
   progress(f"prefill {B} x {T} tokens ({method}, budget {token_budget})")
   logits, caches = pre(state, tokens_j, lengths_j, plan.rows)
@@ -273,7 +274,7 @@ def decode_prefilled(model: Llama, tokenizer: TextTokenizer, prefilled: Prefille
   graphdef, state = nnx.split(model)
   t2 = time.perf_counter()
   progress(f"compiling decode loop ({loop.max_new_tokens} tokens, {config.method})")
-  run = compile_once(decode_loop_jit, graphdef, state, logits, caches, None, None, rows, config=config, loop=loop)
+  run = SHARED.for_args(decode_loop_jit, graphdef, state, logits, caches, None, None, rows, config=config, loop=loop)
   t3 = time.perf_counter()
   progress(f"decode up to {loop.max_new_tokens} tokens ({config.method})")
   out: LoopOutput = run(state, logits, caches, None, None, rows)

@@ -36,7 +36,7 @@ from flax import nnx
 
 from .llama import Llama, decode_body
 
-__all__ = ["LoopConfig", "LoopOutput", "RowProcessing", "RowSampling", "check_loop_args", "compile_once", "decode_loop",
+__all__ = ["LoopConfig", "LoopOutput", "RowProcessing", "RowSampling", "check_loop_args", "decode_loop",
            "decode_loop_jit", "process_logits", "sample_rows", "uniform_rows"]
 
 
@@ -318,21 +318,3 @@ def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, fo
   graphdef, state = nnx.split(model)
   return decode_loop_jit(graphdef, state, logits_BV, caches, forced_BT, finished_B, rows, process,
                          config=config, loop=loop)
-
-
-_COMPILED: dict = {}
-
-
-def compile_once(fn, *args, **static):
-  """fn (a jax.jit function) AOT-compiled for these arguments' shapes, shardings and these static arguments (and
-  the mesh set, if any), cached, so
-  that compile time can be measured apart: call the result with the non-static arguments after the first
-  (args[0] is the static graphdef)."""
-  key = (fn, args[0], jax.tree.structure(args[1:]),
-         tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in jax.tree.leaves(args[1:])),
-         tuple(sorted(static.items())), jax.sharding.get_abstract_mesh())
-  if key not in _COMPILED:
-    if len(_COMPILED) >= 64:  # many distinct prompt shapes: drop old executables
-      _COMPILED.clear()
-    _COMPILED[key] = fn.lower(*args, **static).compile()
-  return _COMPILED[key]

@@ -11,7 +11,8 @@
 - the KV core's op table (`rocketkv_jax/ops.py`) holds no model op: the model's RMSNorm / RoPE kernels are
   imported by `models/layer_ops.py` only, never by the core (issue 38);
 - no capability probes in the package: no `hasattr(...)`, no `getattr(config, "name", default)`; a
-  method's capabilities are ClassVars it declares (`MethodConfig.uses_kt_pages`, `scores_channels`, issue 38).
+  method's capabilities are ClassVars it declares (`MethodConfig.uses_kt_pages`, `scores_channels`, issue 38);
+- one compile cache: only `models/executables.py` calls `.compile()` in the package (issue 38).
 """
 import ast
 import pathlib
@@ -235,3 +236,17 @@ def test_the_models_ops_stay_out_of_the_core():
           mod == "rocketkv_jax.kernels" and {"rms_norm", "qkv_rope"} & set(names)):
         found.append(f"{path.relative_to(ROOT)}:{line}: imports {mod} {names}")
   assert not found, "the core imports the model's kernels:\n" + "\n".join(found)
+
+
+def test_one_compile_cache():
+  """Everything the package compiles ahead of time goes through `models/executables.py` (`Executables`): no other
+  module calls `.compile()` on a lowered function or keeps executables of its own (issue 38)."""
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if _layer(name) not in ("core", "kernels", "models", "serving", "eval") or name == "rocketkv_jax.models.executables":
+      continue
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "compile"
+          and not node.args and not node.keywords):
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+  assert not found, "compiles outside models/executables.py (use an Executables):\n" + "\n".join(found)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
-import time
 from typing import Sequence
 
 import jax
@@ -40,6 +39,7 @@ from flax import nnx
 
 import rocketkv_jax
 from rocketkv_jax.models import LoopConfig, prefill_dense
+from rocketkv_jax.models.executables import Executables
 from rocketkv_jax.models.loop import check_loop_args, decode_loop_jit
 from rocketkv_jax.models.llama import decode_layer, embed_tokens
 from rocketkv_jax.select import attention_probs
@@ -116,11 +116,6 @@ def _spec(x):
   return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _shape_key(tree) -> tuple:
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
-
-
 class Runner:
   """Holds a model; `prefill_dense` once, then `compress` + `greedy` / `teacher_forced` / `agnostic` for any
   method config.
@@ -137,33 +132,21 @@ class Runner:
     self.cfg = model.config
     self.graphdef, self.state = nnx.split(model)
     self.layers = [nnx.split(blk) for blk in model.layers]
-    self._exes: dict = {}
-    self._lock = threading.Lock()
     # compiles, seconds tracing and compiling (summed over threads), compiles outside `precompile`'s threads
-    self.stats = {"compiles": 0, "lower_s": 0.0, "compile_s": 0.0, "late": 0}
+    self.executables = Executables(on_compile=self._count_late)
+    self.stats = self.executables.stats
+    self.stats["late"] = 0
 
   # -- executables
 
+  def _count_late(self, lower_s, compile_s):
+    self.stats["late"] += not threading.current_thread().name.startswith("precompile")
+
   def _exe(self, fn, static: dict, args: tuple, lead: tuple = ()):
     """fn (a jax.jit function) compiled for these arguments' shapes (arrays or ShapeDtypeStructs) and static
-    arguments (keyword `static`, and `lead`: static positional arguments before `args`); cached. Called with
-    `args`."""
-    key = (fn, lead, tuple(sorted(static.items())), _shape_key(args))
-    with self._lock:
-      exe = self._exes.get(key)
-    if exe is None:
-      t0 = time.perf_counter()
-      lowered = fn.lower(*lead, *args, **static)
-      t1 = time.perf_counter()
-      exe = lowered.compile()
-      t2 = time.perf_counter()
-      with self._lock:
-        self._exes.setdefault(key, exe)
-        self.stats["compiles"] += 1
-        self.stats["lower_s"] += t1 - t0
-        self.stats["compile_s"] += t2 - t1
-        self.stats["late"] += not threading.current_thread().name.startswith("precompile")
-    return exe
+    arguments (keyword `static`, and `lead`: static positional arguments before `args`), from the runner's
+    `Executables`. Called with `args`."""
+    return self.executables.for_args(fn, *lead, *args, **static)
 
   def _loop_args(self, logits_BV, caches, forced_BT, config, loop):
     # decode_loop_jit(graphdef, state, logits, caches, forced, finished, rows); graphdef is static

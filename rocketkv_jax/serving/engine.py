@@ -71,8 +71,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.executables import Executables
 from rocketkv_jax.models.loop import LoopConfig, RowProcessing, RowSampling, decode_loop_jit
-from rocketkv_jax.models.sharding import DATA, MODEL, cache_spec, default_impl, resolve_mesh, using
+from rocketkv_jax.models.sharding import DATA, MODEL, cache_spec, default_impl, resolve_mesh
 
 __all__ = ["Context", "DecodeState", "DeviceEngine", "EngineConfig", "LimitError", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
            "Prefilled", "Request", "SamplingParams", "check_limits", "default_buckets", "insert_jit"]
@@ -407,7 +408,7 @@ class DeviceEngine:
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
     self.model_id = llama.fingerprint(model)
     self._graphdef, self._state = nnx.split(model)
-    self._executables: dict = {}
+    self._executables = Executables(mesh=mesh)
     # one request's (logits, caches): the shapes of a batch-1 prefill, the same for every bucket (a saved
     # context must match them; a slot's row has them)
     T = config.prefill_buckets[0]
@@ -496,11 +497,7 @@ class DeviceEngine:
                         self._placement)
 
   def _compiled(self, key, lower):
-    exe = self._executables.get(key)
-    if exe is None:
-      with using(self.mesh):
-        exe = self._executables[key] = lower().compile()
-    return exe
+    return self._executables.get(key, lower)
 
   # ------------------------------------------------------------------ prefill (batch 1)
 
