@@ -93,8 +93,8 @@ class FetchError(ValueError):
 
 
 def default_cache_dir() -> str:
-  """The cache root: $ROCKETKV_CACHE, else ~/.cache/rocketkv_jax. The same rule as weights.default_cache_dir
-  (the converted-weight cache), repeated here because importing weights pulls in jax; a test holds them equal."""
+  """The cache root: $ROCKETKV_CACHE, else ~/.cache/rocketkv_jax. The same rule as weight_cache.default_cache_dir
+  (the converted-weight cache), repeated here because importing weight_cache pulls in jax; a test holds them equal."""
   return os.environ.get("ROCKETKV_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rocketkv_jax"))
 
 

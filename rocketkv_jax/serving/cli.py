@@ -158,7 +158,7 @@ def _check_model_source(model: str) -> None:
   """Fails fast, before any loading, when the model's file or folder (or the smollm2 package, or a hub id's
   checkpoint in the local Hugging Face cache) is missing."""
   from rocketkv_jax.models import catalog, hub, shapes
-  from rocketkv_jax.models.weights import smollm2_path
+  from rocketkv_jax.models.gguf import smollm2_path
   if shapes.is_random(model):
     shapes.shape(model)  # ValueError naming the known shapes
     return
@@ -184,7 +184,7 @@ def compile_cache_dir(args) -> str | None:
     return None
   import jax
 
-  from rocketkv_jax.models.weights import default_cache_dir
+  from rocketkv_jax.models.weight_cache import default_cache_dir
   path = os.path.join(os.path.expanduser(args.cache) if args.cache else default_cache_dir(), "xla")
   try:
     os.makedirs(path, exist_ok=True)

@@ -221,7 +221,7 @@ def test_cli_generate_with_an_unfetched_alias_says_how_to_fetch(tmp_path, monkey
 
 
 def test_table_and_cache_root():
-  from rocketkv_jax.models import weights
+  from rocketkv_jax.models import weight_cache
   for alias in ("qwen2.5-1.5b", "qwen2.5-0.5b"):
     assert catalog.is_alias(alias) and alias in catalog.ALIASES
   assert not catalog.is_alias("smollm2") and not catalog.is_alias(None)
@@ -240,8 +240,8 @@ def test_table_and_cache_root():
       mp.delenv("ROCKETKV_CACHE", raising=False)
       for k, v in env.items():
         mp.setenv(k, v)
-      assert catalog.default_cache_dir() == weights.default_cache_dir()
-      assert catalog.models_dir() == os.path.join(weights.default_cache_dir(), "models")
+      assert catalog.default_cache_dir() == weight_cache.default_cache_dir()
+      assert catalog.models_dir() == os.path.join(weight_cache.default_cache_dir(), "models")
 
 
 def test_catalog_imports_only_the_standard_library():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from rocketkv_jax.models import catalog, generate, llama, load
-from rocketkv_jax.models.weights import CheckpointError, read_gguf
+from rocketkv_jax.models.gguf import read_gguf
+from rocketkv_jax.models.weights import CheckpointError
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gguf_tiny")
 REAL_REF = os.path.join(os.path.dirname(__file__), "fixtures", "qwen2_5_coder_1_5b_reference.npz")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rocketkv_jax.models import CheckpointError, LlamaConfig, TextTokenizer, forward_full, load
-from rocketkv_jax.models.weights import MANIFEST, OWNER, STALE_TMP_S, CacheIntegrityWarning
+from rocketkv_jax.models.weight_cache import MANIFEST, OWNER, STALE_TMP_S, CacheIntegrityWarning
 
 from .conftest import tiny_config
 from .test_loaders import CFG, TOKS, flat_params, write_gguf, write_hf_dir

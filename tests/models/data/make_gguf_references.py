@@ -1,4 +1,4 @@
-"""Makes Qwen2 GGUF test data and its transformers reference outputs, for the GGUF loader (models/weights.py).
+"""Makes Qwen2 GGUF test data and its transformers reference outputs, for the GGUF loader (models/gguf.py).
 
 Outputs (the reference side is HF transformers, PyTorch, CPU, float32, eager attention, loading the very .gguf file
 with `from_pretrained(folder, gguf_file=name)`, so transformers' own dequantization, name mapping and GGUF

@@ -1,7 +1,7 @@
 """Makes tests/models/data/hf_tiny/<name>/: tiny random HF checkpoints and their transformers reference outputs.
 
 Each folder is a HF model directory (config.json, generation_config.json, model.safetensors in float32, a toy
-tokenizer.json) plus reference.npz, so the loader (models/weights.py) can be tested per model family against an
+tokenizer.json) plus reference.npz, so the loader (models/safetensors_hf.py) can be tested per model family against an
 independent implementation (HF transformers, PyTorch, CPU, float32, eager attention):
 
   llama              LlamaForCausalLM, default RoPE (theta 10000), untied lm_head
