@@ -47,6 +47,38 @@ def smollm2():
   return load("smollm2")
 
 
+# Layers of `smollm2_lite`: SmolLM2's tokenizer, chat template and first weights, with 4 of its 30 layers.
+LITE_LAYERS = 4
+
+
+def first_layers(model, n: int):
+  """A copy of `model` (a Llama) with its first n layers only: the same embedding, norm and head."""
+  import dataclasses
+
+  from flax import nnx
+
+  from rocketkv_jax.models.llama import from_params
+
+  def flat(d, prefix=""):
+    for k, v in d.items():
+      yield from (flat(v, f"{prefix}{k}/") if isinstance(v, dict) else [(f"{prefix}{k}", v)])
+
+  params = {k: v for k, v in flat(nnx.to_pure_dict(nnx.state(model)))
+            if not k.startswith("layers/") or int(k.split("/")[1]) < n}
+  return from_params(dataclasses.replace(model.config, n_layers=n), params, dtype=model.dtype)
+
+
+@pytest.fixture(scope="session")
+def smollm2_lite(smollm2):
+  """SmolLM2 cut to its first LITE_LAYERS layers, with its real tokenizer: for the server's tests whose subject
+  (the protocol, limits, lifecycle, compile counts, concurrency) does not depend on what the model says. Its text
+  is not sensible; tests of what SmolLM2 answers (stopping at its end of turn, recalling a session's earlier
+  turn) and the CLI's own `rocketkv serve` run the whole model. Compiling 4 layers instead of 30 takes a
+  fraction of the time."""
+  model, tok = smollm2
+  return first_layers(model, LITE_LAYERS), tok
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _drop_compiled_executables():
   """JAX keeps every compiled executable of the process alive, and each holds about three memory maps: the whole

@@ -105,9 +105,9 @@ def closed_by_server(sock, wait: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fast_limits(smollm2):
+def fast_limits(smollm2_lite):
   """A server with a 1 s request deadline, 1 s keep-alive and 20 connections at most."""
-  with limited_server(*smollm2, ConnectionLimits(max_connections=20, keep_alive_s=1, request_timeout_s=1.0,
+  with limited_server(*smollm2_lite, ConnectionLimits(max_connections=20, keep_alive_s=1, request_timeout_s=1.0,
                                                   max_header_bytes=8192)) as s:
     yield s
 
@@ -191,12 +191,12 @@ def test_headers_past_the_limit_get_400(fast_limits):
   assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
 
 
-def test_idle_connections_never_lock_a_new_client_out(smollm2):
+def test_idle_connections_never_lock_a_new_client_out(smollm2_lite):
   """40 silent connections against a cap of 20 (and a deadline long past the test): the oldest idle ones are
   closed to make room, so a normal request is answered at once. uvicorn's limit_concurrency alone answered
   every new request 503 until the idle ones went away."""
   limits = ConnectionLimits(max_connections=20, request_timeout_s=600.0)
-  with limited_server(*smollm2, limits) as s:
+  with limited_server(*smollm2_lite, limits) as s:
     idle = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(40)]
     try:
       time.sleep(0.5)
@@ -212,11 +212,11 @@ def test_idle_connections_never_lock_a_new_client_out(smollm2):
         c.close()
 
 
-def test_the_excess_over_busy_connections_gets_503_at_once(smollm2):
+def test_the_excess_over_busy_connections_gets_503_at_once(smollm2_lite):
   """Every open connection has a request in flight (its body still coming): a new one is refused with 503 at
   once, not left hanging, and none of the busy ones is closed to make room."""
   limits = ConnectionLimits(max_connections=3, request_timeout_s=600.0)
-  with limited_server(*smollm2, limits) as s:
+  with limited_server(*smollm2_lite, limits) as s:
     body = json.dumps(dict(model=MODEL, prompt="hi", max_tokens=1)).encode()
     busy = []
     try:
@@ -238,10 +238,10 @@ def test_the_excess_over_busy_connections_gets_503_at_once(smollm2):
     assert health(s.port) == 200
 
 
-def test_a_long_answer_is_not_cut_by_the_request_deadline(smollm2):
+def test_a_long_answer_is_not_cut_by_the_request_deadline(smollm2_lite):
   """The deadline is on receiving the request: a stream that runs for seconds past it finishes whole."""
   limits = ConnectionLimits(max_connections=20, request_timeout_s=0.5)
-  with limited_server(*smollm2, limits) as s:
+  with limited_server(*smollm2_lite, limits) as s:
     body = json.dumps(dict(model=MODEL, prompt="Once upon a time", max_tokens=48, temperature=0, stream=True)).encode()
     t0 = time.monotonic()
     status, answer = raw_request(s.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"

@@ -124,9 +124,9 @@ def hostile(port) -> list[tuple[str, object]]:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2):
+def server(smollm2_lite):
   limits = ConnectionLimits(max_connections=512, request_timeout_s=3.0)
-  with limited_server(*smollm2, limits, server_kw=dict(max_body_bytes=BODY_LIMIT), max_slots=16, max_queue=1024,
+  with limited_server(*smollm2_lite, limits, server_kw=dict(max_body_bytes=BODY_LIMIT), max_slots=16, max_queue=1024,
                       max_new_tokens=16, prefill_buckets=(16, 64)) as s:
     yield s
 

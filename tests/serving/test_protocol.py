@@ -17,8 +17,8 @@ from tests.serving.test_server import MODEL, PROMPTS, QUESTIONS, serving  # noqa
 
 
 @pytest.fixture(scope="module")
-def served(smollm2):
-  with serving(*smollm2, history_bytes=2**28) as s:  # with a prompt history: cache_salt has something to separate
+def served(smollm2_lite):
+  with serving(*smollm2_lite, history_bytes=2**28) as s:  # with a prompt history: cache_salt has something to separate
     yield s
 
 
@@ -143,8 +143,8 @@ def test_the_new_fields_accepted_by_the_openai_client(served):
 # --- the fields' effects ------------------------------------------------------------------------------------------
 
 
-def test_logit_bias_forces_and_forbids_tokens(served, smollm2):
-  _, tok = smollm2
+def test_logit_bias_forces_and_forbids_tokens(served, smollm2_lite):
+  _, tok = smollm2_lite
   (banana,) = tok.encode(" banana")
   r = _complete(served, prompt=PROMPTS[0], max_tokens=4, temperature=0, logit_bias={str(banana): 100})
   assert r.choices[0].text == " banana" * 4
@@ -154,8 +154,8 @@ def test_logit_bias_forces_and_forbids_tokens(served, smollm2):
   assert r.choices[0].text != plain and r.choices[0].text
 
 
-def test_min_tokens_holds_back_the_stop(served, smollm2):
-  _, tok = smollm2
+def test_min_tokens_holds_back_the_stop(served, smollm2_lite):
+  _, tok = smollm2_lite
   first = _complete(served, prompt=PROMPTS[0], max_tokens=1, temperature=0).choices[0].text
   (first_id,) = tok.encode(first)
   stop = {"stop_token_ids": [first_id]}
@@ -165,10 +165,10 @@ def test_min_tokens_holds_back_the_stop(served, smollm2):
   assert r.usage.completion_tokens >= 3 and r.choices[0].text
 
 
-def test_ignore_eos_runs_to_max_tokens(served, smollm2):
+def test_ignore_eos_runs_to_max_tokens(served, smollm2_lite):
   """With the end-of-turn token pushed to the top, a chat answer ends at once; with ignore_eos (vLLM's field) it
   runs to max_tokens."""
-  _, tok = smollm2
+  _, tok = smollm2_lite
   msgs = [{"role": "user", "content": "Say yes."}]
   bias = {"logit_bias": {str(tok.chat_eos_id): 100}}
   short = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
@@ -184,13 +184,18 @@ def test_ignore_eos_runs_to_max_tokens(served, smollm2):
 
 @pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty", "repetition_penalty"])
 def test_penalties_break_a_repetition(served, field):
-  """Greedy SmolLM2 goes on repeating " yes,"; a strong penalty on repeated tokens makes it say fewer."""
+  """Greedy, the model answers this prompt with a few tokens over and over; a strong penalty on repeated tokens
+  makes it use more distinct ones."""
   prompt = "yes, yes, yes, yes, yes, yes,"
-  plain = _complete(served, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
-  value = 3.0 if field == "repetition_penalty" else 2.0
-  penalized = _complete(served, prompt=prompt, max_tokens=8, temperature=0, extra_body={field: value}).choices[0].text
-  assert plain.count("yes") >= 3, plain
-  assert penalized.count("yes") < plain.count("yes"), (plain, penalized)
+
+  def distinct(**kw):
+    r = _complete(served, prompt=prompt, max_tokens=12, temperature=0, logprobs=0, **kw)
+    return r.choices[0].logprobs.tokens
+
+  plain = distinct()
+  penalized = distinct(extra_body={field: 3.0 if field == "repetition_penalty" else 2.0})
+  assert len(set(plain)) <= 6, plain
+  assert len(set(penalized)) > len(set(plain)), (plain, penalized)
 
 
 def test_n_samples(served):
@@ -252,10 +257,10 @@ def _dense_logprobs(model, ids) -> np.ndarray:
   return np.asarray(jax.nn.log_softmax(logits.astype(np.float32), axis=-1))
 
 
-def test_echo_with_logprobs_on_token_ids_matches_the_dense_model(served, smollm2):
+def test_echo_with_logprobs_on_token_ids_matches_the_dense_model(served, smollm2_lite):
   """lm-eval's log-likelihood request: token-id prompt, echo, logprobs=1, max_tokens=1, greedy. The prompt's
   logprobs are the dense model's, the first None; then the generated token's."""
-  model, tok = smollm2
+  model, tok = smollm2_lite
   ids = tok.encode(PROMPTS[0] + " Paris, and the capital of Italy is")
   r = _complete(served, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
   choice = r.choices[0]
@@ -335,8 +340,8 @@ def test_chat_logprobs(served):
 # --- tokenizer routes and the chat template ----------------------------------------------------------------------
 
 
-def test_tokenizer_info_and_tokenize_options(served, smollm2):
-  _, tok = smollm2
+def test_tokenizer_info_and_tokenize_options(served, smollm2_lite):
+  _, tok = smollm2_lite
   status, text = served.http("GET", "/tokenizer_info")
   info = json.loads(text)
   assert status == 200 and info["eos_token"] == tok.tokenizer.id_to_token(tok.eos_id)
@@ -355,9 +360,9 @@ TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}
             "{% if add_generation_prompt %}[bot]{% endif %}")
 
 
-def test_a_chat_template_override_is_used(smollm2, tmp_path):
+def test_a_chat_template_override_is_used(smollm2_lite, tmp_path):
   from rocketkv_jax.models.tokenizer import read_chat_template
-  model, tok = smollm2
+  model, tok = smollm2_lite
   path = tmp_path / "t.jinja"
   path.write_text(TEMPLATE)
   custom = dataclasses.replace(tok, chat_template=read_chat_template(str(path)))
@@ -384,12 +389,12 @@ def test_serve_refuses_a_bad_chat_template_before_loading(tmp_path, capsys, monk
   assert "--chat-template" in err and str(path) in err and why in err, err
 
 
-def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2):
+def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2_lite):
   """A good --chat-template reaches the tokenizer the engine is built with."""
   import rocketkv_jax.models as models
   import rocketkv_jax.serving.scheduler as scheduler_module
   from rocketkv_jax.serving.cli import main
-  model, tok = smollm2
+  model, tok = smollm2_lite
   custom = dataclasses.replace(tok)
   seen = []
 
@@ -411,16 +416,15 @@ def test_serve_applies_the_chat_template_flag(tmp_path, monkeypatch, smollm2):
   assert seen == [TEMPLATE]
 
 
-def test_echo_logprobs_keep_a_stop_token(served, smollm2):
+def test_echo_logprobs_keep_a_stop_token(served, smollm2_lite):
   """lm-eval scores a continuation with token_logprobs[ctxlen:-1]: the last entry must be the generated token's
-  even when that token is a stop id (here the chat end-of-turn after a finished answer), as vLLM and OpenAI keep
-  it; dropping it would silently drop the continuation's last token from the score."""
-  _, tok = smollm2
+  even when that token is a stop id (here the chat end-of-turn after an answer, made certain by a logit bias), as
+  vLLM and OpenAI keep it; dropping it would silently drop the continuation's last token from the score."""
+  _, tok = smollm2_lite
   msgs = [{"role": "user", "content": QUESTIONS[0]}]
-  answer = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
-  assert answer.choices[0].finish_reason == "stop", answer
-  ids = tok.encode(tok.apply_chat(msgs)) + tok.encode(answer.choices[0].message.content)
-  r = _complete(served, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+  ids = tok.encode(tok.apply_chat(msgs)) + tok.encode("2 + 2 is 4.")
+  r = _complete(served, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                logit_bias={str(tok.eos_id): 100})
   lp = r.choices[0].logprobs
   assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
   assert len(lp.token_logprobs) == len(ids) + 1, (len(lp.token_logprobs), len(ids))

@@ -115,8 +115,8 @@ def serving(model, tok, **overrides):
 
 
 @pytest.fixture(scope="module")
-def served(smollm2):
-  with serving(*smollm2) as s:
+def served(smollm2_lite):
+  with serving(*smollm2_lite) as s:
     yield s
 
 
@@ -195,8 +195,8 @@ def test_metrics_parse_and_latency_histograms(served):
     assert count(after, name) == count(before, name) + 2, name
 
 
-def test_completion_and_chat(served, smollm2):
-  _, tok = smollm2
+def test_completion_and_chat(served, smollm2_lite):
+  _, tok = smollm2_lite
   c = served.client
   text, finish, usage = complete(c, PROMPTS[0], 6, stream=False)
   assert finish == "length" and usage.completion_tokens == 6
@@ -303,8 +303,8 @@ def test_sampling_fields_not_implemented_are_refused(served, field, value):
   assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == field, e.value.body
 
 
-def test_neutral_values_and_unknown_fields_are_accepted(served, smollm2):
-  _, tok = smollm2
+def test_neutral_values_and_unknown_fields_are_accepted(served, smollm2_lite):
+  _, tok = smollm2_lite
   c = served.client
   neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "length_penalty": 1, "use_beam_search": False, "best_of": 1,
              "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "n": 1, "echo": False,
@@ -317,10 +317,10 @@ def test_neutral_values_and_unknown_fields_are_accepted(served, smollm2):
   assert finish == "stop" and usage.completion_tokens <= 1 and text == ""
 
 
-def test_a_bad_value_fails_only_its_own_request(served, smollm2):
+def test_a_bad_value_fails_only_its_own_request(served, smollm2_lite):
   """Out-of-range sampling values get a 400 naming the field, while 3 good requests decoding at the same time
   finish with the same text as alone (the issue: top_k=10**12 raised inside the shared step, 4 requests got 500)."""
-  _, tok = smollm2
+  _, tok = smollm2_lite
   good = [(PROMPTS[0], 16, False), (PROMPTS[3], 16, True), (PROMPTS[5], 16, False)]
   alone = [complete(served.client, p, n, s) for p, n, s in good]
   ok = dict(model=MODEL, prompt="hello", max_tokens=2)
@@ -472,9 +472,9 @@ def test_loopback_server_refuses_foreign_host_and_origin(served):
     assert not any(k.startswith("access-control-") for k in got), got
 
 
-def test_version_tokenize_detokenize(served, smollm2):
+def test_version_tokenize_detokenize(served, smollm2_lite):
   from importlib.metadata import version
-  _, tok = smollm2
+  _, tok = smollm2_lite
   status, text = served.http("GET", "/version")
   assert status == 200 and json.loads(text) == {"version": version("rocketkv-jax")}
   status, text = served.http("POST", "/tokenize", json.dumps({"model": MODEL, "prompt": PROMPTS[0]}))

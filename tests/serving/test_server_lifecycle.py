@@ -25,9 +25,9 @@ TINY_KEY = "sk-tiny-test-key"
 
 
 @pytest.fixture(scope="module")
-def tiny(smollm2):
+def tiny(smollm2_lite):
   """One slot, a queue of one, and an API key (so every call here also proves the key is accepted)."""
-  model, tok = smollm2
+  model, tok = smollm2_lite
   s = Served(model, tok, drain_s=0.2, server_kw=dict(api_key=TINY_KEY), method="rocketkv", token_budget=64,
              max_slots=1, max_prompt_tokens=128, max_new_tokens=64, steps_per_call=1, max_queue=1)
   try:
@@ -171,12 +171,12 @@ def test_sampling_defaults_come_from_the_generation_config():
   assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
 
 
-def test_ready_means_compiled(smollm2):
+def test_ready_means_compiled(smollm2_lite):
   """With warm-up, nothing compiles on live traffic: a mixed stream (prompt lengths in every bucket, greedy,
   sampled, top-p and top-k cut, penalties, logit bias, min_tokens, logprobs, echo with logprobs (the scored
   prefill), n > 1, completions and chat, streaming or not) leaves the compile count where start-up left it, and
   /metrics starts at zero tokens (warm-up traffic is not counted)."""
-  model, tok = smollm2
+  model, tok = smollm2_lite
   with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True)) as s:
     m = s.metrics()
     compiles = m["rocketkv_compiles_total"]

@@ -18,8 +18,8 @@ TAIL = " and then a long tail of other words to fill the window of the method, s
 
 
 @pytest.fixture(scope="module")
-def two_keys(smollm2):
-  s = Served(*smollm2, method="rocketkv", token_budget=64, max_slots=2, max_prompt_tokens=256, max_new_tokens=4,
+def two_keys(smollm2_lite):
+  s = Served(*smollm2_lite, method="rocketkv", token_budget=64, max_slots=2, max_prompt_tokens=256, max_new_tokens=4,
              steps_per_call=4, max_queue=16, history_bytes=2**26, server_kw=dict(api_key=("key-alice", "key-bob")))
   try:
     yield s
