@@ -18,7 +18,7 @@ def test_sharded_runs_equal_unsharded():
                      timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
-  assert len(result) == 13 and all(result.values()), result
+  assert len(result) == 10 and all(result.values()), result
 
 
 def test_mesh_and_placement_errors():
