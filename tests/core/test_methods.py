@@ -245,7 +245,7 @@ def test_sub_batches_assemble_into_one_batch(method):
     rk.concat_caches([parts[0], rk.prefill_compress(q, k, v, jnp.array(lengths), config=plan_config("full", 64, T, 2))])
 
 
-@pytest.mark.parametrize("method", ["full", "snapkv", "hsa", "rocketkv", "quest", "sparq", "exact_topk"])
+@pytest.mark.parametrize("method", ["full", "snapkv", "rocketkv", "quest", "sparq", "exact_topk"])  # (hsa: rocketkv's ops)
 def test_pallas_impl_matches_xla(method):
   """The impl switch: the Pallas kernels (interpret mode on CPU) give what the XLA path gives."""
   T, lengths, n_steps = 150, [150, 77], 2
@@ -258,7 +258,7 @@ def test_pallas_impl_matches_xla(method):
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("method", ["rocketkv", "hsa", "rocketkv_plus"])
+@pytest.mark.parametrize("method", ["rocketkv", "rocketkv_plus"])  # (hsa's step is rocketkv's without stage 1)
 def test_choice_in_append_keeps_the_step(method):
   """With kernels the decode step has the append's kernel make the channel choice that the scoring takes; it
   gives the same outputs and caches as the step in its parts (append, then select with the scoring's own

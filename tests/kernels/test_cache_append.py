@@ -98,9 +98,10 @@ def check(B, K, S, H, page_size, dtype, kt_dtype, interpret, per_head=False, see
       assert np.isfinite(np.asarray(page.astype(jnp.float32))).all(), "junk leaked into the KT pages"
 
 
-@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("H, page_size", [(64, 3), (128, 1)])
+# each cache dtype (the page rebuilt from its rows / the column fold) with each KT dtype once, over two head shapes
+@pytest.mark.parametrize("H, page_size, dtype, kt_dtype", [
+    (64, 3, jnp.float32, jnp.float32), (128, 1, jnp.float32, jnp.bfloat16), (64, 3, jnp.float32, jnp.float8_e5m2),
+    (128, 1, jnp.bfloat16, jnp.float32), (64, 3, jnp.bfloat16, jnp.bfloat16), (128, 1, jnp.bfloat16, jnp.float8_e5m2)])
 def test_matches_reference_interpret(H, page_size, dtype, kt_dtype):
   """A float32 cache with float32 keys: the page rebuilt from its rows; a bf16 cache with float32 keys: the
   column fold."""
@@ -114,8 +115,9 @@ def test_no_kt_pages_per_head_slots_interpret(H, dtype):
   check(B=6, K=3, S=19, H=H, page_size=1, dtype=dtype, kt_dtype=None, interpret=True, per_head=True)
 
 
-@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
-@pytest.mark.parametrize("H, page_size, per_head", [(64, 3, False), (128, 4, True), (64, 1, False)])
+@pytest.mark.parametrize("H, page_size, per_head, kt_dtype", [
+    (64, 3, False, jnp.float32), (128, 4, True, jnp.bfloat16), (64, 1, False, jnp.float8_e5m2),
+    (64, 3, False, jnp.bfloat16), (128, 4, True, jnp.float8_e5m2)])
 def test_kt_from_rows_matches_reference_interpret(H, page_size, per_head, kt_dtype):
   """The decode path's append (bf16 keys into a bf16 cache, small pages): the page's min/max from its K rows up
   to the slot (the rows after it are NaN junk and must not be read), the same K/V writes and out-of-range
