@@ -303,12 +303,12 @@ def decode_loop(model: Llama, logits_BV, caches, config, loop: LoopConfig, *, fo
                 finished_B=None, rows: RowSampling | None = None, process: RowProcessing | None = None) -> LoopOutput:
   """Runs the loop (module doc) from the prefill's last logits [B, V] and the per-layer caches (donated).
 
-  config: the method config the caches were built with. forced_BT: [B, F >= max_new_tokens - 1] int32 teacher forcing: step i feeds
-  forced[:, i - 1] instead of the row's last token (out[:, i] is still the model's own choice; pair with
-  return_logprobs to score forced[:, :max_new_tokens] under the model); needs stop_ids=(). finished_B: [B]
-  bool rows that have already ended (padding rows of a batch): they emit -1 only. rows: per-row sampling
-  (`RowSampling`, `uniform_rows`); None is greedy. process: per-row logit processing
-  (`RowProcessing`; needs rows): the output's `counts` are the rows' counts after the call.
+  config: the method config the caches were built with. forced_BT: [B, F >= max_new_tokens - 1] int32 teacher
+  forcing: step i feeds forced[:, i - 1] instead of the row's last token (out[:, i] is still the model's own
+  choice; pair with return_logprobs to score forced[:, :max_new_tokens] under the model); needs stop_ids=().
+  finished_B: [B] bool rows that have already ended (padding rows of a batch): they emit -1 only. rows: per-row
+  sampling (`RowSampling`, `uniform_rows`); None is greedy. process: per-row logit processing (`RowProcessing`;
+  needs rows): the output's `counts` are the rows' counts after the call.
   """
   if process is not None and rows is None:
     raise ValueError("process (RowProcessing) needs rows (RowSampling): processing is per row")

@@ -245,7 +245,8 @@ def test_sub_batches_assemble_into_one_batch(method):
     rk.concat_caches([parts[0], rk.prefill_compress(q, k, v, jnp.array(lengths), config=plan_config("full", 64, T, 2))])
 
 
-@pytest.mark.parametrize("method", ["full", "snapkv", "rocketkv", "quest", "sparq", "exact_topk"])  # (hsa: rocketkv's ops)
+# (hsa runs rocketkv's ops)
+@pytest.mark.parametrize("method", ["full", "snapkv", "rocketkv", "quest", "sparq", "exact_topk"])
 def test_pallas_impl_matches_xla(method):
   """The impl switch: the Pallas kernels (interpret mode on CPU) give what the XLA path gives."""
   T, lengths, n_steps = 150, [150, 77], 2
