@@ -42,7 +42,7 @@ from . import layer_ops
 from .sharding import WHOLE, active_mesh, constrain_cache, per_shard
 
 __all__ = [
-    "LlamaConfig", "Llama", "LayerStep", "prefill", "prefill_jit", "decode", "decode_body", "forward_full",
+    "LlamaConfig", "Llama", "LayerStep", "prefill", "prefill_jit", "prefill_layer", "decode", "decode_body", "forward_full",
     "prefill_dense", "prefill_dense_jit", "compress_layers", "embed_tokens", "decode_layer", "final_logits",
     "add_norm", "rope_heads", "prefill_qkv", "over_token_chunks", "rope_inv_freq", "apply_rope", "rms_norm",
     "causal_attention", "blocked_causal_attention", "from_params", "fuse_params", "prefill_extend", "fingerprint",
@@ -550,27 +550,39 @@ def score_tokens(model: Llama, x_BTD, tokens_BT, k: int) -> PromptScores:
   return PromptScores(*(jnp.concatenate(xs, axis=1) for xs in zip(*outs)))
 
 
+def prefill_layer(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT, attend):
+  """The one prefill layer (a whole prompt, a chunk of one, new tokens over a history, the dense forward): q/k/v
+  with RoPE at positions pos [B, T], then attend(q, k, v) -> (attention output [B, T, N, H], anything the caller
+  keeps: a compressed cache, updated buffers), then the residual, norm and MLP over token chunks. Returns (the
+  layer's output [B, T, D], what attend kept). The decode step's layer is `decode_layer` (one token per row, the
+  fused norm and RoPE kernels)."""
+  q, k, v = prefill_qkv(blk, cfg, x_BTD, pos_BT)
+  o, kept = attend(q, k, v)
+  return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), kept
+
+
 def _layers_prefill(model: Llama, tokens_BT, lengths_B, on_layer, impl="auto", score: int | None = None):
-  """Runs the prompt through every layer; on_layer(i, q, k, v) is called right after the layer's
-  attention, so a compressing callback leaves only one layer's full KV alive. With score = k, also returns the
-  prompt's `PromptScores`."""
-  cfg = model.config
+  """Runs the prompt through every layer (`prefill_layer`); on_layer(q, k, v) is called right after the layer's
+  attention, so a compressing callback leaves only one layer's full KV alive. Returns (logits [B, V] of each last
+  valid token, the callbacks' outputs per layer, the last layer's residual stream [B, T, D]) and with score = k
+  also the prompt's `PromptScores`."""
   B, T = tokens_BT.shape
   x = embed_tokens(model, tokens_BT)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  outs = []
-  for blk in model.layers:
-    q, k, v = prefill_qkv(blk, cfg, x, pos)
+
+  def attend(q, k, v):
     o = causal_attention(q, k, v, impl=impl)
     # The barrier makes the next layer wait for this layer's compression, so XLA cannot postpone it
     # and keep every layer's full q/k/v alive (on an H200 at 128k that raised the peak by ~20 GB).
-    o, compressed = jax.lax.optimization_barrier((o, on_layer(q, k, v)))
-    outs.append(compressed)
-    x = over_token_chunks(functools.partial(_finish, blk, cfg), x, o)
-  last = x[jnp.arange(B), lengths_B - 1]
-  if score is not None:
-    return _head(model, last), tuple(outs), score_tokens(model, x, tokens_BT, score)
-  return _head(model, last), tuple(outs)
+    return jax.lax.optimization_barrier((o, on_layer(q, k, v)))
+
+  outs = []
+  for blk in model.layers:
+    x, kept = prefill_layer(blk, model.config, x, pos, attend)
+    outs.append(kept)
+  logits = _head(model, x[jnp.arange(B), lengths_B - 1])
+  scores = () if score is None else (score_tokens(model, x, tokens_BT, score),)
+  return (logits, tuple(outs), x) + scores
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "score"))
@@ -578,10 +590,11 @@ def prefill_jit(graphdef, state, tokens_BT, lengths_B, rows=None, *, config, sco
   """`prefill` over nnx.split(model): lower and compile it to time compilation apart."""
   model = nnx.merge(graphdef, state)
   lengths_B = lengths_B.astype(jnp.int32)
-  return _layers_prefill(
+  logits, caches, _, *scores = _layers_prefill(
       model, tokens_BT, lengths_B,
       lambda q, k, v: constrain_cache(prefill_compress(q, k, v, lengths_B, config=config, rows=rows)),
       score=score)
+  return (logits, caches, *scores)
 
 
 def prefill(model: Llama, tokens_BT, lengths_B, config, rows=None, score: int | None = None):
@@ -598,7 +611,7 @@ def prefill(model: Llama, tokens_BT, lengths_B, config, rows=None, score: int | 
 def prefill_dense_jit(graphdef, state, tokens_BT, lengths_B):
   """`prefill_dense` over nnx.split(model)."""
   model = nnx.merge(graphdef, state)
-  return _layers_prefill(model, tokens_BT, lengths_B.astype(jnp.int32), lambda q, k, v: (q, k, v))
+  return _layers_prefill(model, tokens_BT, lengths_B.astype(jnp.int32), lambda q, k, v: (q, k, v))[:2]
 
 
 def prefill_dense(model: Llama, tokens_BT, lengths_B):
@@ -738,20 +751,24 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
   blk = nnx.merge(graphdef, state)
   T = x_BTD.shape[1]
   pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  q, k, v = prefill_qkv(blk, cfg, x_BTD, pos)
   S = hist_k_BSKH.shape[1]
-  k_all = place_rows(hist_k_BSKH, k, start_B)
-  v_all = place_rows(hist_v_BSKH, v, start_B)
-  q_all = place_rows(jnp.zeros((q.shape[0], S) + q.shape[2:], q.dtype), q, start_B)
-  if 2 * T >= S:  # mostly new tokens (a first turn): causal attention over the whole sequence (flash on GPU),
-    # history rows computed needlessly, then the new tokens' rows taken out
-    o_all = jnp.pad(causal_attention(q_all, k_all, v_all), ((0, 0), (0, T), (0, 0), (0, 0)))
-    o = jax.vmap(lambda o_, s_: jax.lax.dynamic_slice_in_dim(o_, s_, T, axis=0))(o_all, start_B)
-  else:  # a few new tokens over a long history: only their rows of the scores
-    o = offset_attention(q, hist_k_BSKH, hist_v_BSKH, k, v, start_B)
-  o, cache = jax.lax.optimization_barrier((o, prefill_compress(q_all, k_all, v_all, start_B + new_len_B,
-                                                               config=config, rows=rows)))
-  return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), cache, k, v
+
+  def attend(q, k, v):
+    k_all = place_rows(hist_k_BSKH, k, start_B)
+    v_all = place_rows(hist_v_BSKH, v, start_B)
+    q_all = place_rows(jnp.zeros((q.shape[0], S) + q.shape[2:], q.dtype), q, start_B)
+    if 2 * T >= S:  # mostly new tokens (a first turn): causal attention over the whole sequence (flash on GPU),
+      # history rows computed needlessly, then the new tokens' rows taken out
+      o_all = jnp.pad(causal_attention(q_all, k_all, v_all), ((0, 0), (0, T), (0, 0), (0, 0)))
+      o = jax.vmap(lambda o_, s_: jax.lax.dynamic_slice_in_dim(o_, s_, T, axis=0))(o_all, start_B)
+    else:  # a few new tokens over a long history: only their rows of the scores
+      o = offset_attention(q, hist_k_BSKH, hist_v_BSKH, k, v, start_B)
+    o, cache = jax.lax.optimization_barrier((o, prefill_compress(q_all, k_all, v_all, start_B + new_len_B,
+                                                                 config=config, rows=rows)))
+    return o, (cache, k, v)
+
+  x, (cache, k, v) = prefill_layer(blk, cfg, x_BTD, pos, attend)
+  return x, cache, k, v
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("buf_k_BSKH", "buf_v_BSKH"))
@@ -764,10 +781,13 @@ def prefill_chunk_layer_jit(graphdef, state, x_BTD, buf_k_BSKH, buf_v_BSKH, star
   blk = nnx.merge(graphdef, state)
   T = x_BTD.shape[1]
   pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  q, k, v = prefill_qkv(blk, cfg, x_BTD, pos)
-  o = offset_attention(q, buf_k_BSKH, buf_v_BSKH, k, v, start_B)
-  buf_k, buf_v = place_rows(buf_k_BSKH, k, start_B), place_rows(buf_v_BSKH, v, start_B)
-  return over_token_chunks(functools.partial(_finish, blk, cfg), x_BTD, o), buf_k, buf_v
+
+  def attend(q, k, v):
+    o = offset_attention(q, buf_k_BSKH, buf_v_BSKH, k, v, start_B)
+    return o, (place_rows(buf_k_BSKH, k, start_B), place_rows(buf_v_BSKH, v, start_B))
+
+  x, (buf_k, buf_v) = prefill_layer(blk, cfg, x_BTD, pos, attend)
+  return x, buf_k, buf_v
 
 
 def prefill_chunk(model: Llama, tokens_BT, buffers, start_B, *, run_layer=None):
@@ -933,16 +953,9 @@ def decode(model: Llama, tokens_B, caches, config):
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
 def _forward_full_jit(graphdef, state, tokens_BT, impl):
   model = nnx.merge(graphdef, state)
-  cfg = model.config
   B, T = tokens_BT.shape
-  x = embed_tokens(model, tokens_BT)
-  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  for blk in model.layers:
-    q, k, v = prefill_qkv(blk, cfg, x, pos)
-    x = over_token_chunks(functools.partial(_finish, blk, cfg), x, causal_attention(q, k, v, impl=impl))
-  h = rms_norm(x, model.norm[...], cfg.norm_eps)
-  w = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
-  return jnp.dot(h, w, preferred_element_type=jnp.float32)
+  _, _, x = _layers_prefill(model, tokens_BT, jnp.full((B,), T, jnp.int32), lambda q, k, v: None, impl=impl)
+  return _head(model, x)
 
 
 def forward_full(model: Llama, tokens_BT, *, impl: str = "auto"):
