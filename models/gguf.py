@@ -1,6 +1,6 @@
 """GGUF checkpoints: the embedded SmolLM2 GGUF (`smollm2_path`) and any Llama or Qwen2 GGUF (`read_gguf`),
 dequantized into a flat dict {"embed", "norm", "lm_head"?, "layers/<i>/<name>"} of numpy arrays (projection
-kernels [in, out], separate wq/wk/wv and w_gate/w_up, which llama.from_params fuses into the module's wqkv and
+kernels [in, out], separate wq/wk/wv and w_gate/w_up, which params.from_params fuses into the module's wqkv and
 w_gate_up); llama.cpp's Q/K row permutation (`gguf_permute`, `gguf_unpermute`).
 """
 

@@ -119,7 +119,8 @@ def stream_hf_dir(directory: str, dtype, log=None):
   from flax import nnx
   from safetensors import safe_open
 
-  from .llama import Llama, unflatten_params
+  from .llama import Llama
+  from .params import unflatten_params
   log = log or (lambda msg: None)
   cfg_path = os.path.join(directory, "config.json")
   if not os.path.isfile(cfg_path):

@@ -25,7 +25,7 @@ import numpy as np
 from . import catalog, hub, shapes
 from .checkpoint import CheckpointError
 from .gguf import read_gguf, smollm2_path
-from .llama import from_params, fuse_params
+from .params import from_params, fuse_params
 from .safetensors_hf import stream_hf_dir
 from .weight_cache import (CacheIntegrityWarning, cache_key, default_cache_dir, load_cache, remove_stale_temps,
                            save_cache, verify_cache)

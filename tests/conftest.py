@@ -61,7 +61,7 @@ def first_layers(model, n: int):
 
   from flax import nnx
 
-  from rocketkv_jax.models.llama import from_params
+  from rocketkv_jax.models.params import from_params
 
   def flat(d, prefix=""):
     for k, v in d.items():

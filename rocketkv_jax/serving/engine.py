@@ -73,6 +73,7 @@ from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.executables import Executables
 from rocketkv_jax.models.loop import LoopConfig, RowProcessing, RowSampling, decode_loop_jit
+from rocketkv_jax.models.params import fingerprint
 from rocketkv_jax.models.sharding import DATA, MODEL, cache_spec, default_impl, resolve_mesh
 
 __all__ = ["Context", "DecodeState", "DeviceEngine", "EngineConfig", "LimitError", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
@@ -406,7 +407,7 @@ class DeviceEngine:
                                      max_prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
                                      head_dim=cfg.head_dim, max_len=cfg.max_len, **overrides)
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
-    self.model_id = llama.fingerprint(model)
+    self.model_id = fingerprint(model)
     self._graphdef, self._state = nnx.split(model)
     self._executables = Executables(mesh=mesh)
     # one request's (logits, caches): the shapes of a batch-1 prefill, the same for every bucket (a saved

@@ -47,6 +47,6 @@ def tiny_params(cfg, seed=0, scale=0.2):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-  from rocketkv_jax.models.llama import from_params
+  from rocketkv_jax.models.params import from_params
   cfg = tiny_config()
   return from_params(cfg, tiny_params(cfg))

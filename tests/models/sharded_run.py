@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from rocketkv_jax.models import generate  # noqa: E402
-from rocketkv_jax.models.llama import from_params  # noqa: E402
+from rocketkv_jax.models.params import from_params  # noqa: E402
 from rocketkv_jax.models.sharding import make_mesh, shard_model  # noqa: E402
 from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from tests.models.conftest import tiny_config, tiny_params  # noqa: E402

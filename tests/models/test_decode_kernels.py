@@ -14,7 +14,8 @@ from rocketkv_jax import make_config
 from rocketkv_jax.kernels.qkv_rope import qkv_rope_reference
 from rocketkv_jax.kernels.rms_norm import add_rms_norm_reference
 from rocketkv_jax.models import decode, prefill
-from rocketkv_jax.models.llama import add_norm, from_params, rms_norm, rope_heads, rope_inv_freq
+from rocketkv_jax.models.llama import add_norm, rms_norm, rope_heads, rope_inv_freq
+from rocketkv_jax.models.params import from_params
 
 from .conftest import tiny_config, tiny_params
 

@@ -12,7 +12,8 @@ from safetensors.numpy import save_file
 from tokenizers import pre_tokenizers
 
 from rocketkv_jax.models import CheckpointError, forward_full, gguf_permute, gguf_unpermute, load
-from rocketkv_jax.models.llama import apply_rope, from_params, fuse_params, rope_inv_freq
+from rocketkv_jax.models.llama import apply_rope, rope_inv_freq
+from rocketkv_jax.models.params import from_params, fuse_params
 from rocketkv_jax.models.tokenizer import tokenizer_from_gguf_metadata
 
 from .conftest import tiny_config, tiny_params

@@ -21,7 +21,7 @@ def prompts():
 
 
 def tiny_model():
-  from rocketkv_jax.models.llama import from_params
+  from rocketkv_jax.models.params import from_params
   from tests.models.conftest import tiny_config, tiny_params
   cfg = tiny_config(n_heads=4, n_kv_heads=2)
   return from_params(cfg, tiny_params(cfg))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rocketkv_jax.models import generate
-from rocketkv_jax.models.llama import from_params
+from rocketkv_jax.models.params import from_params
 from rocketkv_jax.models.tokenizer import TextTokenizer
 from rocketkv_jax.serving import Engine, EngineConfig, QueueFull, Request, SamplingParams, default_buckets
 from tests.models.conftest import tiny_config, tiny_params

@@ -17,7 +17,7 @@ import pytest
 
 import rocketkv_jax as rk
 from rocketkv_jax.models import llama
-from rocketkv_jax.models.llama import from_params
+from rocketkv_jax.models.params import from_params
 from rocketkv_jax.models.loop import LoopConfig, decode_loop
 from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams
 from rocketkv_jax.serving.history import HistoryStore
