@@ -61,6 +61,12 @@ def main():
     sharded, tok_s = load(path, mesh=mesh, **axes)
     got = generate(sharded, tok_s, prompts, method="rocketkv", mesh=mesh, **axes, **kw).token_ids
     result[case] = got == ref
+  # sampling (the one per-row sampler) on a mesh: the same tokens as unsharded
+  skw = dict(kw, temperature=0.7, top_p=0.9, seed=3)
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  sharded, tok_s = load(path, mesh=mesh)
+  result["sampled make_mesh(4,2)"] = (generate(sharded, tok_s, prompts, method="rocketkv", mesh=mesh, **skw).token_ids
+                                      == generate(model, tok, prompts, method="rocketkv", impl="xla", **skw).token_ids)
   with jax.set_mesh(jax.make_mesh((4, 2), ("data", "model"))):  # no mesh passed: the one set around the calls
     sharded, tok_s = load(path)
     result["jax.set_mesh make_mesh(4,2)"] = generate(sharded, tok_s, prompts, method="rocketkv", **kw).token_ids == ref
