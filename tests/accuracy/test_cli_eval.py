@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 import rocketkv_jax.models
 from rocketkv_jax.serving.cli import main
 from tests.models.conftest import tiny_config, tiny_params
-from tests.models.test_loaders import hf_tensors
+from tests.helpers.checkpoints import hf_tensors
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ def main(process_id: int, port: int):
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                              initialization_timeout=120)
   assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
-  from tests.models.test_multiprocess import CASES, prompts, tiny_model
+  from tests.helpers.multiprocess import CASES, prompts, tiny_model
   from rocketkv_jax.models import generate
   from rocketkv_jax.models.sharding import shard_model
-  from tests.serving.test_engine import Tok
+  from tests.helpers.engine import Tok
   model = tiny_model()
   result = {}
   for method, dp, tp in CASES:
@@ -34,7 +34,7 @@ def main(process_id: int, port: int):
     result[f"{method} {dp}x{tp}"] = generate(shard_model(model, mesh), Tok(), prompts(), method=method,
                                              token_budget=32, max_new_tokens=8, mesh=mesh).token_ids
   from rocketkv_jax.models import load
-  from tests.models.test_multiprocess import HF_TINY
+  from tests.helpers.multiprocess import HF_TINY
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   sharded, tok = load(HF_TINY, mesh=mesh)  # a checkpoint streamed onto a mesh over both processes
   result["load rocketkv 4x2"] = generate(sharded, tok, prompts(), method="rocketkv", token_budget=32,

@@ -19,7 +19,7 @@ from rocketkv_jax.models.params import from_params  # noqa: E402
 from rocketkv_jax.models.sharding import make_mesh, shard_model  # noqa: E402
 from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from tests.models.conftest import tiny_config, tiny_params  # noqa: E402
-from tests.serving.test_engine import Tok  # noqa: E402
+from tests.helpers.engine import Tok  # noqa: E402
 
 MESHES = ((8, 1), (4, 2), (1, 8), (2, 4))
 

@@ -9,23 +9,7 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
-HF_TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_tiny", "llama")
-CASES = (("rocketkv", 4, 2), ("rocketkv", 2, 4), ("full", 8, 1))  # (method, data, model)
-
-
-def prompts():
-  rng = np.random.default_rng(0)
-  return [rng.integers(3, 128, n).tolist() for n in (150, 90, 190, 20, 120, 64, 180, 10)]
-
-
-def tiny_model():
-  from rocketkv_jax.models.params import from_params
-  from tests.models.conftest import tiny_config, tiny_params
-  cfg = tiny_config(n_heads=4, n_kv_heads=2)
-  return from_params(cfg, tiny_params(cfg))
-
+from tests.helpers.multiprocess import CASES, HF_TINY, prompts, tiny_model
 
 def _free_port() -> int:
   with socket.socket() as s:
@@ -62,7 +46,7 @@ def test_two_processes_equal_one(tmp_path):
   assert results[0] == results[1]
 
   from rocketkv_jax.models import generate
-  from tests.serving.test_engine import Tok
+  from tests.helpers.engine import Tok
   model = tiny_model()
   for method in {m for m, _, _ in CASES}:
     ref = generate(model, Tok(), prompts(), method=method, token_budget=32, max_new_tokens=8, impl="xla").token_ids

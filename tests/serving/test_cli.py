@@ -13,7 +13,7 @@ import pytest
 
 from rocketkv_jax.serving.cli import build_parser, kv_report, main, parse_dtype, parse_kv_dtype
 
-from tests.models.test_loaders import write_gguf
+from tests.helpers.checkpoints import write_gguf
 
 PROMPT = "the cat sat on the mat and then the cat sat again"
 
@@ -50,7 +50,7 @@ def test_generate_with_an_fp8_kv_cache(tiny_gguf, capsys):
   assert 1 <= len(fp8["token_ids"]) <= 4
   # K and V go from 4 bytes per element to 1, plus one float32 scale each per (sequence, layer, KV head); the
   # pages, lengths and plan leaves are unchanged
-  from tests.models.test_loaders import CFG
+  from tests.helpers.checkpoints import CFG
   kv_elements = 2 * CFG.n_layers * CFG.n_kv_heads * plain["stats"]["capacity"] * CFG.head_dim
   scales = 2 * CFG.n_layers * CFG.n_kv_heads * 4
   assert fp8["stats"]["capacity"] == plain["stats"]["capacity"]

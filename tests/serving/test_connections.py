@@ -7,7 +7,6 @@ long answer is never cut by the deadline."""
 import contextlib
 import json
 import socket
-import threading
 import time
 import warnings
 
@@ -15,60 +14,10 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
-from rocketkv_jax.serving.connections import ConnectionLimits, uvicorn_config  # noqa: E402
+from rocketkv_jax.serving.connections import ConnectionLimits  # noqa: E402
+from tests.helpers.server import MODEL, limited_server  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-
-MODEL = "smollm2"
-ENGINE = dict(method="rocketkv", token_budget=64, max_slots=4, max_prompt_tokens=512, max_new_tokens=64,
-              steps_per_call=4, max_queue=512)
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class LimitedServer:
-  """A running server as `rocketkv serve` runs it: the engine, the app, the connection limits, uvicorn."""
-
-  def __init__(self, model, tok, limits: ConnectionLimits, *, warmup=False, drain_s=5.0, server_kw=None,
-               **engine_kw):
-    from rocketkv_jax.serving import Engine, EngineConfig
-    from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
-    self.engine = Engine(model, tok, EngineConfig(**dict(ENGINE, **engine_kw)))
-    self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, warmup=warmup,
-                                                                **(server_kw or {})))
-    self.port = free_port()
-    config = uvicorn_config(self.app, host="127.0.0.1", port=self.port, limits=limits, log_level="warning",
-                            timeout_graceful_shutdown=drain_s + 5)
-    self.server = UvicornServer(config, self.app.state.runner, drain_s=drain_s)
-    self.thread = threading.Thread(target=self.server.run, name="test-uvicorn-limits", daemon=True)
-    self.thread.start()
-    t0 = time.monotonic()
-    while not self.server.started:
-      if not self.thread.is_alive() or time.monotonic() - t0 > 300:
-        raise RuntimeError("the server did not start")
-      time.sleep(0.02)
-
-  def stop(self, timeout=120.0) -> None:
-    self.server.should_exit = True
-    self.thread.join(timeout)
-    assert not self.thread.is_alive(), "the server did not stop"
-
-  def open_connections(self) -> int:
-    return len(self.server.server_state.connections)
-
-
-@contextlib.contextmanager
-def limited_server(model, tok, limits, **kw):
-  s = LimitedServer(model, tok, limits, **kw)
-  try:
-    yield s
-  finally:
-    s.stop()
-
 
 def raw_request(port, request: bytes, timeout=10.0) -> tuple[int, bytes]:
   """(status, whole answer) of raw bytes sent on a new connection (read until the server closes it or the

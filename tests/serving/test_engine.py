@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 from rocketkv_jax.models import generate
-from rocketkv_jax.models.params import from_params
-from rocketkv_jax.models.tokenizer import TextTokenizer
 from rocketkv_jax.serving import Engine, EngineConfig, QueueFull, Request, SamplingParams, default_buckets
-from tests.models.conftest import tiny_config, tiny_params
+from tests.helpers.engine import KW, Tok, collect, prompt, run, tiny_engine_model
 
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 
@@ -26,62 +24,14 @@ jax.monitoring.register_event_duration_secs_listener(
 jax.monitoring.register_event_listener(lambda event, **kw: COMPILES.append(event) if event == CACHE_HIT else None)
 
 
-class Tok(TextTokenizer):
-  """Ids are the text: token i prints as "<i>", so stop strings are unambiguous."""
-
-  chat_eos_id = None
-
-  def __init__(self):
-    super().__init__(tokenizer=None, bos_id=1, eos_id=2)
-
-  def decode(self, ids, *, skip_special=True):
-    return "".join(f"<{i}>" for i in ids)
-
-
-KW = dict(method="rocketkv", token_budget=32, max_slots=4, max_prompt_tokens=200, max_new_tokens=24,
-          steps_per_call=4)
-
-
 @pytest.fixture(scope="module")
 def model():
-  cfg = tiny_config()
-  return from_params(cfg, tiny_params(cfg))
+  return tiny_engine_model()
 
 
 @pytest.fixture(scope="module")
 def engine(model):
   return Engine(model, Tok(), EngineConfig(**KW))
-
-
-def prompt(n, seed):
-  return np.random.default_rng(seed).integers(3, 128, n).tolist()
-
-
-def collect(out, seen, k, events):
-  """Adds one step's events to out {request_id: dict(tokens, text, reason, completion, deltas)} and seen
-  {request_id: [steps with an event]}."""
-  for ev in events:
-    o = out.setdefault(ev.request_id, dict(tokens=[], text="", reason=None, completion=0, deltas=[]))
-    assert o["reason"] is None, f"event after the final one: {ev}"
-    o["tokens"] += ev.token_ids
-    o["text"] += ev.text
-    o["deltas"].append(ev.text)
-    o["reason"], o["completion"] = ev.finish_reason, ev.completion_tokens
-    seen.setdefault(ev.request_id, []).append(k)
-
-
-def run(engine, schedule, out=None):
-  """schedule: {step number: [requests submitted before that step]}. Steps until no work is left; returns
-  (out, seen) as `collect` fills them."""
-  out, seen, k = ({} if out is None else out), {}, 0
-  while k <= max(schedule) or engine.has_work():
-    for r in schedule.get(k, []):
-      engine.submit(r)
-    collect(out, seen, k, engine.step())
-    k += 1
-    assert k < 200
-  assert engine.stats()["active_slots"] == 0 and engine.free_slots() == list(range(engine.config.max_slots))
-  return out, seen
 
 
 def text_of(ids):

@@ -7,9 +7,14 @@ import pytest
 
 from rocketkv_jax.models import forward_full
 from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams
-from tests.serving.test_engine import KW, Tok, model, prompt, run  # noqa: F401 - model is a fixture
+from tests.helpers.engine import KW, Tok, prompt, tiny_engine_model
 
 V = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_engine_model()
 
 
 def _log_softmax(x):
@@ -19,7 +24,7 @@ def _log_softmax(x):
 
 
 @pytest.fixture(scope="module")
-def full_engine(model):  # noqa: F811
+def full_engine(model):
   """`full` keeps every token, so the engine's logprobs must equal the dense forward's."""
   return Engine(model, Tok(), EngineConfig(**dict(KW, method="full")))
 
@@ -38,7 +43,7 @@ def _tokens(events):
   return [t for ev in events for t in ev.token_ids]
 
 
-def test_logprobs_and_prompt_logprobs_equal_the_dense_model(model, full_engine):  # noqa: F811
+def test_logprobs_and_prompt_logprobs_equal_the_dense_model(model, full_engine):
   ids = prompt(40, 1)
   s = SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2)
   ev = _events(full_engine, [Request("a", ids, s)])["a"]
@@ -94,11 +99,11 @@ def test_logit_bias_and_min_tokens(engine_rk):
 
 
 @pytest.fixture(scope="module")
-def engine_rk(model):  # noqa: F811
+def engine_rk(model):
   return Engine(model, Tok(), EngineConfig(**KW))
 
 
-def test_cache_salt_separates_tenants(model):  # noqa: F811
+def test_cache_salt_separates_tenants(model):
   engine = Engine(model, Tok(), EngineConfig(**dict(KW, history_bytes=2**24)))
   doc = prompt(120, 6)
   first = _events(engine, [Request("a1", doc + [5, 6, 7], SamplingParams(max_tokens=2), cache_salt="alice")])
@@ -147,7 +152,7 @@ def test_validation(engine_rk):
 
 
 @pytest.mark.parametrize("history", [0, 2**24])
-def test_chunked_prefill_equals_whole(model, history):  # noqa: F811
+def test_chunked_prefill_equals_whole(model, history):
   """prefill_chunk_tokens: a long prompt is prefilled a chunk per step while another request decodes; every
   answer equals the whole-prefill engine's, the decoding request gets a token every step, and (with a history)
   the stored K/V lets a second turn reuse the chunked prompt."""
@@ -183,7 +188,7 @@ def test_chunked_prefill_equals_whole(model, history):  # noqa: F811
     assert _tokens(ev) == _tokens(_events(whole, [turn2])["t2"])
 
 
-def test_device_history_tier(model, tmp_path):  # noqa: F811
+def test_device_history_tier(model, tmp_path):
   """history_device_bytes: recent histories stay on the device (no host copy), a next turn over them equals the
   host-history engine's, older ones move to host memory past the limit, and a save holds both."""
   kw = dict(KW, max_prompt_tokens=400, history_bytes=2**24)

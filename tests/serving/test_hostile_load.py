@@ -14,7 +14,10 @@ import time
 
 import pytest
 
-from tests.serving.test_connections import MODEL, ConnectionLimits, limited_server
+pytest.importorskip("uvicorn")
+
+from rocketkv_jax.serving.connections import ConnectionLimits  # noqa: E402
+from tests.helpers.server import MODEL, limited_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import pytest
 if importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("aiohttp") is None:
   pytest.skip("lm-eval[api] is not installed (pip install -e '.[test]')", allow_module_level=True)
 
-from tests.serving.test_server import MODEL, serving  # noqa: E402
+from tests.helpers.server import MODEL, serving  # noqa: E402
 
 TASK_DIR = pathlib.Path(__file__).parent / "lm_eval_task"
 TASK = "rocketkv_smoke"

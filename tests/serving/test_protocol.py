@@ -1,6 +1,6 @@
 """The server's protocol surface (issue 36): the pydantic request models (`/openapi.json`, 400s naming the field)
 and the fields they implement: penalties, logit_bias, min_tokens, logprobs / top_logprobs / echo, n, cache_salt,
-`/tokenizer_info`, `--chat-template`. A real server on 127.0.0.1 (test_server.py's `serving`), the embedded SmolLM2,
+`/tokenizer_info`, `--chat-template`. A real server on 127.0.0.1 (`tests.helpers.server.serving`), the embedded SmolLM2,
 the official `openai` client where it fits and raw HTTP where the point is the bytes."""
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from tests.serving.test_server import MODEL, PROMPTS, QUESTIONS, serving  # noqa: E402
+from tests.helpers.server import MODEL, PROMPTS, QUESTIONS, serving  # noqa: E402
 
 
 @pytest.fixture(scope="module")

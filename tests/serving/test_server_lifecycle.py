@@ -15,8 +15,8 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from tests.serving.test_server import (MODEL, PROMPTS, QUESTIONS, Served, chat, complete, error_of,  # noqa: E402
-                                       free_port, http_request, serving)
+from tests.helpers.server import (MODEL, PROMPTS, QUESTIONS, Served, chat, complete, error_of,  # noqa: E402
+                                  free_port, http_request, serving)
 
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 

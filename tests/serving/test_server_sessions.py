@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.serving.test_server import MODEL, STORY, Served
+from tests.helpers.server import MODEL, STORY, Served
 
 pytest.importorskip("openai")
 

@@ -24,7 +24,7 @@ from rocketkv_jax.serving.history import HistoryStore
 from rocketkv_jax.serving.saved import SavedFileError
 from rocketkv_jax.serving.sessions import DirError, SessionsDir, check_writable
 from tests.models.conftest import tiny_config, tiny_params
-from tests.serving.test_engine import Tok
+from tests.helpers.engine import Tok
 
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from tests.serving.test_server import MODEL, Served  # noqa: E402
+from tests.helpers.server import MODEL, Served  # noqa: E402
 
 SECRET = "735"
 LEAD = "The vault code of the bank is "
