@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import rocketkv_jax as rk  # noqa: E402
 from rocketkv_jax import ops  # noqa: E402
-from rocketkv_jax.cache import KVCache, build_kt_pages  # noqa: E402
+from rocketkv_jax.cache import KVCache, PageState, build_kt_pages  # noqa: E402
 from rocketkv_jax.kernels.hsa_scores import Tuning as ScoresTuning, hsa_page_partials  # noqa: E402
 from rocketkv_jax.kernels.page_topk import hsa_page_topk  # noqa: E402
 from rocketkv_jax.kernels.sparse_decode import Tuning as SparseTuning, sparse_decode_attention  # noqa: E402
@@ -115,7 +115,7 @@ def append_steps(k_new, v_new, cache, *, config):
     k, v, kt_min, kt_max = carry
     return ops.cache_append(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=config.page_size,
                             impl=config.impl)
-  return jax.lax.fori_loop(0, LAYER_STEPS, body, (cache.k, cache.v, cache.kt_min, cache.kt_max))
+  return jax.lax.fori_loop(0, LAYER_STEPS, body, (cache.k, cache.v, cache.state.kt_min, cache.state.kt_max))
 
 
 def random_cache(key, B: int, config) -> KVCache:
@@ -126,8 +126,8 @@ def random_cache(key, B: int, config) -> KVCache:
   v = jax.random.normal(ks[1], (B, K_HEADS, cap, H), DT)
   length = jnp.full((B,), cap - LAYER_STEPS - 1, jnp.int32)
   kt_min, kt_max = build_kt_pages(k, length, ps, DT)
-  return KVCache(k=k, v=v, length=length, pos=length + 100_000, kt_min=kt_min, kt_max=kt_max,
-                 spec=config.cache_spec(), **config.row_leaves(B, None))
+  return KVCache(k=k, v=v, length=length, pos=length + 100_000, spec=config.cache_spec(),
+                 state=PageState(kt_min=kt_min, kt_max=kt_max, **config.row_leaves(B, None)))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -321,10 +321,11 @@ def main():
                          jax.random.normal(ks[2], (B, K_HEADS, H), DT), random_cache(ks[3], B, cfg_p)))
           # The HSA selection of one layer (scores + top-k): the two kernels back to back, as the decode path.
           two = jax.jit(lambda q, kn, vn, c: hsa_page_topk(
-              *hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret),
+              *hsa_page_partials(q, c.state.kt_min, c.state.kt_max, c.length, topr=R, page_size=ps,
+                                 interpret=interpret),
               c.length, page_size=ps, k=topk, num_slots=cap, interpret=interpret))
           q, kn, vn, c = sets[0]
-          sel_bytes = B * K_HEADS * R * P * c.kt_min.dtype.itemsize
+          sel_bytes = B * K_HEADS * R * P * c.state.kt_min.dtype.itemsize
           sel_extra = dict(B=B, L=L, t=t, **plan, rows=B * K_HEADS)
           run_point("hsa_select", "pallas two-kernel", two, sets, sel_bytes, sel_extra)
           if args.only == "select":
@@ -347,10 +348,10 @@ def main():
           # rows). The impl names keep the "gather" of the records from before the rank layout's removal.
           for split in (True, False):
             score = jax.jit(lambda q, kn, vn, c, split=split: hsa_page_partials(
-                q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps, interpret=interpret,
+                q, c.state.kt_min, c.state.kt_max, c.length, topr=R, page_size=ps, interpret=interpret,
                 tuning=ScoresTuning(split_pages=split)))
             run_point("hsa_scores", f"pallas gather split_pages={split}", score, sets,
-                      B * K_HEADS * R * P * c.kt_min.dtype.itemsize, extra)
+                      B * K_HEADS * R * P * c.state.kt_min.dtype.itemsize, extra)
           # The sparse attention kernel alone on one fixed selection: the default split grid (partials merged
           # by an XLA epilogue) against one block per (b, k) row that normalises itself.
           idx_s, valid_s = cfg_p.select(c, q)

@@ -84,11 +84,11 @@ def main():
     q = jax.random.normal(ks[0], (B, K_HEADS, G, H), jnp.bfloat16)
     cache = random_cache(ks[1], B, cfg)
     base = dict(B=B, L=a.length, t=a.budget, R=R, P=P)
-    nbytes = B * K_HEADS * R * P * cache.kt_min.dtype.itemsize
+    nbytes = B * K_HEADS * R * P * cache.state.kt_min.dtype.itemsize
     grid = itertools.product(_auto_ints(a.split), _auto_ints(a.block_p), _auto_ints(a.warps),
                              _auto_ints(a.stages), _ints(a.pad_pages))
     for split, block_p, warps, stages, pad in grid:
-      kt = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in (cache.kt_min, cache.kt_max)]
+      kt = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in (cache.state.kt_min, cache.state.kt_max)]
       given = Tuning(block_p=block_p, split_pages=None if split is None else bool(split), num_warps=warps,
                      num_stages=stages)
       tuning = pick_tuning(B, K_HEADS, kt[0].shape[-1], R, given)
@@ -105,8 +105,8 @@ def main():
         f = jax.jit(lambda q, warps=warps: row_channels(q, R, dot_dtype, num_warps=warps))
         timed(dict(base, kind="row_channels", warps=warps), f, [(q,)], choice_bytes)
     if a.topk_warps:
-      parts = jax.jit(lambda q, c: hsa_page_partials(q, c.kt_min, c.kt_max, c.length, topr=R, page_size=ps))(
-          q, cache)
+      parts = jax.jit(lambda q, c: hsa_page_partials(q, c.state.kt_min, c.state.kt_max, c.length, topr=R,
+                                                     page_size=ps))(q, cache)
       part_bytes = sum(x.size * x.dtype.itemsize for x in parts)
       for warps in _ints(a.topk_warps):
         f = jax.jit(lambda s, m, l, n, warps=warps: hsa_page_topk(
@@ -124,7 +124,7 @@ def main():
           def body(i, carry):
             slot = jnp.broadcast_to((c.length + i)[:, None], k_new.shape[:2])
             return cache_append(*carry[:2], k_new, v_new, slot, *carry[2:], page_size=ps, num_warps=warps)
-          return jax.lax.fori_loop(0, LAYER_STEPS, body, (c.k, c.v, c.kt_min, c.kt_max))
+          return jax.lax.fori_loop(0, LAYER_STEPS, body, (c.k, c.v, c.state.kt_min, c.state.kt_max))
         # the loop's one copy of its non-donated cache is not the append's: only the kernel counts
         timed(dict(base, kind="append", warps=warps), jax.jit(steps), [(k_new, v_new, cache)],
               append_bytes, iters=10, kernel="rocketkv_cache_append")

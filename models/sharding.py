@@ -183,7 +183,8 @@ def cache_spec(shape: tuple, mesh, head_axis: int | None) -> P:
 
 def constrain_cache(cache):
   """Inside a jit under `jax.set_mesh(mesh)`: the cache's leaves constrained to `cache_spec` (leaves of rank
-  >= 2 carry KV heads on axis 1: k, v, kt pages, scores, positions, v_sum). Outside a mesh: unchanged."""
+  >= 2 carry KV heads on axis 1: k, v and the method state's kt pages, scores, positions, v_sum; the state's
+  [B] leaves go over "data" like length and pos). Outside a mesh: unchanged."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or DATA not in mesh.axis_names:
     return cache

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 
 import jax
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from rocketkv_jax.cache import KVCache, RowPlan
+from rocketkv_jax.cache import KVCache, RowPlan, cache_leaves
 from rocketkv_jax.methods import MethodConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -108,8 +107,21 @@ def _validate_prefill(q, k, v, lengths, host, config, rows=None) -> None:
     raise ValueError(f"lengths={host.tolist()} must all lie in [1, T={t}]")
 
 
+def _check_state_class(cache, config) -> None:
+  """cache.state is of the class the method keeps (`config.state_class`), or None when it keeps none."""
+  want, got = config.state_class, cache.state
+  if want is None and got is not None:
+    raise ValueError(f"cache.state is {type(got).__name__}, but {config.method} keeps no state (None)")
+  if want is not None and got is None:
+    raise ValueError(f"cache.state is missing (None), but {config.method} needs a {want.__name__} for "
+                     f"{config.cache_spec()}: build the cache with prefill_compress")
+  if want is not None and type(got) is not want:
+    raise ValueError(f"cache.state is {type(got).__name__}, but {config.method} keeps {want.__name__}")
+
+
 def _check_leaves(cache, config, model_dtype) -> tuple[int, int, int, int]:
-  """Every leaf the method keeps (`config.cache_shapes`) is there, alive, with its shape and dtype (K/V
+  """The method's state is of its class, and every leaf the method keeps (`config.cache_shapes`, named as
+  `cache_leaves` names them: "state.kt_min"...) is there, alive, with its shape and dtype (K/V
   `config.kv_dtype(model_dtype)`), and no other leaf is set. Returns the cache's (B, K, S, H)."""
   for name in ("k", "v"):
     x = getattr(cache, name)
@@ -119,39 +131,40 @@ def _check_leaves(cache, config, model_dtype) -> tuple[int, int, int, int]:
                        "cache with prefill_compress")
   b, n_kv, s, h = cache.k.shape
   shapes = config.cache_shapes(b, n_kv, h)
-  for f in dataclasses.fields(cache):
-    x = getattr(cache, f.name)
-    if f.name == "spec" or (x is None and f.name not in shapes):
+  _check_state_class(cache, config)
+  leaves = cache_leaves(cache)
+  for name, x in leaves.items():
+    if x is None and name not in shapes:
       continue
-    if f.name not in shapes:
-      raise ValueError(f"cache.{f.name} is set, but {config.method} keeps no {f.name}")
+    if name not in shapes:
+      raise ValueError(f"cache.{name} is set, but {config.method} keeps no {name}")
     if x is None:
-      raise ValueError(f"cache.{f.name} is missing (None), but {config.method} needs it: shape {shapes[f.name]} "
+      raise ValueError(f"cache.{name} is missing (None), but {config.method} needs it: shape {shapes[name]} "
                        f"for {config.cache_spec()}")
-    if tuple(getattr(x, "shape", ())) != shapes[f.name]:
-      raise ValueError(f"cache.{f.name}.shape={tuple(getattr(x, 'shape', ()))} must be {shapes[f.name]} for "
+    if tuple(getattr(x, "shape", ())) != shapes[name]:
+      raise ValueError(f"cache.{name}.shape={tuple(getattr(x, 'shape', ()))} must be {shapes[name]} for "
                        f"{config.cache_spec()}")
     if not isinstance(x, jax.core.Tracer) and getattr(x, "is_deleted", lambda: False)():
-      raise ValueError(f"cache.{f.name} has been deleted: the cache was donated to an earlier decode_step; pass "
+      raise ValueError(f"cache.{name} has been deleted: the cache was donated to an earlier decode_step; pass "
                        "the cache that call returned")
   if config.kv_scaled:
     if cache.k.dtype != config.kv_dtype(model_dtype):
       raise ValueError(f"cache.k.dtype={cache.k.dtype} must be {config.kv_cache_dtype} (kv_cache_dtype)")
   else:
     _check_float("cache.k", cache.k)
-  for name in ("length", "pos", "positions", "row_topr", "row_page_size"):
-    if name in shapes and getattr(cache, name).dtype != jnp.int32:
-      raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be int32")
-  for name in ("scores", "v_sum", "k_scale", "v_scale"):
-    if name in shapes and getattr(cache, name).dtype != jnp.float32:
-      raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be float32")
+  for name in ("length", "pos", "state.positions", "state.row_topr", "state.row_page_size"):
+    if name in shapes and leaves[name].dtype != jnp.int32:
+      raise ValueError(f"cache.{name}.dtype={leaves[name].dtype} must be int32")
+  for name in ("state.scores", "state.v_sum", "k_scale", "v_scale"):
+    if name in shapes and leaves[name].dtype != jnp.float32:
+      raise ValueError(f"cache.{name}.dtype={leaves[name].dtype} must be float32")
   if cache.v.dtype != cache.k.dtype:
     raise ValueError(f"cache.v.dtype={cache.v.dtype} must equal cache.k.dtype={cache.k.dtype}")
   if config.uses_kt_pages:
     want = config.kt_dtype(model_dtype)
-    for name in ("kt_min", "kt_max"):
-      if getattr(cache, name).dtype != want:
-        raise ValueError(f"cache.{name}.dtype={getattr(cache, name).dtype} must be {want} (kt_cache_dtype="
+    for name in ("state.kt_min", "state.kt_max"):
+      if leaves[name].dtype != want:
+        raise ValueError(f"cache.{name}.dtype={leaves[name].dtype} must be {want} (kt_cache_dtype="
                          f"{config.kt_cache_dtype!r}, keys {jnp.dtype(model_dtype)})")
   return b, n_kv, s, h
 

@@ -30,38 +30,52 @@ class CacheSpec:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PageState:
+  """The cache state of the methods that score pages of keys (quest, hsa, rocketkv, rocketkv_plus): each page's
+  key summary and each sequence's own stage-2 plan.
+
+  kt_min, kt_max: [B, K, H, P] per-page element-wise key min / max, channel-major (`build_kt_pages`). Pages
+    with no valid slot hold zeros; the last page's junk slots never enter min/max.
+  row_topr: [B] int32, the channels each sequence scores (at most the config's static `topr`, the batch's
+    maximum); None for quest, which scores every channel.
+  row_page_size: [B] int32, each sequence's page size (at most the config's `page_size`). A sequence planned
+    alone holds the config's values (`MethodConfig.row_leaves`).
+  (row_topr comes before row_page_size so that the leaves flatten in the order of the former KVCache fields.)
+  """
+
+  kt_min: jax.Array
+  kt_max: jax.Array
+  row_topr: jax.Array | None = None
+  row_page_size: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCache:
-  """One layer's cache. Unused method-specific leaves are None.
+  """One layer's cache: what every method keeps, plus the method's own `state`.
 
   k, v: [B, K, S, H] post-RoPE keys and values at the method's capacity S. Each KV head holds its own
     token set; slots [0, length) are valid. In the model's dtype, or FP8 (`kv_cache_dtype`), read with:
   k_scale, v_scale: [B, K] float32, an FP8 cache's scale per (sequence, KV head) (`kernels/kv_quant.py`: a value
-    reads as k.astype(f32) * k_scale); None when K/V are not quantized.
+    reads as k.astype(f32) * k_scale); None when K/V are not quantized (any method may store FP8).
   length: [B] int32, valid slots (the same for every KV head of a sequence).
   pos: [B] int32, absolute position of the next token = tokens seen so far, kept or evicted.
-  kt_min, kt_max: [B, K, H, P] per-page element-wise key min / max, channel-major (HSA, RocketKV, Quest).
-    Pages with no valid slot hold zeros; the last page's junk slots never enter min/max.
-  scores: [B, K, S] float32 accumulated attention (H2O).
-  positions: [B, K, S] int32 absolute position of each slot's token (H2O).
-  v_sum: [B, K, H] float32 sum of the valid values (SparQ's mean-value correction).
-  row_topr, row_page_size: [B] int32, each sequence's own stage-2 plan (methods whose plan sets them per
-    request, `MethodConfig.row_fields`): the channels it scores and its page size, at most the config's static
-    `topr` / `page_size` (the batch's maxima). A sequence planned alone holds the config's values.
+  state: the method's extra leaves, a registered dataclass pytree of the class its config names
+    (`MethodConfig.state_class`): `PageState` (quest, hsa, rocketkv, rocketkv_plus), `SparQState`
+    (`methods/sparq.py`), `H2OState` (`methods/h2o.py`); None for the methods that keep nothing more (full,
+    snapkv, streaming_llm, exact_topk). `cache_leaves` names its leaves "state.<field>".
   spec: static (not a leaf): the method and config fields that built the cache; `decode_step` refuses a
     config whose spec differs.
+
+  The fields are in the order k, v, length, pos, state, k_scale, v_scale, so the flattened leaves keep the
+  order they had when every method's leaves were fields of KVCache itself.
   """
 
   k: jax.Array
   v: jax.Array
   length: jax.Array
   pos: jax.Array
-  kt_min: jax.Array | None = None
-  kt_max: jax.Array | None = None
-  scores: jax.Array | None = None
-  positions: jax.Array | None = None
-  v_sum: jax.Array | None = None
-  row_topr: jax.Array | None = None
-  row_page_size: jax.Array | None = None
+  state: object | None = None
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
   spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
@@ -71,10 +85,36 @@ class KVCache:
     return self.k.shape[2]
 
 
+def cache_leaves(cache: KVCache) -> dict:
+  """Every array field of `cache` by name, None where unset, in pytree order: the shared ones (k, v, length,
+  pos, k_scale, v_scale) and each field of the method's state as "state.<field>" (no entry for a None state).
+  These are the names `MethodConfig.cache_shapes` uses and the checks' messages say."""
+  out = {}
+  for f in dataclasses.fields(cache):
+    x = getattr(cache, f.name)
+    if f.name == "state":
+      if x is not None:
+        out.update({f"state.{g.name}": getattr(x, g.name) for g in dataclasses.fields(x)})
+    elif f.name != "spec":
+      out[f.name] = x
+  return out
+
+
+def replace_leaves(cache: KVCache, **leaves) -> KVCache:
+  """`cache` with the leaves named as `cache_leaves` names them replaced ("k", "state.kt_min"...): how a tool or
+  test edits any leaf, the method's state's included, by one name."""
+  state = {n.removeprefix("state."): x for n, x in leaves.items() if n.startswith("state.")}
+  shared = {n: x for n, x in leaves.items() if not n.startswith("state.")}
+  if state:
+    shared["state"] = dataclasses.replace(cache.state, **state)
+  return dataclasses.replace(cache, **shared)
+
+
 def cache_nbytes(cache) -> int:
   """Bytes a cache (or a tuple / list of per-layer caches, nested as deep as one likes) holds: KV plus every
-  auxiliary page, score and index. Only the shapes are read (a donated cache's size is still known). Raises
-  ValueError naming the type of anything that is not such a cache (a string once reached `.shape`)."""
+  leaf of the methods' states (pages, scores, indices). Only the shapes are read (a donated cache's size is
+  still known). Raises ValueError naming the type of anything that is not such a cache (a string once reached
+  `.shape`)."""
   _check_caches("cache", cache)
   return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache)))
 
@@ -95,10 +135,9 @@ def check_alive(name: str, cache) -> None:
   and the decode loops donate their input cache, whose arrays are then deleted."""
   layers = cache if isinstance(cache, (tuple, list)) else (cache,)
   for i, layer in enumerate(layers):
-    for f in dataclasses.fields(layer):
-      x = getattr(layer, f.name)
+    for leaf, x in cache_leaves(layer).items():
       if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
-        where = f"{name}.{f.name}" if layer is cache else f"{name}[{i}].{f.name}"
+        where = f"{name}.{leaf}" if layer is cache else f"{name}[{i}].{leaf}"
         raise ValueError(f"{where} has been deleted: the cache was donated to an earlier call (decode_step or "
                          "a decode loop), which returned the cache to use next")
 
@@ -154,10 +193,11 @@ def build_kt_pages(k_BKSH: jax.Array, length_B: jax.Array, page_size: int, dtype
 
 def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, **extras) -> KVCache:
   """The cache holding, per KV head, the prompt positions keep[b, k, :count[b]] in slots [0, count) (junk
-  after), at the config's capacity, with KT pages when the method keeps them and each sequence's own plan
-  (`rows`, a `RowPlan`; None: every sequence the config's) where the method plans per row; `extras` sets other
-  leaves. With an FP8 `kv_cache_dtype`, K and V are stored quantized at scales from the full-precision prompt
-  (every valid token of it, kept or not: `kv_quant.kv_scale`), and the KT pages are the full-precision keys'."""
+  after), at the config's capacity, with the method's state (`config.init_state`) from its leaves: KT pages
+  when the method keeps them, each sequence's own plan (`rows`, a `RowPlan`; None: every sequence the
+  config's) where the method plans per row, and `extras` (other leaves of the state, by field name). With an
+  FP8 `kv_cache_dtype`, K and V are stored quantized at scales from the full-precision prompt (every valid
+  token of it, kept or not: `kv_quant.kv_scale`), and the KT pages are the full-precision keys'."""
   capacity = config.capacity
   m = keep_BKM.shape[-1]
   valid = slot_valid(count_B, m)[:, None, :, None]
@@ -169,20 +209,22 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, 
 
   k, v = place(k_BTKH), place(v_BTKH)
   length = count_B.astype(jnp.int32)
-  extras.update(config.row_leaves(k.shape[0], rows))
+  leaves = dict(config.row_leaves(k.shape[0], rows), **extras)
   if config.uses_kt_pages:
-    extras["kt_min"], extras["kt_max"] = build_kt_pages(
+    leaves["kt_min"], leaves["kt_max"] = build_kt_pages(
         k, length, config.page_size, config.kt_dtype(k.dtype), num_pages=config.num_kt_pages,
-        page_size_B=extras.get("row_page_size"))
+        page_size_B=leaves.get("row_page_size"))
+  scales = {}
   if config.kv_scaled:
     dtype = config.kv_dtype(k.dtype)
     prompt_BKT = jnp.broadcast_to(slot_valid(lengths_B, k_BTKH.shape[1])[:, None, :],
                                   (k.shape[0], k.shape[1], k_BTKH.shape[1]))
-    extras["k_scale"] = kv_scale(k_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
-    extras["v_scale"] = kv_scale(v_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
-    k = quantize(k, extras["k_scale"][:, :, None, None], dtype)
-    v = quantize(v, extras["v_scale"][:, :, None, None], dtype)
-  return KVCache(k=k, v=v, length=length, pos=lengths_B.astype(jnp.int32), spec=config.cache_spec(), **extras)
+    scales["k_scale"] = kv_scale(k_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
+    scales["v_scale"] = kv_scale(v_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
+    k = quantize(k, scales["k_scale"][:, :, None, None], dtype)
+    v = quantize(v, scales["v_scale"][:, :, None, None], dtype)
+  cache = KVCache(k=k, v=v, length=length, pos=lengths_B.astype(jnp.int32), spec=config.cache_spec(), **scales)
+  return dataclasses.replace(cache, state=config.init_state(cache, **leaves))
 
 
 @jax.tree_util.register_dataclass

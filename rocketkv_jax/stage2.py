@@ -24,12 +24,13 @@ from rocketkv_jax.cache import KVCache
 def select(config, cache: KVCache, q_BKGH, choice=None):
   """(idx, valid) [B, K, M]: the top-k slots of the step, the new token already appended, ties toward the
   lower slot; the first min(length, M) entries are valid. Each sequence scores with its own plan: its
-  cache.row_topr channels and cache.row_page_size pages (at most the config's, the batch's maxima). choice: the
-  channel choice already made (`ops.cache_append`'s choose_q)."""
-  idx = ops.hsa_select(q_BKGH, cache.kt_min, cache.kt_max, cache.length, topr=topr(config, q_BKGH),
+  cache.state.row_topr channels and cache.state.row_page_size pages (at most the config's, the batch's maxima;
+  the cache's state is a `PageState`). choice: the channel choice already made (`ops.cache_append`'s choose_q)."""
+  state = cache.state
+  idx = ops.hsa_select(q_BKGH, state.kt_min, state.kt_max, cache.length, topr=topr(config, q_BKGH),
                        page_size=config.page_size, k=config.topk, num_slots=cache.capacity,
                        sink=config.hsa_sink_tokens, recent=config.hsa_recent_tokens,
-                       impl=config.impl, choice=choice, page_size_B=cache.row_page_size, topr_B=cache.row_topr)
+                       impl=config.impl, choice=choice, page_size_B=state.row_page_size, topr_B=state.row_topr)
   return idx, ops.prefix_valid(idx, cache.length)
 
 

@@ -7,6 +7,7 @@ under jit); its methods are what the rest of the code asks of a method:
   decode(cache, q_BKGH, k_new_BKH, v_new_BKH) -> (out, cache)  append, select, attend (stage 2)
   capacity, evicts, budgeted, uses_kt_pages, scores_channels  static facts (the capabilities: ClassVars, never probed
                                                              with hasattr)
+  state_class, init_state(cache, **leaves), cache_shapes     the method's own cache state (KVCache.state)
   row_fields, for_rows(configs)                              what each row of a batch plans for itself (data),
                                                              and the static config a batch of plans compiles for
   step_read_bytes(length, head_dim=, itemsize=)              the bytes a decode step must read (the floor)
@@ -71,19 +72,21 @@ def append_choosing_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, q_BKG
 
 
 def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
-  pages = (cache.kt_min, cache.kt_max) if config.uses_kt_pages else ()
+  state = cache.state  # a PageState when the method keeps KT pages
+  pages = (state.kt_min, state.kt_max) if config.uses_kt_pages else ()
   if choose:
-    choose["topr_B"] = cache.row_topr
+    choose["topr_B"] = state.row_topr
   new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
                          page_size=config.page_size if pages else 1,
-                         page_size_B=cache.row_page_size if pages else None, impl=config.impl, **choose,
+                         page_size_B=state.row_page_size if pages else None, impl=config.impl, **choose,
                          **kv_scales(cache))
   new, choice = (new[:-4], new[-4:]) if choose else (new, None)
   if pages:
     k, v, kt_min, kt_max = new
+    state = dataclasses.replace(state, kt_min=kt_min, kt_max=kt_max)
   else:
-    (k, v), kt_min, kt_max = new, cache.kt_min, cache.kt_max
-  return dataclasses.replace(cache, k=k, v=v, kt_min=kt_min, kt_max=kt_max, pos=cache.pos + 1,
+    k, v = new
+  return dataclasses.replace(cache, k=k, v=v, state=state, pos=cache.pos + 1,
                              length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32)), choice
 
 
@@ -120,8 +123,12 @@ class MethodConfig:
   scores_channels: ClassVar[bool] = False  # it scores the group's top-`topr` query channels: the config has topr
   plan_fields: ClassVar[tuple[str, ...]] = ()  # fields `from_budget` takes as inputs of the plan (documentation)
   # Fields the plan sets from each sequence's own length, run per row as data (`RowPlan`): a batch config holds
-  # their maxima (`for_rows`). Of them, "topr" and "page_size" are also cache leaves (row_topr, row_page_size).
+  # their maxima (`for_rows`). Of them, "topr" and "page_size" are also leaves of the cache's state (row_topr,
+  # row_page_size: `row_leaves`).
   row_fields: ClassVar[tuple[str, ...]] = ()
+  # The class of the cache's `state` (KVCache.state): a registered dataclass pytree holding the leaves only this
+  # method keeps, or None when it keeps none (`init_state` builds it).
+  state_class: ClassVar[type | None] = None
   # Fields that only size the cache: a batch config holds their maxima (every other field must agree).
   size_fields: ClassVar[tuple[str, ...]] = ()
   impl: str = "auto"
@@ -233,8 +240,8 @@ class MethodConfig:
                            f"{'capacity' if f.name == 'prompt_budget' else f.name}: the batch's maximum)")
 
   def row_leaves(self, batch: int, rows: RowPlan | None) -> dict:
-    """The per-row plan leaves a cache of this method holds (row_topr, row_page_size), from `rows` or, where
-    rows gives none, the config's own values for every row."""
+    """The per-row plan leaves the state of this method's cache holds (row_topr, row_page_size: fields of
+    `state_class`), from `rows` or, where rows gives none, the config's own values for every row."""
     out = {}
     for name in ("topr", "page_size"):
       if name in self.row_fields:
@@ -249,15 +256,25 @@ class MethodConfig:
     (rows with smaller pages need more of them), else `kt_num_pages(capacity, page_size)`."""
     return self.kt_pages or kt_num_pages(self.capacity, self.page_size)
 
+  def init_state(self, cache: KVCache, **leaves):
+    """The cache's `state` (an instance of `state_class`, or None) from `leaves`, its fields by name. `cache` is
+    the cache a prefill keeps (K/V stored, state None), for methods whose state is computed from it."""
+    if self.state_class is None:
+      if leaves:
+        raise ValueError(f"{self.method} keeps no cache state, but was given {sorted(leaves)}")
+      return None
+    return self.state_class(**leaves)
+
   def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
-    """The shape of every array leaf this method's cache holds (leaves not named here are None)."""
+    """The shape of every array leaf this method's cache holds, named as `cache.cache_leaves` names them (the
+    state's as "state.<field>"; leaves not named here are None)."""
     s = self.capacity
     shapes = dict(k=(batch, n_kv_heads, s, head_dim), v=(batch, n_kv_heads, s, head_dim), length=(batch,),
                   pos=(batch,))
     if self.uses_kt_pages:
-      shapes["kt_min"] = shapes["kt_max"] = (batch, n_kv_heads, head_dim, self.num_kt_pages)
+      shapes["state.kt_min"] = shapes["state.kt_max"] = (batch, n_kv_heads, head_dim, self.num_kt_pages)
     for name in self.row_leaves(batch, None):
-      shapes[name] = (batch,)
+      shapes["state." + name] = (batch,)
     if self.kv_scaled:
       shapes["k_scale"] = shapes["v_scale"] = (batch, n_kv_heads)
     return shapes

@@ -38,15 +38,29 @@ def h2o_prefill_scores(q_BTNH, k_BTKH, lengths_B, *, block: int = 256) -> jax.Ar
   return acc
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class H2OState:
+  """H2O's cache state (KVCache.state): what its eviction reads.
+
+  scores: [B, K, S] float32 attention each slot's token has accumulated (prompt queries at prefill, then every
+    step's, summed over the KV group's query heads); a new token starts at 0.
+  positions: [B, K, S] int32 absolute position of each slot's token (the recent window is protected by it).
+  """
+
+  scores: jax.Array
+  positions: jax.Array
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class H2OConfig(FixedCacheConfig):
   """Heavy hitters by accumulated attention plus the `recent` most recent tokens; cache of `token_budget`
   slots, evicting one token per decode step once full. `recent` defaults to token_budget // 2.
 
-  The cache's extra leaves: `scores` [B, K, S] accumulated attention, `positions` [B, K, S] the absolute
-  position of each slot's token."""
+  The cache's state: `H2OState` (accumulated attention and each slot's absolute position)."""
 
   method: ClassVar[str] = "h2o"
+  state_class: ClassVar[type] = H2OState
   recent: int | None = None
 
   def __post_init__(self):
@@ -62,7 +76,7 @@ class H2OConfig(FixedCacheConfig):
 
   def cache_shapes(self, batch, n_kv_heads, head_dim):
     shapes = super().cache_shapes(batch, n_kv_heads, head_dim)
-    shapes["scores"] = shapes["positions"] = (batch, n_kv_heads, self.capacity)
+    shapes["state.scores"] = shapes["state.positions"] = (batch, n_kv_heads, self.capacity)
     return shapes
 
   @property
@@ -91,14 +105,15 @@ class H2OConfig(FixedCacheConfig):
 
   def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
     del q_BTNH, k_BTKH, lengths_B
-    return cache.positions
+    return cache.state.positions
 
   def next_slot(self, cache):
     """Once full, the lowest accumulated score outside the recent window (first minimum: the lower slot);
     before that, slot `length`. Per KV head: [B, K]."""
     full = (cache.length >= self.capacity)[:, None]
-    protected = cache.positions > (cache.pos - self.recent_tokens)[:, None, None]  # among the `recent` newest
-    victim = jnp.argmin(jnp.where(protected, jnp.inf, cache.scores), axis=-1).astype(jnp.int32)
+    state = cache.state
+    protected = state.positions > (cache.pos - self.recent_tokens)[:, None, None]  # among the `recent` newest
+    victim = jnp.argmin(jnp.where(protected, jnp.inf, state.scores), axis=-1).astype(jnp.int32)
     return jnp.where(full, victim, cache.length[:, None]).astype(jnp.int32)
 
   def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
@@ -106,13 +121,16 @@ class H2OConfig(FixedCacheConfig):
     (summed over the group) to the scores."""
     slot_BK = self.next_slot(cache)
     b, k = np.indices(slot_BK.shape, sparse=True)
-    cache = dataclasses.replace(
-        cache, positions=cache.positions.at[b, k, slot_BK].set(jnp.broadcast_to(cache.pos[:, None], slot_BK.shape)),
-        scores=cache.scores.at[b, k, slot_BK].set(0.0))
+    old = cache.state
+    new_pos = jnp.broadcast_to(cache.pos[:, None], slot_BK.shape)
+    state = H2OState(positions=old.positions.at[b, k, slot_BK].set(new_pos),
+                     scores=old.scores.at[b, k, slot_BK].set(0.0))
+    cache = dataclasses.replace(cache, state=state)
     cache = append_at(cache, k_new_BKH, v_new_BKH, slot_BK, self)
     probs = attention_probs(q_BKGH, read_keys(cache), cache.length)  # [B, K, G, S]
     valid = slot_valid(cache.length, self.capacity)[:, None, :, None]
     v = read_values(cache)
     v = jnp.where(valid, v, jnp.zeros((), v.dtype))
     out = jnp.einsum("BKGS,BKSH->BKGH", probs, v.astype(jnp.float32), precision="highest").astype(q_BKGH.dtype)
-    return out, dataclasses.replace(cache, scores=cache.scores + probs.sum(2))
+    state = dataclasses.replace(cache.state, scores=cache.state.scores + probs.sum(2))
+    return out, dataclasses.replace(cache, state=state)

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from rocketkv_jax import ops, stage2
 from rocketkv_jax.budget import stage2_pages
-from rocketkv_jax.cache import kv_scales
+from rocketkv_jax.cache import PageState, kv_scales
 from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, append_at, append_choosing_at, check_budget,
                                        kt_itemsize, seq_len)
 
@@ -51,6 +51,7 @@ class HSAConfig(HSAStage2Mixin, SelectingMixin, KeepAllConfig):
   hsa_sink_tokens: ClassVar[int] = 0
   hsa_recent_tokens: ClassVar[int] = 0
   row_fields: ClassVar[tuple[str, ...]] = ("topr", "page_size")
+  state_class: ClassVar[type] = PageState
   page_size: int
   topr: int
   topk: int

@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from rocketkv_jax import ops
+from rocketkv_jax.cache import PageState
 from rocketkv_jax.methods.base import KeepAllConfig, SelectingMixin, check_budget, kt_itemsize, seq_len
 
 
@@ -20,6 +21,7 @@ class QuestConfig(SelectingMixin, KeepAllConfig):
   method: ClassVar[str] = "quest"
   uses_kt_pages: ClassVar[bool] = True
   row_fields: ClassVar[tuple[str, ...]] = ("page_size",)
+  state_class: ClassVar[type] = PageState  # row_topr None: every channel scores
   page_size: int
   topk: int
   kt_cache_dtype: str | None = None
@@ -35,13 +37,13 @@ class QuestConfig(SelectingMixin, KeepAllConfig):
   def page_scores(self, cache, q_BKGH):
     """Quest's upper bound per page, sum_c max(q_c k_min_c, q_c k_max_c), summed over the group's heads."""
     qf = q_BKGH.astype(jnp.float32)[..., None]  # [B, K, G, H, 1]
-    lo = cache.kt_min.astype(jnp.float32)[:, :, None]
-    hi = cache.kt_max.astype(jnp.float32)[:, :, None]
+    lo = cache.state.kt_min.astype(jnp.float32)[:, :, None]
+    hi = cache.state.kt_max.astype(jnp.float32)[:, :, None]
     return jnp.maximum(qf * lo, qf * hi).sum(axis=(2, 3))  # [B, K, P]
 
   def select(self, cache, q_BKGH):
     idx = ops.page_topk(self.page_scores(cache, q_BKGH), cache.length, page_size=self.page_size, k=self.topk,
-                        num_slots=cache.capacity, impl=self.impl, page_size_B=cache.row_page_size)
+                        num_slots=cache.capacity, impl=self.impl, page_size_B=cache.state.row_page_size)
     return idx, ops.prefix_valid(idx, cache.length)
 
   def score_read_bytes(self, length, *, head_dim, itemsize):

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from rocketkv_jax import stage1, stage2
 from rocketkv_jax.budget import check_int, plan_budget, stage2_replan
+from rocketkv_jax.cache import PageState
 from rocketkv_jax.methods.base import MethodConfig, SelectingMixin
 from rocketkv_jax.methods.hsa import HSAStage2Mixin
 
@@ -39,6 +40,7 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   scores_channels: ClassVar[bool] = True
   plan_fields: ClassVar[tuple[str, ...]] = ("window_size", "plan_page_size", "plan_topk")
   row_fields: ClassVar[tuple[str, ...]] = ("prompt_budget", "topr", "page_size")
+  state_class: ClassVar[type] = PageState
   # window_size: min(32, prompt length); a shorter window only ever belongs to a prompt that stage 1 keeps whole
   size_fields: ClassVar[tuple[str, ...]] = ("max_new_tokens", "window_size")
   prompt_budget: int

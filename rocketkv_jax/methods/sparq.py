@@ -18,15 +18,31 @@ from rocketkv_jax.methods.base import (KeepAllConfig, SelectingMixin, check_budg
 from rocketkv_jax.select import topk_tokens
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparQState:
+  """SparQ's cache state (KVCache.state).
+
+  v_sum: [B, K, H] float32 sum of the valid values, as the cache holds them (an FP8 cache's dequantized
+    values): the mean value of SparQ's correction for the attention mass left out of the top-k.
+  row_topr: [B] int32, the channels each sequence scores (its own plan; at most the config's static `topr`,
+    the batch's maximum; `MethodConfig.row_leaves`).
+  """
+
+  v_sum: jax.Array
+  row_topr: jax.Array
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SparQConfig(SelectingMixin, KeepAllConfig):
   """SparQ: no eviction; the group's top-`topr` channels of sum |q| score every token, exact attention over
-  the top `topk` tokens, plus SparQ's mean-value correction. The cache's extra leaf `v_sum` [B, K, H]
-  float32 is the sum of the valid values, as the cache holds them (an FP8 cache's dequantized values)."""
+  the top `topk` tokens, plus SparQ's mean-value correction. The cache's state: `SparQState` (the sum of the
+  valid values, each sequence's top-r)."""
 
   method: ClassVar[str] = "sparq"
   scores_channels: ClassVar[bool] = True
   row_fields: ClassVar[tuple[str, ...]] = ("topr",)
+  state_class: ClassVar[type] = SparQState
   topr: int
   topk: int
 
@@ -38,28 +54,29 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
     return cls(**{"max_len": s, "topr": topr, "topk": token_budget // 2, **kw})
 
   def cache_shapes(self, batch, n_kv_heads, head_dim):
-    return dict(super().cache_shapes(batch, n_kv_heads, head_dim), v_sum=(batch, n_kv_heads, head_dim))
+    return {**super().cache_shapes(batch, n_kv_heads, head_dim), "state.v_sum": (batch, n_kv_heads, head_dim)}
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
-    cache = super().prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
+  def init_state(self, cache, **leaves):
+    """The state of a prefill's cache: `leaves` (row_topr) and the sum of its valid values as it holds them."""
     v_sum = jnp.where(valid_slots(cache)[:, None, :, None], read_values(cache).astype(jnp.float32), 0.0).sum(axis=2)
-    return dataclasses.replace(cache, v_sum=v_sum)
+    return SparQState(v_sum=v_sum, **leaves)
 
   def append(self, cache, k_new_BKH, v_new_BKH):
     v_held = v_new_BKH if cache.v_scale is None else dequantize(
         stored_row(v_new_BKH, cache.v_scale, cache.v.dtype), cache.v_scale[..., None])  # as the cache will hold it
-    cache = dataclasses.replace(cache, v_sum=cache.v_sum + v_held.astype(jnp.float32))
+    state = dataclasses.replace(cache.state, v_sum=cache.state.v_sum + v_held.astype(jnp.float32))
+    cache = dataclasses.replace(cache, state=state)
     return super().append(cache, k_new_BKH, v_new_BKH)
 
   def approx_probs(self, cache, q_BKGH):
     """SparQ's approximate per-head attention [B, K, G, S]: the group's top-r channels (each sequence's
-    cache.row_topr; ties toward the lower channel), temperature tau_g = sqrt(H * |q_g[channels]|_1 / |q_g|_1)."""
+    cache.state.row_topr; ties toward the lower channel), temperature tau_g = sqrt(H * |q_g[channels]|_1 / |q_g|_1)."""
     r = min(self.topr, q_BKGH.shape[-1])
     qf = q_BKGH.astype(jnp.float32)
     _, channels_BKR = lax.top_k(jnp.abs(qf).sum(axis=2), r)  # stable: ties keep channel order
     qr = jnp.take_along_axis(qf, channels_BKR[:, :, None, :], axis=-1)  # [B, K, G, R]
-    # each sequence's own top-r (cache.row_topr <= r): its first channels by rank, the rest count for nothing
-    qr = jnp.where((jnp.arange(r) < cache.row_topr[:, None])[:, None, None, :], qr, 0.0)
+    # each sequence's own top-r (cache.state.row_topr <= r): its first channels by rank, the rest count for nothing
+    qr = jnp.where((jnp.arange(r) < cache.state.row_topr[:, None])[:, None, None, :], qr, 0.0)
     k_r = jnp.take_along_axis(cache.k, channels_BKR[:, :, None, :], axis=-1).astype(jnp.float32)  # [B, K, S, R]
     if cache.k_scale is not None:  # an FP8 cache: the chosen channels' values
       k_r = dequantize(k_r, cache.k_scale[:, :, None, None])
@@ -78,7 +95,7 @@ class SparQConfig(SelectingMixin, KeepAllConfig):
     idx, valid = topk_tokens(p.mean(axis=2), cache.length, self.topk)
     out = ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl, **kv_scales(cache))
     alpha = jnp.where(valid[:, :, None, :], jnp.take_along_axis(p, idx[:, :, None, :], axis=-1), 0.0).sum(-1)
-    v_mean = cache.v_sum / cache.length[:, None, None]  # [B, K, H]
+    v_mean = cache.state.v_sum / cache.length[:, None, None]  # [B, K, H]
     out = alpha[..., None] * out.astype(jnp.float32) + (1 - alpha[..., None]) * v_mean[:, :, None, :]
     return out.astype(q_BKGH.dtype)
 

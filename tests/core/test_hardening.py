@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rk
+from rocketkv_jax.cache import cache_leaves, replace_leaves
 
 B, T, N, K, H = 2, 64, 4, 2, 16
 
@@ -117,7 +118,7 @@ def test_prompt_past_capacity_says_what_to_plan():
 def _leaves(method):
   q, k, v = _qkv()
   cache = rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=_mk(method))
-  return [f.name for f in dataclasses.fields(cache) if f.name != "spec" and getattr(cache, f.name) is not None]
+  return [name for name, x in cache_leaves(cache).items() if x is not None]
 
 
 @pytest.mark.parametrize("method,leaf", [(m, leaf) for m in rk.METHODS for leaf in _leaves(m)])
@@ -125,7 +126,7 @@ def _leaves(method):
 def test_missing_leaf_names_the_leaf_and_the_method(method, leaf, jit):
   q, k, v = _qkv()
   cfg = _mk(method)
-  cache = dataclasses.replace(rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=cfg), **{leaf: None})
+  cache = replace_leaves(rk.prefill_compress(q, k, v, jnp.array([T, 30]), config=cfg), **{leaf: None})
   step = lambda c: rk.decode_step(c, q[:, 0], k[:, 0], v[:, 0], config=cfg)
   with pytest.raises(ValueError, match=rf"cache.{leaf} is .*None.* but {method} needs"):
     (jax.jit(step) if jit else step)(cache)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rk
-from rocketkv_jax.cache import read_keys, read_values
+from rocketkv_jax.cache import cache_leaves, read_keys, read_values, replace_leaves
 from rocketkv_jax.kernels.kv_quant import dequantize, fp8_max, quantize
 from tests.core.test_methods import CASES, H, K, N, decode_steps, plan_config, run_steps
 
@@ -36,20 +36,20 @@ def _poison_cache(cache):
   """NaN in every K/V slot at or past length (an FP8 NaN) and in every KT page with no valid slot."""
   s = cache.k.shape[2]
   junk = ~(np.arange(s)[None, :] < np.asarray(cache.length)[:, None])
-  fields = {}
+  leaves, fields = cache_leaves(cache), {}
   for name in ("k", "v"):
-    x = np.array(getattr(cache, name).astype(jnp.float32))
+    x = np.array(leaves[name].astype(jnp.float32))
     x[np.broadcast_to(junk[:, None, :, None], x.shape)] = np.nan
-    fields[name] = jnp.asarray(x).astype(getattr(cache, name).dtype)
-  if cache.kt_min is not None:
-    p = cache.kt_min.shape[-1]
+    fields[name] = jnp.asarray(x).astype(leaves[name].dtype)
+  if "state.kt_min" in leaves:
+    p = leaves["state.kt_min"].shape[-1]
     page_size = -(-s // p)
-    for name in ("kt_min", "kt_max"):
-      x = np.array(getattr(cache, name).astype(jnp.float32))
+    for name in ("state.kt_min", "state.kt_max"):
+      x = np.array(leaves[name].astype(jnp.float32))
       empty = np.arange(p)[None, :] * page_size >= np.asarray(cache.length)[:, None]
       x[np.broadcast_to(empty[:, None, None, :], x.shape)] = np.nan
-      fields[name] = jnp.asarray(x).astype(getattr(cache, name).dtype)
-  return dataclasses.replace(cache, **fields)
+      fields[name] = jnp.asarray(x).astype(leaves[name].dtype)
+  return replace_leaves(cache, **fields)
 
 
 def _on_grid(x_BKH, scale_BK, dtype):
@@ -94,13 +94,16 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   cache8 = rk.prefill_compress(q, k, v, lengths, config=c8)
   cache32 = rk.prefill_compress(q, k, v, lengths, config=c32)
   assert cache8.k.dtype == jnp.float8_e4m3fn and cache8.k_scale.shape == (len(lengths), k.shape[2])
-  for name in ("length", "pos", "kt_min", "kt_max", "scores", "positions", "row_topr", "row_page_size"):
-    a, b = getattr(cache8, name), getattr(cache32, name)
+  leaves8, leaves32 = cache_leaves(cache8), cache_leaves(cache32)
+  assert type(cache8.state) is type(cache32.state) and set(leaves8) == set(leaves32)
+  for name in set(leaves8) - {"k", "v", "k_scale", "v_scale", "state.v_sum"}:
+    a, b = leaves8[name], leaves32[name]
     assert (a is None) == (b is None), name
     if a is not None:
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-  v_sum = None if cache8.v_sum is None else jnp.copy(cache8.v_sum)  # (each cache is donated to its own steps)
-  held = dataclasses.replace(cache32, k=read_keys(cache8), v=read_values(cache8), v_sum=v_sum)
+  held = dataclasses.replace(cache32, k=read_keys(cache8), v=read_values(cache8))
+  if "state.v_sum" in leaves8:  # (each cache is donated to its own steps)
+    held = replace_leaves(held, **{"state.v_sum": jnp.copy(leaves8["state.v_sum"])})
   qs, ks, vs = _steps(7, len(lengths), n_steps)
   ks = jnp.stack([_on_grid(x, cache8.k_scale, cache8.k.dtype) for x in ks])
   vs = jnp.stack([_on_grid(x, cache8.v_scale, cache8.v.dtype) for x in vs])
@@ -108,8 +111,8 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   want, end32 = decode_steps(c32, held, (qs, ks, vs))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(read_keys(end8)), np.asarray(end32.k))
-  if end8.kt_min is not None:
-    np.testing.assert_array_equal(np.asarray(end8.kt_min), np.asarray(end32.kt_min))
+  if "state.kt_min" in cache_leaves(end8):
+    np.testing.assert_array_equal(np.asarray(end8.state.kt_min), np.asarray(end32.state.kt_min))
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rk
+from rocketkv_jax.cache import cache_leaves, replace_leaves
 from tests.core.reference import RefSequence
 
 N, K, H = 8, 2, 32
@@ -90,8 +91,8 @@ def test_rocketkv_sinks_and_fp8_pages():
     np.testing.assert_allclose(ours[b], want, rtol=2e-4, atol=2e-4)
   fp8 = dataclasses.replace(config, kt_cache_dtype="float8_e5m2")
   out8, cache8 = run_steps(fp8, q, k, v, lengths, steps)
-  assert cache8.kt_min.dtype == jnp.float8_e5m2 and np.isfinite(out8).all()
-  assert cache8.kt_min.nbytes * 4 == cache.kt_min.nbytes  # float32 keys -> 1-byte pages
+  assert cache8.state.kt_min.dtype == jnp.float8_e5m2 and np.isfinite(out8).all()
+  assert cache8.state.kt_min.nbytes * 4 == cache.state.kt_min.nbytes  # float32 keys -> 1-byte pages
 
 
 @pytest.mark.parametrize("method", rk.METHODS)
@@ -125,20 +126,20 @@ def _poison_cache(cache):
   """NaN in every slot at or past length, and in every page with no valid slot."""
   s = cache.k.shape[2]
   junk = ~(np.arange(s)[None, :] < np.asarray(cache.length)[:, None])
-  fields = {}
+  leaves, fields = cache_leaves(cache), {}
   for name in ("k", "v"):
-    x = np.array(getattr(cache, name), np.float32)
+    x = np.array(leaves[name], np.float32)
     x[junk[:, None, :, None].repeat(x.shape[1], 1).repeat(x.shape[3], 3)] = np.nan
-    fields[name] = jnp.asarray(x, getattr(cache, name).dtype)
-  if cache.kt_min is not None:
-    p = cache.kt_min.shape[-1]
+    fields[name] = jnp.asarray(x, leaves[name].dtype)
+  if "state.kt_min" in leaves:
+    p = leaves["state.kt_min"].shape[-1]
     page_size = -(-s // p)
-    for name in ("kt_min", "kt_max"):
-      x = np.array(getattr(cache, name), np.float32)
+    for name in ("state.kt_min", "state.kt_max"):
+      x = np.array(leaves[name], np.float32)
       empty = np.arange(p)[None, :] * page_size >= np.asarray(cache.length)[:, None]
       x[np.broadcast_to(empty[:, None, None, :], x.shape)] = np.nan
-      fields[name] = jnp.asarray(x, getattr(cache, name).dtype)
-  return dataclasses.replace(cache, **fields)
+      fields[name] = jnp.asarray(x, leaves[name].dtype)
+  return replace_leaves(cache, **fields)
 
 
 @pytest.mark.parametrize("method", rk.METHODS)
@@ -211,7 +212,7 @@ def test_bfloat16_matches_float32():
   f32, _ = run_steps(config, q, k, v, lengths, steps)
   bf, cache = run_steps(config, *(x.astype(jnp.bfloat16) for x in (q, k, v)), lengths,
                    tuple(s.astype(jnp.bfloat16) for s in steps))
-  assert cache.k.dtype == jnp.bfloat16 and cache.kt_min.dtype == jnp.bfloat16
+  assert cache.k.dtype == jnp.bfloat16 and cache.state.kt_min.dtype == jnp.bfloat16
   assert np.linalg.norm(bf - f32) / np.linalg.norm(f32) < 2e-2
 
 

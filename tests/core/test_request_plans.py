@@ -112,12 +112,12 @@ def test_row_plan_is_carried_by_the_cache():
   bp = rk.plan_rows("rocketkv", token_budget=64, prompt_lens=LENS, max_new_tokens=NEW, head_dim=H, impl="xla")
   q, k, v = _inputs(2, len(LENS), max(LENS))
   cache = rk.prefill_compress(q, k, v, jnp.asarray(LENS, jnp.int32), config=bp.config, rows=bp.rows)
-  assert np.asarray(cache.row_topr).tolist() == bp.rows.topr.tolist()
-  assert np.asarray(cache.row_page_size).tolist() == bp.rows.page_size.tolist()
+  assert np.asarray(cache.state.row_topr).tolist() == bp.rows.topr.tolist()
+  assert np.asarray(cache.state.row_page_size).tolist() == bp.rows.page_size.tolist()
   assert np.asarray(cache.length).tolist() == [min(n, c.prompt_budget) for n, c in zip(LENS, bp.row_configs)]
   # a cache without rows holds the config's own plan in every row
   plain = rk.prefill_compress(q, k, v, jnp.asarray(LENS, jnp.int32), config=bp.row_configs[2])
-  assert np.asarray(plain.row_page_size).tolist() == [bp.row_configs[2].page_size] * len(LENS)
+  assert np.asarray(plain.state.row_page_size).tolist() == [bp.row_configs[2].page_size] * len(LENS)
   assert dataclasses.replace(cache).spec == bp.config.cache_spec()
 
 

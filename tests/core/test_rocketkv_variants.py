@@ -49,8 +49,8 @@ def test_default_options_are_the_paper_plan_and_selection():
   q, k, v, q1 = _qkv(0, 2, 64)
   cache = _cache(cfg, q, k, v, [64, 50])
   idx, valid = cfg.select(cache, q1)
-  want = ops.hsa_select(q1, cache.kt_min, cache.kt_max, cache.length, topr=cfg.topr, page_size=cfg.page_size,
-                        k=cfg.topk, num_slots=cache.capacity, impl="xla")
+  want = ops.hsa_select(q1, cache.state.kt_min, cache.state.kt_max, cache.length, topr=cfg.topr,
+                        page_size=cfg.page_size, k=cfg.topk, num_slots=cache.capacity, impl="xla")
   np.testing.assert_array_equal(idx, want)
   np.testing.assert_array_equal(valid, ops.prefix_valid(want, cache.length))
 
@@ -76,8 +76,8 @@ def test_forced_pages_always_selected(impl, page_size, sink, recent):
     low[b, :, n - recent:n] = True
   kk = jnp.where(jnp.asarray(low)[..., None], -5.0, cache.k)  # sink and recent keys score lowest
   from rocketkv_jax.cache import build_kt_pages
-  kt_min, kt_max = build_kt_pages(kk, cache.length, page_size, cache.kt_min.dtype)
-  cache = dataclasses.replace(cache, k=kk, kt_min=kt_min, kt_max=kt_max)
+  kt_min, kt_max = build_kt_pages(kk, cache.length, page_size, cache.state.kt_min.dtype)
+  cache = dataclasses.replace(cache, k=kk, state=dataclasses.replace(cache.state, kt_min=kt_min, kt_max=kt_max))
   base = _sets(*paper.select(cache, q1))
   got = _sets(*jax.jit(variant.select)(cache, q1))
   from rocketkv_jax.kernels.hsa_scores import hsa_page_scores_reference

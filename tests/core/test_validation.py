@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rk
+from rocketkv_jax.cache import cache_leaves, replace_leaves
+from rocketkv_jax.methods.h2o import H2OState
 from rocketkv_jax.kernels.checks import kt_num_pages
 
 B, T, N, K, H = 2, 64, 4, 2, 16
@@ -132,11 +134,18 @@ def test_decode_refuses_a_cache_of_another_spec(built, used):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda c: dataclasses.replace(c, kt_min=None), r"cache.kt_min is missing \(None\), but rocketkv needs it"),
-    (lambda c: dataclasses.replace(c, kt_max=c.kt_max[..., :-1]), r"cache.kt_max.shape=\(2, 2, 16, \d+\) must be"),
-    (lambda c: dataclasses.replace(c, scores=jnp.zeros(c.k.shape[:3])), r"cache.scores is set, but rocketkv"),
-    (lambda c: dataclasses.replace(c, kt_min=c.kt_min.astype(jnp.bfloat16), kt_max=c.kt_max.astype(jnp.bfloat16)),
-     r"cache.kt_min.dtype=bfloat16 must be float32"),
+    (lambda c: replace_leaves(c, **{"state.kt_min": None}),
+     r"cache\.state\.kt_min is missing \(None\), but rocketkv needs it"),
+    (lambda c: replace_leaves(c, **{"state.kt_max": c.state.kt_max[..., :-1]}),
+     r"cache\.state\.kt_max\.shape=\(2, 2, 16, \d+\) must be"),
+    (lambda c: dataclasses.replace(c, state=H2OState(scores=jnp.zeros(c.k.shape[:3]),
+                                                     positions=jnp.zeros(c.k.shape[:3], jnp.int32))),
+     r"cache\.state is H2OState, but rocketkv keeps PageState"),
+    (lambda c: dataclasses.replace(c, state=None),
+     r"cache\.state is missing \(None\), but rocketkv needs a PageState"),
+    (lambda c: replace_leaves(c, **{"state.kt_min": c.state.kt_min.astype(jnp.bfloat16),
+                                    "state.kt_max": c.state.kt_max.astype(jnp.bfloat16)}),
+     r"cache\.state\.kt_min\.dtype=bfloat16 must be float32"),
     (lambda c: dataclasses.replace(c, length=c.length.astype(jnp.int16)), r"cache.length.dtype=int16"),
     (lambda c: dataclasses.replace(c, v=c.v.astype(jnp.bfloat16)), r"cache.v.dtype=bfloat16"),
 ])
@@ -166,8 +175,8 @@ def test_decode_past_capacity_inside_jit_never_writes_out_of_range():
   step = jax.jit(lambda c: rk.decode_step(c, q[:, 0] * 3, k[:, 0] * 3, v[:, 0] * 3, config=cfg))
   out, cache = step(cache)
   assert np.isfinite(np.asarray(out)).all()
-  for name in ("k", "v", "kt_min", "kt_max"):
-    np.testing.assert_array_equal(np.asarray(getattr(cache, name)), getattr(before, name), err_msg=name)
+  for name in ("k", "v", "state.kt_min", "state.kt_max"):
+    np.testing.assert_array_equal(np.asarray(cache_leaves(cache)[name]), cache_leaves(before)[name], err_msg=name)
   assert np.asarray(cache.length).tolist() == [T, T]
 
 
