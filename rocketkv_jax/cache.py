@@ -1,8 +1,8 @@
 """The static-shape, per-layer KV cache pytree, its spec, and how a prefill's kept positions become one.
 
 Slots at or past `length` are junk: nothing may depend on their contents. Every leaf's shape is fixed by
-the config, so a decode step never grows anything or recompiles. How a step updates a cache is the
-method's business (`methods/`).
+the config, so a decode step never grows anything or recompiles. Which slot a step writes, and what else it
+updates, is the method's business (`methods/`); writing the token there is `append_at`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rocketkv_jax import ops
 from rocketkv_jax.kernels.checks import kt_num_pages
 from rocketkv_jax.kernels.kv_quant import dequantize, kv_scale, quantize
 
@@ -31,8 +32,8 @@ class CacheSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PageState:
-  """The cache state of the methods that score pages of keys (quest, hsa, rocketkv, rocketkv_plus): each page's
-  key summary and each sequence's own stage-2 plan.
+  """The cache state of the stage-2 selectors that score pages of keys (`QuestSelector`: quest; `HSASelector`:
+  hsa, rocketkv, rocketkv_plus), shared by both: each page's key summary and each sequence's own stage-2 plan.
 
   kt_min, kt_max: [B, K, H, P] per-page element-wise key min / max, channel-major (`build_kt_pages`). Pages
     with no valid slot hold zeros; the last page's junk slots never enter min/max.
@@ -61,8 +62,9 @@ class KVCache:
   length: [B] int32, valid slots (the same for every KV head of a sequence).
   pos: [B] int32, absolute position of the next token = tokens seen so far, kept or evicted.
   state: the method's extra leaves, a registered dataclass pytree of the class its config names
-    (`MethodConfig.state_class`): `PageState` (quest, hsa, rocketkv, rocketkv_plus), `SparQState`
-    (`methods/sparq.py`), `H2OState` (`methods/h2o.py`); None for the methods that keep nothing more (full,
+    (`MethodConfig.state_class`, from the stage-1 policy or stage-2 selector that keeps it): `PageState` (the
+    page selectors: quest, hsa, rocketkv, rocketkv_plus), `SparQState` (`methods/sparq.py`), `H2OState`
+    (`methods/h2o.py`); None for the methods that keep nothing more (full,
     snapkv, streaming_llm, exact_topk). `cache_leaves` names its leaves "state.<field>".
   spec: static (not a leaf): the method and config fields that built the cache; `decode_step` refuses a
     config whose spec differs.
@@ -225,6 +227,38 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, 
     v = quantize(v, scales["v_scale"][:, :, None, None], dtype)
   cache = KVCache(k=k, v=v, length=length, pos=lengths_B.astype(jnp.int32), spec=config.cache_spec(), **scales)
   return dataclasses.replace(cache, state=config.init_state(cache, **leaves))
+
+
+def append_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
+  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages)
+  its KT page, in one `ops.cache_append`; length (up to the capacity) and pos advance. A slot outside
+  [0, S) writes nothing."""
+  return _append(cache, k_new_BKH, v_new_BKH, slot, config)[0]
+
+
+def append_choosing_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, q_BKGH, topr: int):
+  """`append_at` whose append op also makes HSA's channel choice of the step's query q [B, K, G, H] (with
+  kernels, inside the append's launch): (cache, choice), the choice as `ops.hsa_select` takes it."""
+  return _append(cache, k_new_BKH, v_new_BKH, slot, config, choose_q=q_BKGH, topr=topr)
+
+
+def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
+  state = cache.state  # a PageState when the method keeps KT pages
+  pages = (state.kt_min, state.kt_max) if config.uses_kt_pages else ()
+  if choose:
+    choose["topr_B"] = state.row_topr
+  new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
+                         page_size=config.page_size if pages else 1,
+                         page_size_B=state.row_page_size if pages else None, impl=config.impl, **choose,
+                         **kv_scales(cache))
+  new, choice = (new[:-4], new[-4:]) if choose else (new, None)
+  if pages:
+    k, v, kt_min, kt_max = new
+    state = dataclasses.replace(state, kt_min=kt_min, kt_max=kt_max)
+  else:
+    k, v = new
+  return dataclasses.replace(cache, k=k, v=v, state=state, pos=cache.pos + 1,
+                             length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32)), choice
 
 
 @jax.tree_util.register_dataclass

@@ -1,4 +1,5 @@
-"""Stage 1: SnapKV with group-wise selection (ALGORITHM.md §2), shared by the snapkv and rocketkv methods.
+"""Stage 1: SnapKV with group-wise selection (ALGORITHM.md §2), what `methods/snapkv.py`'s `SnapKVPolicy` runs
+(the stage 1 of snapkv, rocketkv and rocketkv_plus).
 
 Per (sequence, KV head): which prompt positions to keep, in ascending position order.
 """
@@ -90,7 +91,7 @@ def snapkv_keep(q_BTNH, k_BTKH, lengths_B, *, prompt_budget: int, window_size: i
   return jnp.broadcast_to(keep, (b, n_kv, m)).astype(jnp.int32), count
 
 
-# ----------------------------------------------------------------------------- the methods' stage 1 (snapkv, rocketkv)
+# ----------------------------------------------------------------------------- the policy's steps (`SnapKVPolicy`)
 
 
 def check_config(c) -> None:

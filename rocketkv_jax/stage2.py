@@ -1,4 +1,5 @@
-"""Stage 2: hybrid sparse attention's selection (ALGORITHM.md §3), shared by the hsa and rocketkv methods.
+"""Stage 2: hybrid sparse attention's selection (ALGORITHM.md §3), what `methods/hsa.py`'s `HSASelector` runs
+(the stage 2 of hsa, rocketkv and rocketkv_plus).
 
 Per decode step, per KV head: the group's top-r channels of sum_g |q_g|; each page of the cache is scored
 from its key min or max on those channels (max where the group's summed q is positive), per query head

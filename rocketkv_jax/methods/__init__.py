@@ -1,7 +1,8 @@
 """The methods, one module each, and the registry that maps names to them.
 
-A method is its config class (`methods/base.py` says what every method provides). To add or change a
-method, edit its module; nothing outside this package tests a method's name.
+A method is its config class, which composes a stage-1 policy and a stage-2 selector (`methods/base.py` says
+what every method provides). To add or change a method, edit its module; nothing outside this package tests a
+method's name.
 """
 from __future__ import annotations
 

@@ -1,12 +1,25 @@
-"""What a method is: a frozen, hashable config that also carries the method's behaviour.
+"""What a method is: a stage-1 policy plus a stage-2 selector, composed by a frozen, hashable config.
 
-A method module (`methods/<name>.py`) defines one config class. Its fields are the method's knobs (static
-under jit); its methods are what the rest of the code asks of a method:
+A method module (`methods/<name>.py`) defines one config class. Its fields are the method's knobs (static under
+jit); two ClassVars name its parts, small frozen objects that hold no data and take the config first:
 
-  prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache     what it keeps of a layer's prompt (stage 1)
-  decode(cache, q_BKGH, k_new_BKH, v_new_BKH) -> (out, cache)  append, select, attend (stage 2)
-  capacity, evicts, budgeted, uses_kt_pages, scores_channels  static facts (the capabilities: ClassVars, never probed
-                                                             with hasattr)
+  policy: Policy       stage 1, what the cache keeps: prefill's keep (keep-all, SnapKV, StreamingLLM's sink +
+                       recent, H2O's heavy hitters), the capacity, and the slot each decode step writes
+  selector: Selector   stage 2, what each decode step attends: dense, an exact top-k (exact_topk), Quest's
+                       pages, SparQ's channels, HSA's pages (hsa, rocketkv, rocketkv_plus)
+
+Each part declares its capabilities as documented ClassVars (`Policy.evicts`, `Selector.uses_kt_pages`...), and
+the config's capabilities derive from them when the class is made (`MethodConfig.__init_subclass__`): evicts,
+budgeted, uses_kt_pages, scores_channels, state_class are plain class attributes of every config, never probed
+with hasattr. A part that keeps extra cache state owns its class (`state_class`: `PageState` the page selectors',
+`SparQState` SparQ's selector's, `H2OState` H2O's policy's) and builds it (`init_state`, `state_shapes`).
+
+What the rest of the code asks of a method, all on the config (which hands it to its part):
+
+  prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B) -> KVCache     what it keeps of a layer's prompt (policy)
+  decode(cache, q_BKGH, k_new_BKH, v_new_BKH) -> (out, cache)  append, select, attend (selector; the policy
+                                                             gives the slot)
+  capacity, evicts, budgeted, uses_kt_pages, scores_channels  static facts (derived from the parts)
   state_class, init_state(cache, **leaves), cache_shapes     the method's own cache state (KVCache.state)
   row_fields, for_rows(configs)                              what each row of a batch plans for itself (data),
                                                              and the static config a batch of plans compiles for
@@ -14,7 +27,10 @@ under jit); its methods are what the rest of the code asks of a method:
   write_slot / attended_slots / kept_positions               what the accuracy diagnostic inspects
   cache_spec()                                               the spec a cache carries (KVCache.spec)
 
-The base classes below hold the behaviour most methods share; a method overrides only what differs.
+This module holds the config's base, the two parts' interfaces, and the parts several methods share: `KeepAll`
+(keep every token), `FixedCache` (a cache of `token_budget` slots that evicts), `Dense` (attend every valid slot)
+and `TopK` (exact attention over a selection). A method's own parts live in its module (`SnapKVPolicy` in
+snapkv.py, `HSASelector` in hsa.py, ...); rocketkv composes snapkv's stage 1 with hsa's stage 2.
 """
 from __future__ import annotations
 
@@ -27,7 +43,7 @@ import numpy as np
 
 from rocketkv_jax import ops
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int, check_seq_len, check_tokens
-from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, check_alive, kept_cache, kv_scales, slot_valid
+from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, append_at, check_alive, kept_cache, kv_scales, slot_valid
 from rocketkv_jax.kernels.checks import kt_num_pages
 from rocketkv_jax.kernels.kv_quant import is_quantized
 
@@ -58,38 +74,6 @@ def prefix_keep(k_BTKH, n: int):
   return jnp.broadcast_to(jnp.arange(min(n, t), dtype=jnp.int32), (b, n_kv, min(n, t)))
 
 
-def append_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config) -> KVCache:
-  """The cache with the new token at `slot` ([B], or [B, K] per KV head): K/V rows and (methods with KT pages)
-  its KT page, in one `ops.cache_append`; length (up to the capacity) and pos advance. A slot outside
-  [0, S) writes nothing."""
-  return _append(cache, k_new_BKH, v_new_BKH, slot, config)[0]
-
-
-def append_choosing_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, q_BKGH, topr: int):
-  """`append_at` whose append op also makes HSA's channel choice of the step's query q [B, K, G, H] (with
-  kernels, inside the append's launch): (cache, choice), the choice as `ops.hsa_select` takes it."""
-  return _append(cache, k_new_BKH, v_new_BKH, slot, config, choose_q=q_BKGH, topr=topr)
-
-
-def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
-  state = cache.state  # a PageState when the method keeps KT pages
-  pages = (state.kt_min, state.kt_max) if config.uses_kt_pages else ()
-  if choose:
-    choose["topr_B"] = state.row_topr
-  new = ops.cache_append(cache.k, cache.v, k_new_BKH, v_new_BKH, slot, *pages,
-                         page_size=config.page_size if pages else 1,
-                         page_size_B=state.row_page_size if pages else None, impl=config.impl, **choose,
-                         **kv_scales(cache))
-  new, choice = (new[:-4], new[-4:]) if choose else (new, None)
-  if pages:
-    k, v, kt_min, kt_max = new
-    state = dataclasses.replace(state, kt_min=kt_min, kt_max=kt_max)
-  else:
-    k, v = new
-  return dataclasses.replace(cache, k=k, v=v, state=state, pos=cache.pos + 1,
-                             length=jnp.minimum(cache.length + 1, cache.capacity).astype(jnp.int32)), choice
-
-
 def kt_itemsize(config, itemsize: int) -> int:
   return itemsize if config.kt_cache_dtype is None else jnp.dtype(config.kt_cache_dtype).itemsize
 
@@ -104,9 +88,259 @@ def kv_scale_bytes(config) -> int:
   return 8 if config.kv_scaled else 0
 
 
+def valid_slots(cache: KVCache):
+  """[B, S] bool: the cache's valid slots."""
+  return slot_valid(cache.length, cache.capacity)
+
+
+def check_sparse(c) -> None:
+  """Checks the top-k knobs a selecting method has: topk; page_size and kt_cache_dtype (`uses_kt_pages`); topr
+  (`scores_channels`)."""
+  check_int("topk", c.topk)
+  if c.uses_kt_pages:
+    check_int("page_size", c.page_size)
+    if c.kt_cache_dtype not in KT_CACHE_DTYPES:
+      raise ValueError(f"kt_cache_dtype={c.kt_cache_dtype!r} must be one of {KT_CACHE_DTYPES} "
+                       "(None: the keys' dtype)")
+  if c.scores_channels:
+    check_int("topr", c.topr)
+
+
+# ----------------------------------------------------------------------------- the two parts' interfaces
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Stage 1 of a method: what its cache keeps (prefill), how many slots it has, and which slot each decode step
+  writes. Holds no data: every method takes the method's config (its knobs) first.
+
+  Capabilities (class-level facts; the config's attributes of the same names derive from them):
+    evicts: the cache never runs out of slots: a decode step may overwrite a token (False: a step past the
+      capacity has no slot, `MethodConfig.check_room`).
+    budgeted: the token budget changes what it keeps (False: it keeps every token).
+    state_class: the class of the cache state it keeps (KVCache.state), or None.
+  """
+
+  evicts: ClassVar[bool] = False
+  budgeted: ClassVar[bool] = True
+  state_class: ClassVar[type | None] = None
+
+  def check(self, config) -> None:
+    """Checks its knobs (config fields) in the config's `__post_init__`: ValueError naming the value."""
+
+  def capacity(self, config) -> int:
+    """Cache slots per KV head (static)."""
+    raise NotImplementedError
+
+  def prompt_queries(self, config) -> int | None:
+    """`MethodConfig.prompt_queries`: 0 unless the keep reads the prompt's queries."""
+    return 0
+
+  def check_prompt(self, config, prompt_len: int) -> None:
+    """Checks a prefill's padded prompt length T."""
+
+  def limit_rows(self, cls, max_prompt_len: int, max_new_tokens: int, max_len: int | None):
+    """`MethodConfig.limit_rows` of config class `cls`: the longest request's plan alone (the capacity, largest
+    there, is the only length-dependent field)."""
+    return [(max_prompt_len, max_new_tokens)]
+
+  def prefill(self, config, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows: RowPlan | None = None) -> KVCache:
+    raise NotImplementedError
+
+  def kept_positions(self, config, cache: KVCache, q_BTNH, k_BTKH, lengths_B, rows: RowPlan | None = None):
+    raise NotImplementedError
+
+  def next_slot(self, config, cache: KVCache):
+    """Slot the next token is written to: [B] (the same for every KV head) or [B, K]."""
+    return cache.length
+
+  def write_slot(self, config, cache: KVCache):
+    """[B, K] int32: `next_slot` for every KV head."""
+    slot = self.next_slot(config, cache)
+    return jnp.broadcast_to(slot[:, None], cache.k.shape[:2]) if slot.ndim == 1 else slot
+
+  def append(self, config, cache: KVCache, k_new_BKH, v_new_BKH) -> KVCache:
+    """The cache with the step's token written at `next_slot` (and whatever else the policy updates there)."""
+    return append_at(cache, k_new_BKH, v_new_BKH, self.next_slot(config, cache), config)
+
+  def init_state(self, config, cache: KVCache, **leaves):
+    """Its cache state (`state_class`) from `leaves`, its fields by name."""
+    return self.state_class(**leaves)
+
+  def state_shapes(self, config, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the state leaves it adds beyond those every config names (`MethodConfig.cache_shapes`)."""
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Selector:
+  """Stage 2 of a method: what each decode step attends, and the step itself (append at the policy's slot,
+  select, attend). Holds no data: every method takes the method's config (its knobs) first.
+
+  Capabilities (class-level facts; the config's attributes of the same names derive from them):
+    uses_kt_pages: the cache keeps per-page key min/max (`PageState`): the config has page_size,
+      kt_cache_dtype and kt_pages.
+    scores_channels: it scores the group's top-`topr` query channels: the config has topr.
+    budgeted: the token budget changes what it attends (False: every valid slot).
+    state_class: the class of the cache state it keeps (KVCache.state), or None.
+  """
+
+  uses_kt_pages: ClassVar[bool] = False
+  scores_channels: ClassVar[bool] = False
+  budgeted: ClassVar[bool] = True
+  state_class: ClassVar[type | None] = None
+
+  def check(self, config) -> None:
+    """Checks its knobs (config fields) in the config's `__post_init__`, after the policy's."""
+
+  def check_shapes(self, config, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """Checks of the model's head shape."""
+
+  def append(self, config, cache: KVCache, k_new_BKH, v_new_BKH) -> KVCache:
+    """The step's append: the policy's (a selector with state of its own updates it too)."""
+    return config.policy.append(config, cache, k_new_BKH, v_new_BKH)
+
+  def attend(self, config, cache: KVCache, q_BKGH):
+    """out [B, K, G, H]: the step's attention, its token already appended."""
+    raise NotImplementedError
+
+  def decode(self, config, cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH):
+    cache = self.append(config, cache, k_new_BKH, v_new_BKH)
+    return self.attend(config, cache, q_BKGH), cache
+
+  def attended_slots(self, config, cache: KVCache, q_BKGH):
+    """(idx, valid) [B, K, M]: the slots a step attends, its token already appended."""
+    raise NotImplementedError
+
+  def step_read_bytes(self, config, length: int, *, head_dim: int, itemsize: int) -> int:
+    raise NotImplementedError
+
+  def init_state(self, config, cache: KVCache, **leaves):
+    """Its cache state (`state_class`) from `leaves`, its fields by name."""
+    return self.state_class(**leaves)
+
+  def state_shapes(self, config, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the state leaves it adds beyond those every config names (`MethodConfig.cache_shapes`)."""
+    return {}
+
+
+# ----------------------------------------------------------------------------- the shared parts
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepAll(Policy):
+  """Keep every token (full, exact_topk, quest, sparq, hsa): the cache holds the config's `max_len` tokens
+  (prompt + generated)."""
+
+  budgeted: ClassVar[bool] = False
+
+  def check(self, config):
+    check_tokens("max_len", config.max_len)
+
+  def capacity(self, config):
+    return config.max_len
+
+  def limit_rows(self, cls, max_prompt_len, max_new_tokens, max_len):
+    """The plan depends on S = min(prompt_len + max_new_tokens, max_len) alone: one row per S (or, for a method
+    that plans nothing per row, the longest request alone)."""
+    if not cls.row_fields:
+      return super().limit_rows(cls, max_prompt_len, max_new_tokens, max_len)
+    s_max = max_prompt_len + max_new_tokens if max_len is None else min(max_len, max_prompt_len + max_new_tokens)
+    return [(s - 1, 1) for s in range(2, s_max + 1)]
+
+  def check_prompt(self, config, prompt_len):
+    if prompt_len > config.capacity:
+      raise ValueError(f"prompt length T={prompt_len} exceeds {config.method} capacity={config.capacity}: plan the "
+                       f"config for at least {prompt_len} tokens (make_config's prompt_len + max_new_tokens and "
+                       f"max_len, or max_len={prompt_len} or more)")
+
+  def prefill(self, config, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
+    """The whole prompt, in order."""
+    del q_BTNH
+    return kept_cache(config, k_BTKH, v_BTKH, prefix_keep(k_BTKH, config.capacity), lengths_B, lengths_B, rows)
+
+  def kept_positions(self, config, cache, q_BTNH, k_BTKH, lengths_B, rows=None):
+    del q_BTNH, lengths_B, rows
+    b, _, n_kv, _ = k_BTKH.shape
+    return jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, n_kv, cache.capacity))
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedCache(Policy):
+  """A cache that never holds more than the config's `token_budget` tokens: it evicts during decode
+  (streaming_llm, h2o). Subclasses say what prefill keeps and which slot a step overwrites."""
+
+  evicts: ClassVar[bool] = True
+
+  def check(self, config):
+    check_budget(config.token_budget)
+
+  def capacity(self, config):
+    return config.token_budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense(Selector):
+  """Attend every valid slot (full, snapkv, streaming_llm, h2o's step)."""
+
+  budgeted: ClassVar[bool] = False
+
+  def attend(self, config, cache, q_BKGH):
+    """Dense attention over the valid slots."""
+    return ops.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=config.impl, **kv_scales(cache))
+
+  def attended_slots(self, config, cache, q_BKGH):
+    del q_BKGH
+    b, n_kv, s, _ = cache.k.shape
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, n_kv, s))
+    return idx, idx < cache.length[:, None, None]
+
+  def step_read_bytes(self, config, length, *, head_dim, itemsize):
+    """Every held K/V pair (and an FP8 cache's scales; ALGORITHM.md §3, §5)."""
+    return min(length, config.capacity) * 2 * head_dim * kv_itemsize(config, itemsize) + kv_scale_bytes(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Selector):
+  """Exact attention over a top-k selection, `select(config, cache, q)` -> (idx, valid) [B, K, M] (exact_topk,
+  quest, sparq, hsa, rocketkv). Checks the config's top-k knobs (`check_sparse`) and, where it scores channels,
+  topr against the head dim."""
+
+  def check(self, config):
+    check_sparse(config)
+
+  def check_shapes(self, config, n_heads, n_kv_heads, head_dim):
+    if self.scores_channels and config.topr > head_dim:
+      raise ValueError(f"config.topr={config.topr} must be <= head_dim={head_dim}")
+
+  def select(self, config, cache: KVCache, q_BKGH):
+    raise NotImplementedError
+
+  def attend(self, config, cache, q_BKGH):
+    """Exact attention over `select`'s slots."""
+    idx, valid = self.select(config, cache, q_BKGH)
+    return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=config.impl, **kv_scales(cache))
+
+  def attended_slots(self, config, cache, q_BKGH):
+    return self.select(config, cache, q_BKGH)
+
+  def step_read_bytes(self, config, length, *, head_dim, itemsize):
+    """The scoring reads (`score_read_bytes`) plus K, V and an int32 index per attended token (and an FP8
+    cache's scales)."""
+    attend = min(config.topk, length) * (2 * head_dim * kv_itemsize(config, itemsize) + 4) + kv_scale_bytes(config)
+    return self.score_read_bytes(config, length, head_dim=head_dim, itemsize=itemsize) + attend
+
+  def score_read_bytes(self, config, length: int, *, head_dim: int, itemsize: int) -> int:
+    raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- the config
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MethodConfig:
-  """Base of all methods. `impl` picks the decode hot path (`ops`): "xla", "pallas" (GPU kernels),
+  """Base of all methods: a stage-1 `policy` and a stage-2 `selector` (module doc), and the knobs they read.
+  `impl` picks the decode hot path (`ops`): "xla", "pallas" (GPU kernels),
   "interpret" (the kernels in Pallas interpret mode, for CPU tests) or "auto" (Pallas on GPU, XLA
   elsewhere).
 
@@ -116,30 +350,53 @@ class MethodConfig:
   selection and the KT pages are computed from the full-precision keys either way."""
 
   method: ClassVar[str]
-  evicts: ClassVar[bool] = False  # the cache never runs out of slots: a decode step may overwrite a token
-  budgeted: ClassVar[bool] = True  # the token budget changes the method (False: full)
-  uses_kt_pages: ClassVar[bool] = False  # the cache keeps per-page key min/max (methods that score pages): the
-  # config has page_size, kt_cache_dtype and kt_pages
-  scores_channels: ClassVar[bool] = False  # it scores the group's top-`topr` query channels: the config has topr
+  policy: ClassVar[Policy]  # stage 1: what the cache keeps (every config class names one)
+  selector: ClassVar[Selector]  # stage 2: what a decode step attends (every config class names one)
+  # The capabilities, derived from the parts when the class is made (`__init_subclass__`; the parts document them):
+  evicts: ClassVar[bool]  # the policy's: a decode step may overwrite a token
+  budgeted: ClassVar[bool]  # the token budget changes the method: the policy's or the selector's (False: full)
+  uses_kt_pages: ClassVar[bool]  # the selector's: the cache keeps per-page key min/max (page_size, kt_cache_dtype,
+  # kt_pages are fields)
+  scores_channels: ClassVar[bool]  # the selector's: it scores the group's top-`topr` query channels (topr is a field)
   plan_fields: ClassVar[tuple[str, ...]] = ()  # fields `from_budget` takes as inputs of the plan (documentation)
   # Fields the plan sets from each sequence's own length, run per row as data (`RowPlan`): a batch config holds
   # their maxima (`for_rows`). Of them, "topr" and "page_size" are also leaves of the cache's state (row_topr,
   # row_page_size: `row_leaves`).
   row_fields: ClassVar[tuple[str, ...]] = ()
   # The class of the cache's `state` (KVCache.state): a registered dataclass pytree holding the leaves only this
-  # method keeps, or None when it keeps none (`init_state` builds it).
-  state_class: ClassVar[type | None] = None
+  # method keeps, or None when it keeps none (`init_state` builds it). Derived: the class of the part that keeps
+  # state (at most one of the two does).
+  state_class: ClassVar[type | None]
   # Fields that only size the cache: a batch config holds their maxima (every other field must agree).
   size_fields: ClassVar[tuple[str, ...]] = ()
   impl: str = "auto"
   kv_cache_dtype: str | None = None
 
+  def __init_subclass__(cls, **kw):
+    """Derives the class's capabilities from its two parts (a class without both fails here, when it is made)."""
+    super().__init_subclass__(**kw)
+    policy, selector = cls.policy, cls.selector
+    if not isinstance(policy, Policy) or not isinstance(selector, Selector):
+      raise TypeError(f"{cls.__name__}.policy must be a Policy and .selector a Selector; got "
+                      f"{type(policy).__name__}, {type(selector).__name__}")
+    if policy.state_class is not None and selector.state_class is not None:
+      raise TypeError(f"{cls.__name__}: both {type(policy).__name__} and {type(selector).__name__} keep cache state; "
+                      "a cache holds one state")
+    cls.evicts = policy.evicts
+    cls.budgeted = policy.budgeted or selector.budgeted
+    cls.uses_kt_pages = selector.uses_kt_pages
+    cls.scores_channels = selector.scores_channels
+    cls.state_class = selector.state_class if policy.state_class is None else policy.state_class
+
   def __post_init__(self):
+    """Checks impl and kv_cache_dtype, then the policy's knobs, then the selector's."""
     if self.impl not in ops.IMPLS:
       raise ValueError(f"impl={self.impl!r} must be one of {ops.IMPLS}")
     if not any(self.kv_cache_dtype == d and type(self.kv_cache_dtype) is type(d) for d in KV_CACHE_DTYPES):
       raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES} (None: the model's "
                        "dtype)")
+    self.policy.check(self)
+    self.selector.check(self)
 
   @property
   def kv_scaled(self) -> bool:
@@ -158,8 +415,8 @@ class MethodConfig:
 
   @property
   def capacity(self) -> int:
-    """Cache slots per KV head (static)."""
-    raise NotImplementedError
+    """Cache slots per KV head (static): the policy's."""
+    return self.policy.capacity(self)
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
@@ -196,8 +453,8 @@ class MethodConfig:
   def limit_rows(cls, max_prompt_len: int, max_new_tokens: int, max_len: int | None):
     """(prompt_len, max_new_tokens) pairs whose plans cover every plan a request within these limits can get
     (`plan_limits` takes their maxima). A method whose only length-dependent field is the capacity, largest at
-    the longest request, needs only that one."""
-    return [(max_prompt_len, max_new_tokens)]
+    the longest request, needs only that one. The policy's (`Policy.limit_rows`) unless the method plans more."""
+    return cls.policy.limit_rows(cls, max_prompt_len, max_new_tokens, max_len)
 
   @classmethod
   def _batch_of(cls, configs, fields: dict):
@@ -257,13 +514,15 @@ class MethodConfig:
     return self.kt_pages or kt_num_pages(self.capacity, self.page_size)
 
   def init_state(self, cache: KVCache, **leaves):
-    """The cache's `state` (an instance of `state_class`, or None) from `leaves`, its fields by name. `cache` is
-    the cache a prefill keeps (K/V stored, state None), for methods whose state is computed from it."""
+    """The cache's `state` (an instance of `state_class`, or None) from `leaves`, its fields by name, built by the
+    part that keeps it. `cache` is the cache a prefill keeps (K/V stored, state None), for a state computed from
+    it."""
     if self.state_class is None:
       if leaves:
         raise ValueError(f"{self.method} keeps no cache state, but was given {sorted(leaves)}")
       return None
-    return self.state_class(**leaves)
+    owner = self.selector if self.policy.state_class is None else self.policy
+    return owner.init_state(self, cache, **leaves)
 
   def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
     """The shape of every array leaf this method's cache holds, named as `cache.cache_leaves` names them (the
@@ -277,6 +536,8 @@ class MethodConfig:
       shapes["state." + name] = (batch,)
     if self.kv_scaled:
       shapes["k_scale"] = shapes["v_scale"] = (batch, n_kv_heads)
+    shapes.update(self.policy.state_shapes(self, batch, n_kv_heads, head_dim))
+    shapes.update(self.selector.state_shapes(self, batch, n_kv_heads, head_dim))
     return shapes
 
   @property
@@ -284,8 +545,8 @@ class MethodConfig:
     """How many of the prompt's last queries `prefill` reads: 0 (none: it keeps by position, or keeps all),
     n (the last n: SnapKV's observation window) or None (every one: H2O). A prefill that continues a K/V
     history (`models.llama.prefill_extend`, the engine's sessions) recomputes at least this many tokens,
-    since the history keeps keys and values, not queries."""
-    return 0
+    since the history keeps keys and values, not queries. The policy's."""
+    return self.policy.prompt_queries(self)
 
   def kt_dtype(self, key_dtype) -> jnp.dtype:
     """dtype of the KT pages (methods with `uses_kt_pages`): kt_cache_dtype, or the keys' dtype."""
@@ -298,10 +559,12 @@ class MethodConfig:
   # ------------------------------------------------------------------ checks (before any device work)
 
   def check_shapes(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-    """Method-specific checks of the model's head shape."""
+    """Method-specific checks of the model's head shape (the selector's)."""
+    self.selector.check_shapes(self, n_heads, n_kv_heads, head_dim)
 
   def check_prompt(self, prompt_len: int) -> None:
-    """Method-specific checks of a prefill's padded prompt length T."""
+    """Method-specific checks of a prefill's padded prompt length T (the policy's)."""
+    self.policy.check_prompt(self, prompt_len)
 
   def check_room(self, cache: KVCache, steps: int = 1) -> None:
     """Raises ValueError when `steps` more decode steps would not fit (concrete lengths only: skipped
@@ -316,152 +579,43 @@ class MethodConfig:
       raise ValueError(f"cache.length={length.tolist()} has reached capacity={self.capacity} for {self.method}: "
                        f"no slot left for {steps} more token(s) (plan a larger max_new_tokens / max_len)")
 
-  # ------------------------------------------------------------------ prefill
+  # ------------------------------------------------------------------ prefill (the policy)
 
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows: RowPlan | None = None) -> KVCache:
-    """Keeps the whole prompt (methods that evict override this). rows: each sequence's own plan (`RowPlan`)."""
-    del q_BTNH
-    return kept_cache(self, k_BTKH, v_BTKH, prefix_keep(k_BTKH, self.capacity), lengths_B, lengths_B, rows)
+    """What the method keeps of a layer's prompt. rows: each sequence's own plan (`RowPlan`)."""
+    return self.policy.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
 
-  def kept_positions(self, cache: KVCache, q_BTNH, k_BTKH, lengths_B):
+  def kept_positions(self, cache: KVCache, q_BTNH, k_BTKH, lengths_B, rows: RowPlan | None = None):
     """[B, K, S] int32: the absolute position each slot holds right after `prefill` (junk past length)."""
-    del q_BTNH, lengths_B
-    b, _, n_kv, _ = k_BTKH.shape
-    return jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, n_kv, cache.capacity))
-
-  # ------------------------------------------------------------------ decode
-
-  def next_slot(self, cache: KVCache):
-    """Slot the next token is written to: [B] (the same for every KV head) or [B, K]."""
-    return cache.length
+    return self.policy.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B, rows)
 
   def write_slot(self, cache: KVCache):
-    """[B, K] int32: `next_slot` for every KV head."""
-    slot = self.next_slot(cache)
-    return jnp.broadcast_to(slot[:, None], cache.k.shape[:2]) if slot.ndim == 1 else slot
+    """[B, K] int32: the slot the next token is written to, for every KV head."""
+    return self.policy.write_slot(self, cache)
+
+  # ------------------------------------------------------------------ decode (the selector)
 
   def append(self, cache: KVCache, k_new_BKH, v_new_BKH) -> KVCache:
-    return append_at(cache, k_new_BKH, v_new_BKH, self.next_slot(cache), self)
+    """The step's append alone (the policy's slot; the selector's state updated too)."""
+    return self.selector.append(self, cache, k_new_BKH, v_new_BKH)
+
+  def select(self, cache: KVCache, q_BKGH, **kw):
+    """(idx, valid) [B, K, M]: the slots a step attends (selectors that select: `TopK`)."""
+    return self.selector.select(self, cache, q_BKGH, **kw)
 
   def attend(self, cache: KVCache, q_BKGH):
-    """Dense attention over the valid slots (methods that select override this)."""
-    return ops.dense_decode_attention(q_BKGH, cache.k, cache.v, cache.length, impl=self.impl, **kv_scales(cache))
+    """The step's attention alone, its token already appended."""
+    return self.selector.attend(self, cache, q_BKGH)
 
   def decode(self, cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH):
-    cache = self.append(cache, k_new_BKH, v_new_BKH)
-    return self.attend(cache, q_BKGH), cache
+    """Append, select, attend: (out [B, K, G, H], cache)."""
+    return self.selector.decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH)
 
   def attended_slots(self, cache: KVCache, q_BKGH):
     """(idx, valid) [B, K, M]: the slots a step attends, its token already appended."""
-    del q_BKGH
-    b, n_kv, s, _ = cache.k.shape
-    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, n_kv, s))
-    return idx, idx < cache.length[:, None, None]
+    return self.selector.attended_slots(self, cache, q_BKGH)
 
   def step_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
     """Bytes one decode step must read per KV head, sequence and layer at `length` valid slots (K, V, KT
-    pages, indices, an FP8 cache's scales; ALGORITHM.md §3, §5), for a model of `itemsize` bytes per element:
-    every held K/V pair for a dense method."""
-    return min(length, self.capacity) * 2 * head_dim * kv_itemsize(self, itemsize) + kv_scale_bytes(self)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KeepAllConfig(MethodConfig):
-  """Methods that keep every token: the cache holds `max_len` tokens (prompt + generated)."""
-
-  size_fields: ClassVar[tuple[str, ...]] = ("max_len",)
-  max_len: int
-
-  def __post_init__(self):
-    super().__post_init__()
-    check_tokens("max_len", self.max_len)
-
-  @property
-  def capacity(self) -> int:
-    return self.max_len
-
-  @classmethod
-  def limit_rows(cls, max_prompt_len, max_new_tokens, max_len):
-    """The plan depends on S = min(prompt_len + max_new_tokens, max_len) alone: one row per S."""
-    if not cls.row_fields:
-      return super().limit_rows(max_prompt_len, max_new_tokens, max_len)
-    s_max = max_prompt_len + max_new_tokens if max_len is None else min(max_len, max_prompt_len + max_new_tokens)
-    return [(s - 1, 1) for s in range(2, s_max + 1)]
-
-  def check_prompt(self, prompt_len: int) -> None:
-    if prompt_len > self.capacity:
-      raise ValueError(f"prompt length T={prompt_len} exceeds {self.method} capacity={self.capacity}: plan the "
-                       f"config for at least {prompt_len} tokens (make_config's prompt_len + max_new_tokens and "
-                       f"max_len, or max_len={prompt_len} or more)")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FixedCacheConfig(MethodConfig):
-  """Methods whose cache never holds more than `token_budget` tokens: they evict during decode."""
-
-  evicts: ClassVar[bool] = True
-  token_budget: int
-
-  def __post_init__(self):
-    super().__post_init__()
-    check_budget(self.token_budget)
-
-  @property
-  def capacity(self) -> int:
-    return self.token_budget
-
-  @classmethod
-  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
-    seq_len(prompt_len, max_new_tokens, max_len)
-    return cls(**{"token_budget": token_budget, **kw})
-
-
-class SelectingMixin:
-  """Methods that attend exactly to a top-k selection: `select(cache, q)` -> (idx, valid) [B, K, M]. Checks
-  their top-k knobs (`check_sparse`) and, where they score channels, topr against the head dim."""
-
-  def __post_init__(self):
-    super().__post_init__()
-    check_sparse(self)
-
-  def check_shapes(self, n_heads, n_kv_heads, head_dim):
-    if self.scores_channels and self.topr > head_dim:
-      raise ValueError(f"config.topr={self.topr} must be <= head_dim={head_dim}")
-
-  def select(self, cache: KVCache, q_BKGH):
-    raise NotImplementedError
-
-  def attend(self, cache: KVCache, q_BKGH, **select_kw):
-    """Exact attention over `select`'s slots (select_kw: options of the method's select)."""
-    idx, valid = self.select(cache, q_BKGH, **select_kw)
-    return ops.sparse_decode_attention(q_BKGH, cache.k, cache.v, idx, valid, impl=self.impl, **kv_scales(cache))
-
-  def attended_slots(self, cache: KVCache, q_BKGH):
-    return self.select(cache, q_BKGH)
-
-  def step_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
-    """The scoring reads (`score_read_bytes`) plus K, V and an int32 index per attended token (and an FP8
-    cache's scales)."""
-    attend = min(self.topk, length) * (2 * head_dim * kv_itemsize(self, itemsize) + 4) + kv_scale_bytes(self)
-    return self.score_read_bytes(length, head_dim=head_dim, itemsize=itemsize) + attend
-
-  def score_read_bytes(self, length: int, *, head_dim: int, itemsize: int) -> int:
-    raise NotImplementedError
-
-
-def check_sparse(c) -> None:
-  """Checks the top-k knobs a selecting method has: topk; page_size and kt_cache_dtype (`uses_kt_pages`); topr
-  (`scores_channels`)."""
-  check_int("topk", c.topk)
-  if c.uses_kt_pages:
-    check_int("page_size", c.page_size)
-    if c.kt_cache_dtype not in KT_CACHE_DTYPES:
-      raise ValueError(f"kt_cache_dtype={c.kt_cache_dtype!r} must be one of {KT_CACHE_DTYPES} "
-                       "(None: the keys' dtype)")
-  if c.scores_channels:
-    check_int("topr", c.topr)
-
-
-def valid_slots(cache: KVCache):
-  """[B, S] bool: the cache's valid slots."""
-  return slot_valid(cache.length, cache.capacity)
+    pages, indices, an FP8 cache's scales; ALGORITHM.md §3, §5), for a model of `itemsize` bytes per element."""
+    return self.selector.step_read_bytes(self, length, head_dim=head_dim, itemsize=itemsize)

@@ -4,15 +4,18 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from rocketkv_jax.methods.base import KeepAllConfig, seq_len
+from rocketkv_jax.methods.base import Dense, KeepAll, MethodConfig, seq_len
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FullConfig(KeepAllConfig):
+class FullConfig(MethodConfig):
   """Full KV cache, dense attention. `max_len`: prompt + generated tokens the cache can hold."""
 
   method: ClassVar[str] = "full"
-  budgeted: ClassVar[bool] = False
+  policy: ClassVar[KeepAll] = KeepAll()
+  selector: ClassVar[Dense] = Dense()
+  size_fields: ClassVar[tuple[str, ...]] = ("max_len",)
+  max_len: int
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rocketkv_jax.cache import KVCache, kept_cache, read_keys, read_values, slot_valid
-from rocketkv_jax.methods.base import FixedCacheConfig, append_at, check_int, prefix_keep
+from rocketkv_jax.cache import KVCache, append_at, kept_cache, read_keys, read_values, slot_valid
+from rocketkv_jax.methods.base import Dense, FixedCache, MethodConfig, check_int, prefix_keep, seq_len
 from rocketkv_jax.select import attention_probs, topk_tokens
 
 
@@ -41,7 +41,7 @@ def h2o_prefill_scores(q_BTNH, k_BTKH, lengths_B, *, block: int = 256) -> jax.Ar
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class H2OState:
-  """H2O's cache state (KVCache.state): what its eviction reads.
+  """H2O's cache state (KVCache.state), kept by its policy (`H2OPolicy`): what its eviction reads.
 
   scores: [B, K, S] float32 attention each slot's token has accumulated (prompt queries at prefill, then every
     step's, summed over the KV group's query heads); a new token starts at 0.
@@ -52,39 +52,30 @@ class H2OState:
   positions: jax.Array
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class H2OConfig(FixedCacheConfig):
-  """Heavy hitters by accumulated attention plus the `recent` most recent tokens; cache of `token_budget`
-  slots, evicting one token per decode step once full. `recent` defaults to token_budget // 2.
+@dataclasses.dataclass(frozen=True)
+class H2OPolicy(FixedCache):
+  """H2O's stage 1: prefill keeps the heavy hitters by accumulated attention plus the config's `recent_tokens`
+  most recent tokens; once the cache is full, each step's token overwrites the lowest accumulated score outside
+  the recent window. Keeps an `H2OState`, whose scores its selector (`H2OSelector`) accumulates."""
 
-  The cache's state: `H2OState` (accumulated attention and each slot's absolute position)."""
-
-  method: ClassVar[str] = "h2o"
   state_class: ClassVar[type] = H2OState
-  recent: int | None = None
 
-  def __post_init__(self):
-    super().__post_init__()
-    if self.recent is not None:
-      check_int("recent", self.recent, 1)
-      if self.recent >= self.token_budget:
-        raise ValueError(f"recent={self.recent} must be < token_budget={self.token_budget}")
+  def check(self, config):
+    super().check(config)
+    if config.recent is not None:
+      check_int("recent", config.recent, 1)
+      if config.recent >= config.token_budget:
+        raise ValueError(f"recent={config.recent} must be < token_budget={config.token_budget}")
 
-  @property
-  def recent_tokens(self) -> int:
-    return self.token_budget // 2 if self.recent is None else self.recent
+  def state_shapes(self, config, batch, n_kv_heads, head_dim):
+    return {"state.scores": (batch, n_kv_heads, config.capacity), "state.positions": (batch, n_kv_heads,
+                                                                                       config.capacity)}
 
-  def cache_shapes(self, batch, n_kv_heads, head_dim):
-    shapes = super().cache_shapes(batch, n_kv_heads, head_dim)
-    shapes["state.scores"] = shapes["state.positions"] = (batch, n_kv_heads, self.capacity)
-    return shapes
-
-  @property
-  def prompt_queries(self):
+  def prompt_queries(self, config):
     return None  # accumulated attention of every prompt query
 
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None) -> KVCache:
-    cap, recent = self.capacity, self.recent_tokens
+  def prefill(self, config, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None) -> KVCache:
+    cap, recent = config.capacity, config.recent_tokens
     b, t, n_kv, _ = k_BTKH.shape
     acc_BKT = h2o_prefill_scores(q_BTNH, k_BTKH, lengths_B)
     m = min(cap, t)
@@ -100,37 +91,70 @@ class H2OConfig(FixedCacheConfig):
     scores = jnp.where(valid, jnp.take_along_axis(acc_BKT, keep, axis=-1), 0.0)
     positions = jnp.where(valid, keep, 0)
     pad = ((0, 0), (0, 0), (0, cap - m))
-    return kept_cache(self, k_BTKH, v_BTKH, keep, count, lengths_B, rows, scores=jnp.pad(scores, pad),
+    return kept_cache(config, k_BTKH, v_BTKH, keep, count, lengths_B, rows, scores=jnp.pad(scores, pad),
                       positions=jnp.pad(positions, pad))
 
-  def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
-    del q_BTNH, k_BTKH, lengths_B
+  def kept_positions(self, config, cache, q_BTNH, k_BTKH, lengths_B, rows=None):
+    del q_BTNH, k_BTKH, lengths_B, rows
     return cache.state.positions
 
-  def next_slot(self, cache):
+  def next_slot(self, config, cache):
     """Once full, the lowest accumulated score outside the recent window (first minimum: the lower slot);
     before that, slot `length`. Per KV head: [B, K]."""
-    full = (cache.length >= self.capacity)[:, None]
+    full = (cache.length >= config.capacity)[:, None]
     state = cache.state
-    protected = state.positions > (cache.pos - self.recent_tokens)[:, None, None]  # among the `recent` newest
+    protected = state.positions > (cache.pos - config.recent_tokens)[:, None, None]  # among the `recent` newest
     victim = jnp.argmin(jnp.where(protected, jnp.inf, state.scores), axis=-1).astype(jnp.int32)
     return jnp.where(full, victim, cache.length[:, None]).astype(jnp.int32)
 
-  def decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH):
-    """Evict (once full), write the new token there, attend densely, and add this step's probabilities
-    (summed over the group) to the scores."""
-    slot_BK = self.next_slot(cache)
+  def append(self, config, cache, k_new_BKH, v_new_BKH):
+    """Evict (once full): the slot's token gives way to the new one, whose score starts at 0."""
+    slot_BK = self.next_slot(config, cache)
     b, k = np.indices(slot_BK.shape, sparse=True)
     old = cache.state
     new_pos = jnp.broadcast_to(cache.pos[:, None], slot_BK.shape)
     state = H2OState(positions=old.positions.at[b, k, slot_BK].set(new_pos),
                      scores=old.scores.at[b, k, slot_BK].set(0.0))
     cache = dataclasses.replace(cache, state=state)
-    cache = append_at(cache, k_new_BKH, v_new_BKH, slot_BK, self)
+    return append_at(cache, k_new_BKH, v_new_BKH, slot_BK, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class H2OSelector(Dense):
+  """H2O's stage 2: dense attention (in XLA: the step needs its probabilities), whose probabilities, summed over
+  the group, the step adds to the policy's accumulated scores (`H2OState.scores`)."""
+
+  def decode(self, config, cache, q_BKGH, k_new_BKH, v_new_BKH):
+    """Evict (once full), write the new token there, attend densely, and add this step's probabilities
+    (summed over the group) to the scores."""
+    cache = self.append(config, cache, k_new_BKH, v_new_BKH)
     probs = attention_probs(q_BKGH, read_keys(cache), cache.length)  # [B, K, G, S]
-    valid = slot_valid(cache.length, self.capacity)[:, None, :, None]
+    valid = slot_valid(cache.length, cache.capacity)[:, None, :, None]
     v = read_values(cache)
     v = jnp.where(valid, v, jnp.zeros((), v.dtype))
     out = jnp.einsum("BKGS,BKSH->BKGH", probs, v.astype(jnp.float32), precision="highest").astype(q_BKGH.dtype)
     state = dataclasses.replace(cache.state, scores=cache.state.scores + probs.sum(2))
     return out, dataclasses.replace(cache, state=state)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class H2OConfig(MethodConfig):
+  """Heavy hitters by accumulated attention plus the `recent` most recent tokens; cache of `token_budget`
+  slots, evicting one token per decode step once full. `recent` defaults to token_budget // 2.
+
+  The cache's state: `H2OState` (accumulated attention and each slot's absolute position)."""
+
+  method: ClassVar[str] = "h2o"
+  policy: ClassVar[H2OPolicy] = H2OPolicy()
+  selector: ClassVar[H2OSelector] = H2OSelector()
+  token_budget: int
+  recent: int | None = None
+
+  @classmethod
+  def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
+    seq_len(prompt_len, max_new_tokens, max_len)
+    return cls(**{"token_budget": token_budget, **kw})
+
+  @property
+  def recent_tokens(self) -> int:
+    return self.token_budget // 2 if self.recent is None else self.recent

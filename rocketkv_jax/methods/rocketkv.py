@@ -4,20 +4,20 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from rocketkv_jax import stage1, stage2
 from rocketkv_jax.budget import check_int, plan_budget, stage2_replan
-from rocketkv_jax.cache import PageState
-from rocketkv_jax.methods.base import MethodConfig, SelectingMixin
-from rocketkv_jax.methods.hsa import HSAStage2Mixin
+from rocketkv_jax.methods.base import MethodConfig
+from rocketkv_jax.methods.hsa import HSASelector
+from rocketkv_jax.methods.snapkv import SnapKVPolicy
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window (ALGORITHM.md §2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
-  """RocketKV: stage 1 keeps `prompt_budget` prompt tokens per KV head (SnapKV, window `window_size`,
-  max-pool `kernel_size`, optional `sink_tokens` forced in); stage 2 (HSA) attends to the top `topk`
-  tokens per step, scored from page min/max (`page_size` slots per page) over the top `topr` channels.
+class RocketKVConfig(MethodConfig):
+  """RocketKV: snapkv's stage 1 (`SnapKVPolicy`) then hsa's stage 2 (`HSASelector`). Stage 1 keeps
+  `prompt_budget` prompt tokens per KV head (SnapKV, window `window_size`, max-pool `kernel_size`, optional
+  `sink_tokens` forced in); stage 2 (HSA) attends to the top `topk` tokens per step, scored from page min/max
+  (`page_size` slots per page) over the top `topr` channels.
   `kt_cache_dtype`: None (the keys' dtype), "bfloat16", "float8_e5m2" or "float32".
 
   Variant options (this project's extension, docs/ALGORITHM.md; the defaults are the paper's method):
@@ -36,11 +36,10 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   its stage 1 keeps it (any prompt budget above the window)."""
 
   method: ClassVar[str] = "rocketkv"
-  uses_kt_pages: ClassVar[bool] = True
-  scores_channels: ClassVar[bool] = True
+  policy: ClassVar[SnapKVPolicy] = SnapKVPolicy()
+  selector: ClassVar[HSASelector] = HSASelector()
   plan_fields: ClassVar[tuple[str, ...]] = ("window_size", "plan_page_size", "plan_topk")
   row_fields: ClassVar[tuple[str, ...]] = ("prompt_budget", "topr", "page_size")
-  state_class: ClassVar[type] = PageState
   # window_size: min(32, prompt length); a shorter window only ever belongs to a prompt that stage 1 keeps whole
   size_fields: ClassVar[tuple[str, ...]] = ("max_new_tokens", "window_size")
   prompt_budget: int
@@ -59,16 +58,10 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
   kt_pages: int | None = None
 
   def __post_init__(self):
-    super().__post_init__()
-    stage1.check_config(self)
-    stage2.check_forced(self)
+    super().__post_init__()  # the policy's knobs (stage 1), then the selector's (top-k, forced pages)
     for name in ("plan_page_size", "plan_topk"):
       if getattr(self, name) is not None:
         check_int(name, getattr(self, name))
-
-  @property
-  def capacity(self) -> int:
-    return self.prompt_budget + self.max_new_tokens
 
   @classmethod
   def limit_rows(cls, max_prompt_len, max_new_tokens, max_len):
@@ -119,16 +112,6 @@ class RocketKVConfig(HSAStage2Mixin, SelectingMixin, MethodConfig):
     return cls(prompt_budget=prompt_budget, max_new_tokens=max_new_tokens, topk=topk * page_size,
                topr=topr, page_size=page_size, window_size=window_size, kernel_size=kernel_size,
                kt_cache_dtype=kt_cache_dtype, **kw)
-
-  @property
-  def prompt_queries(self):
-    return self.window_size
-
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
-    return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
-
-  def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B, rows=None):
-    return stage1.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B, rows)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

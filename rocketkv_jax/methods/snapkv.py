@@ -1,14 +1,37 @@
 """snapkv: stage 1 alone (SnapKV with group-wise selection keeps `prompt_budget` prompt tokens per KV head),
-then dense attention over them plus every generated token."""
+then dense attention over them plus every generated token. Its policy, `SnapKVPolicy`, is also rocketkv's and
+rocketkv_plus's stage 1."""
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
 from rocketkv_jax import stage1
-from rocketkv_jax.methods.base import MethodConfig, check_budget, seq_len
+from rocketkv_jax.methods.base import Dense, MethodConfig, Policy, check_budget, seq_len
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window (its original setting)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKVPolicy(Policy):
+  """SnapKV with group-wise selection (`stage1`, ALGORITHM.md §2): prefill keeps the config's `prompt_budget`
+  prompt tokens per KV head (the observation window's `window_size` last ones included; votes max-pooled with
+  `kernel_size`; `sink_tokens` first ones forced in), and the cache has room for `max_new_tokens` more."""
+
+  def check(self, config):
+    stage1.check_config(config)
+
+  def capacity(self, config):
+    return config.prompt_budget + config.max_new_tokens
+
+  def prompt_queries(self, config):
+    return config.window_size
+
+  def prefill(self, config, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
+    return stage1.prefill(config, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
+
+  def kept_positions(self, config, cache, q_BTNH, k_BTKH, lengths_B, rows=None):
+    return stage1.kept_positions(config, cache, q_BTNH, k_BTKH, lengths_B, rows)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,20 +40,14 @@ class SnapKVConfig(MethodConfig):
   over them plus every generated token. Original settings: window 32, pool kernel 7."""
 
   method: ClassVar[str] = "snapkv"
+  policy: ClassVar[SnapKVPolicy] = SnapKVPolicy()
+  selector: ClassVar[Dense] = Dense()
   size_fields: ClassVar[tuple[str, ...]] = ("max_new_tokens",)
   prompt_budget: int
   max_new_tokens: int
   window_size: int = DEFAULT_WINDOW
   kernel_size: int = 7
   sink_tokens: int = 0
-
-  def __post_init__(self):
-    super().__post_init__()
-    stage1.check_config(self)
-
-  @property
-  def capacity(self) -> int:
-    return self.prompt_budget + self.max_new_tokens
 
   @classmethod
   def from_budget(cls, token_budget, prompt_len, max_new_tokens, head_dim, *, max_len=None, **kw):
@@ -43,13 +60,3 @@ class SnapKVConfig(MethodConfig):
                        f"fewer than window_size={window}: use token_budget >= {window} or window_size <= "
                        f"{token_budget}")
     return cls(**{"prompt_budget": token_budget, "max_new_tokens": max_new_tokens, **kw})
-
-  @property
-  def prompt_queries(self):
-    return self.window_size
-
-  def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows=None):
-    return stage1.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
-
-  def kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B):
-    return stage1.kept_positions(self, cache, q_BTNH, k_BTKH, lengths_B)

@@ -1,6 +1,7 @@
 """RocketKV's decode step visits each room once (issue 38, docs/ARCHITECTURE.md "The way a token travels"):
-api -> method -> ops -> kernel, never back into a core module it has already left on the way down (as the
-mixin chain did: methods/hsa.py -> methods/base.py -> methods/hsa.py)."""
+api -> method (the config, methods/base.py, hands the step to its selector, methods/hsa.py's `HSASelector`) ->
+ops -> kernel, never back into a core module it has already left on the way down (as the former mixin chain did:
+methods/hsa.py -> methods/base.py -> methods/hsa.py)."""
 import pathlib
 import sys
 
