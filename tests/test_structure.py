@@ -11,7 +11,10 @@
 - the KV core's op table (`rocketkv_jax/ops.py`) holds no model op: the model's RMSNorm / RoPE kernels are
   imported by `models/layer_ops.py` only, never by the core (issue 38);
 - no capability probes in the package: no `hasattr(...)`, no `getattr(config, "name", default)`; a
-  method's capabilities are ClassVars it declares (`MethodConfig.uses_kt_pages`, `scores_channels`, issue 38);
+  method's capabilities are ClassVars its parts declare (`MethodConfig.uses_kt_pages`, `scores_channels`, issue 38);
+- methods by composition, not mixins: every class in rocketkv_jax/methods/ has one base and none is or inherits a
+  `*Mixin`; every registered config is a stage-1 `Policy` plus a stage-2 `Selector`, its capabilities theirs
+  (issue 38);
 - one compile cache: only `models/executables.py` calls `.compile()` in the package (issue 38).
 """
 import ast
@@ -206,9 +209,10 @@ def test_nothing_imports_the_removed_fused_selection():
 
 
 def test_no_capability_probes_in_the_package():
-  """A method says what it can do by ClassVars (`uses_kt_pages`, `scores_channels`, ...), read as plain
-  attributes; probing an object for an attribute (`hasattr(c, "topr")`, `getattr(self, "kt_pages", None)`) hides
-  which methods have it. Checked in the whole package: core (methods included), kernels, models, serving, eval."""
+  """A method says what it can do by ClassVars (`uses_kt_pages`, `scores_channels`, ..., derived from its policy
+  and selector), read as plain attributes; probing an object for an attribute (`hasattr(c, "topr")`,
+  `getattr(self, "kt_pages", None)`) hides which methods have it. Checked in the whole package: core (methods
+  included), kernels, models, serving, eval."""
   found = []
   for name, (path, tree) in MODULES.items():
     if _layer(name) not in ("core", "kernels", "models", "serving", "eval"):
@@ -250,3 +254,34 @@ def test_one_compile_cache():
           and not node.args and not node.keywords):
         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
   assert not found, "compiles outside models/executables.py (use an Executables):\n" + "\n".join(found)
+
+
+def test_methods_compose_a_policy_and_a_selector():
+  """A method is a config naming a stage-1 policy and a stage-2 selector (methods/base.py), not a stack of mixins:
+  no class in rocketkv_jax/methods/ is or inherits a `*Mixin`, and each has at most one base; every registered config
+  derives from MethodConfig (or from one registered config: a variant, rocketkv_plus), names a `Policy` and a
+  `Selector`, and its capabilities are theirs."""
+  from rocketkv_jax.methods.base import MethodConfig, Policy, Selector
+  found = []
+  for name, (path, tree) in MODULES.items():
+    if not name.startswith("rocketkv_jax.methods"):
+      continue
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.ClassDef):
+        continue
+      bases = [ast.unparse(b) for b in node.bases]
+      if node.name.endswith("Mixin") or any(b.endswith("Mixin") for b in bases) or len(bases) > 1:
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}({', '.join(bases)})")
+  assert not found, "mixins or several bases in rocketkv_jax/methods/ (compose a Policy and a Selector):\n" + \
+      "\n".join(found)
+  configs = set(rk.REGISTRY.values())
+  for cls in configs:
+    (base,) = cls.__bases__
+    assert base is MethodConfig or base in configs, f"{cls.__name__} derives from {base.__name__}"
+    policy, selector = cls.policy, cls.selector
+    assert isinstance(policy, Policy) and isinstance(selector, Selector), cls.__name__
+    assert (cls.evicts, cls.budgeted, cls.uses_kt_pages, cls.scores_channels) == (
+        policy.evicts, policy.budgeted or selector.budgeted, selector.uses_kt_pages, selector.scores_channels)
+    states = {policy.state_class, selector.state_class} - {None}  # the one part that keeps cache state, if any
+    assert len(states) <= 1 and cls.state_class == (states.pop() if states else None), cls.__name__
+
