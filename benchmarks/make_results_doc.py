@@ -16,6 +16,7 @@ import argparse
 import json
 import pathlib
 import re
+import shlex
 import sys
 
 __all__ = ["ROOT", "OUT", "SOURCES", "render", "main"]
@@ -37,6 +38,11 @@ SOURCES = {
   "acc_smol_grid": f"{RESULTS}/accuracy_h200_2026-12-01.md",
   "load_memory": f"{RESULTS}/load_memory_cpu_2026-12-01.jsonl",
   "prefill_memory": f"{RESULTS}/prefill_memory_h200_2026-12-01.txt",
+  "fp8_decode": f"{RESULTS}/h200_2026-12-05/decode_fp8_32k.jsonl",
+  "serve_max": f"{RESULTS}/h200_2026-12-05/serve32max.jsonl",
+  "turn2_device": f"{RESULTS}/h200_2026-12-05/serve_turn2dev_arrive.jsonl",
+  "prefill_flops": f"{RESULTS}/h200_2026-12-05/prefill_flops.jsonl",
+  "fp8_accuracy": f"{RESULTS}/fp8_accuracy_cpu_2026-12-05/smol_fp8_2k.md",
 }
 
 METHOD_ORDER = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
@@ -440,6 +446,101 @@ def memory_section() -> list[str]:
 # ---------------------------------------------------------------------------------------------------- page
 
 
+# ---------------------------------------------------------------------------------------------------- FP8 K/V
+
+
+def _dtype(rec) -> str:
+  return rec.get("kv_cache_dtype") or "bf16"
+
+
+def fp8_section() -> list[str]:
+  rel, rel_s = SOURCES["fp8_decode"], SOURCES["serve_max"]
+  _, points, _ = _decode_runs(rel)
+  ok = [p for p in points if p["status"] == "ok"]
+  by = {(p["method"], p["batch_spec"], _dtype(p)): p for p in ok}
+  rows = []
+  for method in ("rocketkv", "full"):
+    for spec in ("1", "8", "32", "max"):
+      pair = [by.get((method, spec, d)) for d in ("bf16", "float8_e4m3fn")]
+      if None in pair:
+        continue
+      b, f = pair
+      label = "largest" if spec == "max" else spec
+      batches = f"{b['batch']} / {f['batch']}"
+      rows.append([method, label, batches, f"{b['ms_per_step']:.3f}", f"{f['ms_per_step']:.3f}",
+                   f"{b['tokens_per_s']:,.0f}", f"{f['tokens_per_s']:,.0f}",
+                   f"{b['cache_bytes'] / b['batch'] / 1e6:,.0f} / {f['cache_bytes'] / f['batch'] / 1e6:,.0f}"])
+  serve = [r for r in _jsonl(rel_s) if r.get("kind") == "serve" and r.get("status") == "ok"]
+  srows = [[_dtype(r), str(r["slots"]), f"{r['steady_tokens_per_s']:,.0f}",
+            f"{r['tpot_ms_p50']:.2f} / {r['tpot_ms_p99']:.2f}", f"{r['engine_step_ms']:.2f}",
+            f"{r['decode_step_ms']:.2f}", f"{r['engine_vs_decode']:.3f}"] for r in serve]
+  out = [
+    "## FP8 K/V and serving at the most slots: one H200, 32k, t=256 (2026-12-05)",
+    "",
+    f"Source: {_link(rel)} and {_link(rel_s)} (commands, code and the reading against issue 40's targets: "
+    f"{_link(rel.rsplit('/', 1)[0] + '/README.md')}). K/V stored as `float8_e4m3fn` with per-(sequence, KV head) "
+    "scales (docs/ALGORITHM.md, \"Extension: FP8 K/V storage\") against the model's bf16.",
+    "",
+    *_table(["method", "batch", "batch bf16 / FP8", "bf16 ms / step", "FP8 ms / step", "bf16 tokens/s",
+             "FP8 tokens/s", "cache MB per sequence bf16 / FP8"], rows),
+    "",
+    "The serving engine at the most slots that fit (RocketKV, one shared 32k prefill, 128 new tokens); the engine "
+    "step against `benchmarks/decode.py`'s on the same caches in the same process:",
+    "",
+    *_table(["K/V", "slots", "steady tokens/s", "TPOT p50 / p99 (ms)", "engine step (ms)",
+             "decode-benchmark step (ms)", "engine / decode"], srows),
+    "",
+  ]
+  return out
+
+
+def fp8_accuracy_section() -> list[str]:
+  rel = SOURCES["fp8_accuracy"]
+  lines = _read(rel).splitlines()
+  meta = [line for line in lines if line.startswith("- ")][:4]
+  heading = next(line for line in lines if line.startswith("## Headline"))
+  return ["## Accuracy with FP8 K/V: SmolLM2-135M, CPU (2026-12-05)", "", f"Source: {_link(rel)}.", "",
+          *_meta_lines(meta), "", *_md_section(_read(rel), heading), ""]
+
+
+# ---------------------------------------------------------------------------------------------------- issue 37
+
+
+def turn2_prefill_section() -> list[str]:
+  rel, rel_p = SOURCES["turn2_device"], SOURCES["prefill_flops"]
+  recs = _jsonl(rel)
+  t2 = [r for r in recs if r.get("part") == "turn2"]
+  arrive = [r for r in recs if r.get("arrival_s")]
+  pf = [r for r in _jsonl(rel_p) if r.get("kind") == "prefill_flops" and r.get("status") == "ok"]
+  return [
+    "## Second turns, arrivals and prefill FLOP/s: one H200 (2026-12-05)",
+    "",
+    f"Source: {_link(rel)} and {_link(rel_p)} (commands: {_link(rel.rsplit('/', 1)[0] + '/README.md')}). "
+    f"Second turn over a stored 32k history with the history's device tier "
+    f"(`python -m benchmarks.serve {shlex.join(t2[0]['argv'][5:])}`):",
+    "",
+    *_table(["new tokens", "second-turn prefill (s)", "re-prefill of the whole prompt (s)", "speed-up"],
+            [[f"{r['new_tokens']:,}", f"{r['turn2_prefill_s']:.3f}", f"{r['reprefill_s']:.2f}",
+              f"{r['speedup']:.2f}x"] for r in t2]),
+    "",
+    f"New 32k prompts arriving every {arrive[0]['arrival_s']} s at {arrive[0]['slots']} slots "
+    f"({arrive[0]['requests']} requests, {arrive[0]['max_new_tokens']} new tokens each, RocketKV):",
+    "",
+    *_table(["prefill chunk tokens (0: whole)", "tokens/s", "TPOT p50 / p99 (ms)", "TTFT p50 / p99 (s)"],
+            [[str(r["prefill_chunk_tokens"]), f"{r['tokens_per_s']:.0f}",
+              f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}",
+              f"{r['ttft_ms_p50'] / 1000:.2f} / {r['ttft_ms_p99'] / 1000:.2f}"] for r in arrive]),
+    "",
+    f"Prefill FLOP/s against a bf16 matmul measured in the same process ({pf[0]['matmul_tflops']:.1f} TFLOP/s):",
+    "",
+    *_table(["context", "prefill (s)", "TFLOP/s", "of the matmul", f"chunks of {pf[0]['chunk_tokens']}: s",
+             "chunked / whole"],
+            [[_ctx(r["context"]), f"{r['prefill_s']:.3f}", f"{r['tflops']:.0f}", f"{r['of_matmul']:.2f}",
+              f"{r['chunked_prefill_s']:.3f}", f"{r['chunked_of_whole']:.2f}"] for r in pf]),
+    "",
+  ]
+
+
 def render() -> str:
   out = [
     "# Current results",
@@ -452,8 +553,8 @@ def render() -> str:
     "how the figures were reached is [`CHANGELOG.md`](../CHANGELOG.md).",
     "",
   ]
-  for section in (decode_section, engine_shapes_section, stage2_section, serve_section, accuracy_section,
-                  memory_section):
+  for section in (decode_section, engine_shapes_section, stage2_section, serve_section, fp8_section,
+                  turn2_prefill_section, accuracy_section, fp8_accuracy_section, memory_section):
     out += section()
   return "\n".join(out).rstrip() + "\n"
 
