@@ -254,11 +254,13 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
 
 
-def plan(method, budget, contexts, cfg, impl, kv_cache_dtype=None) -> rk.BatchPlan:
+def plan(method, budget, contexts, cfg, impl, kv_cache_dtype=None, kt_cache_dtype=None) -> rk.BatchPlan:
   """The plans of a batch of prompts of these lengths (`rocketkv_jax.plan_rows`, each row its own length's), for
-  NEW_TOKENS new tokens, K/V stored as `kv_cache_dtype` (the config field; None: the model's dtype)."""
+  NEW_TOKENS new tokens, K/V stored as `kv_cache_dtype` (the config field; None: the model's dtype), and the page
+  summaries as `kt_cache_dtype` where the method keeps them (None: the keys' dtype; other methods ignore it)."""
+  kt = {"kt_cache_dtype": kt_cache_dtype} if kt_cache_dtype and rk.get_method(method).uses_kt_pages else {}
   return rk.plan_rows(method, token_budget=budget, prompt_lens=contexts, max_new_tokens=NEW_TOKENS,
-                      head_dim=cfg.head_dim, impl=impl, kv_cache_dtype=kv_cache_dtype)
+                      head_dim=cfg.head_dim, impl=impl, kv_cache_dtype=kv_cache_dtype, **kt)
 
 
 def prefill_rows(model, batch_plan: rk.BatchPlan, contexts, seed: int):
@@ -347,6 +349,9 @@ def main(argv=None):
   ap.add_argument("--impl", default="auto")
   ap.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"],
                   help="how the caches store K/V (the configs' kv_cache_dtype; default: the model's dtype)")
+  ap.add_argument("--kt-cache-dtype", default=None, choices=["float32", "bfloat16", "float8_e5m2"],
+                  help="how page-scoring methods store their per-page key min/max (the configs' kt_cache_dtype; "
+                       "default: the keys' dtype)")
   ap.add_argument("--prefill-reps", type=int, default=3,
                   help="batch-1 prefill timed this many times (median), for prefill_vs_dense")
   ap.add_argument("--peak", default="", help="points 'method:budget:context,...' for batch-1 peak memory")
@@ -454,9 +459,10 @@ def main(argv=None):
     for method in methods:
       budgeted = rk.get_method(method).budgeted  # full: the budget changes nothing, run once
       for budget in (budgets if budgeted else budgets[:1]):
-        config = plan(method, budget, [context], cfg, args.impl, args.kv_cache_dtype).config
+        config = plan(method, budget, [context], cfg, args.impl, args.kv_cache_dtype, args.kt_cache_dtype).config
         base = dict(kind="point", method=method, token_budget=budget if budgeted else None,
-                    context=context, capacity=config.capacity, kv_cache_dtype=config.kv_cache_dtype)
+                    context=context, capacity=config.capacity, kv_cache_dtype=config.kv_cache_dtype,
+                    kt_cache_dtype=config.kt_cache_dtype if config.uses_kt_pages else None)
         try:
           caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context, mesh=mesh,
                                               reps=args.prefill_reps)
