@@ -295,6 +295,7 @@ def serve_section() -> list[str]:
                  f"{r['decode_step_ms']:.2f}", f"{r['floor_ms']:.2f}", f"{r['ttft_ms_p50'] / 1000:.2f}",
                  r["admission"]])
   t2 = [r for r in _jsonl(rel2) if r.get("part") == "turn2"]
+  now = next(r for r in _jsonl(SOURCES["serve_max"]) if r.get("status") == "ok" and not r.get("kv_cache_dtype"))
   first = recs[0]
   out = [
     "## Serving on one H200 (Llama-3.1-8B shape, 32k-token prompts, 128 new tokens, t=256)",
@@ -309,7 +310,9 @@ def serve_section() -> list[str]:
     "Steady = decode steps with every slot busy; engine step = a steady step's wall time per token; "
     "decode-benchmark step = `benchmarks/decode.py`'s loop on the same caches in the same process (it waits for "
     "each chunk; the pipelined engine does not). `admission: shared` admits the largest batch's requests by "
-    "inserting one shared prefill.",
+    "inserting one shared prefill. The RocketKV row at the most slots predates the stage-2 kernels of 2026-12-02: "
+    f"the current one ({now['steady_tokens_per_s']:,.0f} tokens/s at {now['slots']} slots) is in the FP8 section "
+    "below.",
     "",
     *_table(["method", "slots", "steady tokens/s", "TPOT p50 / p99 (ms)", "engine step (ms)",
              "decode-benchmark step (ms)", "floor (ms)", "TTFT p50 (s)", "admission"], rows),
