@@ -462,7 +462,7 @@ def fp8_section() -> list[str]:
   ok = [p for p in points if p["status"] == "ok"]
   by = {(p["method"], p["batch_spec"], _dtype(p)): p for p in ok}
   rows = []
-  for method in ("rocketkv", "full"):
+  for method in sorted({p["method"] for p in ok}, key=METHOD_ORDER.index):
     for spec in ("1", "8", "32", "max"):
       pair = [by.get((method, spec, d)) for d in ("bf16", "float8_e4m3fn")]
       if None in pair:
