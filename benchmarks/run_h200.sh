@@ -5,7 +5,7 @@
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
 #        serve32max serve32max_rk serve32chunk serve32arrive prefill_flops turn2dev turn2 mesh70b kernels_s2 profile391
 #        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part; fp8_tests fp8_lat32 fp8_max32
-#        fp8_lat_long fp8_serve32max: issue 40)
+#        fp8_lat_long fp8_serve32max fp8kt_lat32 fp8kt_max32: issue 40)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
 # stage2_kernels part, which timed the fused selection kernel removed on 2026-12-04, with it.)
@@ -55,6 +55,12 @@ for part in "$@"; do
       run 200 --contexts 32k --methods rocketkv,full --budgets 256 --batches 1,8 --kv-cache-dtype float8_e4m3fn ;;
     fp8_max32)  # issue 40: max32 with K/V in float8_e4m3fn (the largest batch, against max32's)
       run 300 --contexts 32k --methods full,rocketkv --budgets 256 --batches 32,max --kv-cache-dtype float8_e4m3fn ;;
+    fp8kt_lat32)  # issue 40: fp8_lat32 with RocketKV's KT page summaries in float8_e5m2 too (full has none)
+      run 200 --contexts 32k --methods rocketkv --budgets 256 --batches 1,8 --kv-cache-dtype float8_e4m3fn \
+        --kt-cache-dtype float8_e5m2 ;;
+    fp8kt_max32)  # issue 40: fp8_max32 for RocketKV with its KT page summaries in float8_e5m2 too
+      run 300 --contexts 32k --methods rocketkv --budgets 256 --batches 32,max --kv-cache-dtype float8_e4m3fn \
+        --kt-cache-dtype float8_e5m2 ;;
     fp8_lat_long)  # issue 40: 16k / 64k / 128k at batch 1 and 8, bf16 then FP8
       run 250 --contexts 16k,64k,128k --methods rocketkv,full --budgets 256 --batches 1,8
       run 250 --contexts 16k,64k,128k --methods rocketkv,full --budgets 256 --batches 1,8 --kv-cache-dtype float8_e4m3fn ;;
