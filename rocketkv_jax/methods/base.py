@@ -48,6 +48,7 @@ from rocketkv_jax.kernels.checks import kt_num_pages
 from rocketkv_jax.kernels.kv_quant import is_quantized
 
 KT_CACHE_DTYPES = (None, "float32", "bfloat16", "float8_e5m2")
+FP8_KT_CACHE_DTYPE = "float8_e5m2"  # the KT pages of an FP8 K/V cache when kt_cache_dtype is None (`kt_storage`)
 # None: K/V in the model's dtype; "bfloat16": the same, for a bf16 model (prefill refuses another); the FP8
 # dtypes: quantized with per-(sequence, KV head) scales (kernels/kv_quant.py).
 KV_CACHE_DTYPES = (None, "bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -75,7 +76,8 @@ def prefix_keep(k_BTKH, n: int):
 
 
 def kt_itemsize(config, itemsize: int) -> int:
-  return itemsize if config.kt_cache_dtype is None else jnp.dtype(config.kt_cache_dtype).itemsize
+  """Bytes of one KT page value for keys of `itemsize` bytes (`MethodConfig.kt_storage`)."""
+  return itemsize if config.kt_storage is None else jnp.dtype(config.kt_storage).itemsize
 
 
 def kv_itemsize(config, itemsize: int) -> int:
@@ -548,9 +550,20 @@ class MethodConfig:
     since the history keeps keys and values, not queries. The policy's."""
     return self.policy.prompt_queries(self)
 
+  @property
+  def kt_storage(self) -> str | None:
+    """How the KT pages are stored (methods with `uses_kt_pages`): kt_cache_dtype when set; else "float8_e5m2"
+    when K/V are FP8 (`kv_scaled`), as TensorRT-LLM's RocketKV stores them: in bf16 they would be 2.2 of the 5.5
+    MB per layer an FP8 32k sequence holds, and at 1 byte the largest 32k batch doubles bf16's (H100: 194 -> 390
+    sequences, benchmarks/results/h100_2026-12-05/) with accuracy tied (fp8_accuracy_cpu_2026-12-05/smol_fp8_kt_2k.md);
+    else None: the keys' dtype."""
+    if self.kt_cache_dtype is not None:
+      return self.kt_cache_dtype
+    return FP8_KT_CACHE_DTYPE if self.kv_scaled else None
+
   def kt_dtype(self, key_dtype) -> jnp.dtype:
-    """dtype of the KT pages (methods with `uses_kt_pages`): kt_cache_dtype, or the keys' dtype."""
-    return jnp.dtype(key_dtype if self.kt_cache_dtype is None else self.kt_cache_dtype)
+    """dtype of the KT pages (methods with `uses_kt_pages`): `kt_storage`, or the keys' dtype."""
+    return jnp.dtype(key_dtype if self.kt_storage is None else self.kt_storage)
 
   def cache_spec(self) -> CacheSpec:
     return CacheSpec(self.method, tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)

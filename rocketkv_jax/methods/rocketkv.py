@@ -18,7 +18,8 @@ class RocketKVConfig(MethodConfig):
   `prompt_budget` prompt tokens per KV head (SnapKV, window `window_size`, max-pool `kernel_size`, optional
   `sink_tokens` forced in); stage 2 (HSA) attends to the top `topk` tokens per step, scored from page min/max
   (`page_size` slots per page) over the top `topr` channels.
-  `kt_cache_dtype`: None (the keys' dtype), "bfloat16", "float8_e5m2" or "float32".
+  `kt_cache_dtype`: None (the keys' dtype; "float8_e5m2" when K/V are FP8: `MethodConfig.kt_storage`),
+  "bfloat16", "float8_e5m2" or "float32".
 
   Variant options (this project's extension, docs/ALGORITHM.md; the defaults are the paper's method):
     hsa_sink_tokens, hsa_recent_tokens: stage 2 always attends the pages holding the first `hsa_sink_tokens`

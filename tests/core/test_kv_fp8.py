@@ -81,6 +81,24 @@ def test_bfloat16_is_unchanged():
   assert rk.cache_nbytes(ca) == rk.cache_nbytes(cb)
 
 
+@pytest.mark.parametrize("method", ["rocketkv", "quest"])
+def test_fp8_kt_default(method):
+  """Under FP8 K/V, KT pages left unset are stored in float8_e5m2 (half of bf16's bytes); kt_cache_dtype set
+  keeps them as asked; with K/V in the model's dtype they are in the keys' dtype."""
+  T, lengths = 150, [150, 77]
+  q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(3, 2, T))
+  base = plan_config(method, 64, T, 2)
+  sizes = {}
+  for name, kv, kt, want in (("bf16", None, None, jnp.bfloat16), ("fp8", E4M3, None, jnp.float8_e5m2),
+                             ("fp8_kt_bf16", E4M3, "bfloat16", jnp.bfloat16)):
+    config = dataclasses.replace(base, kv_cache_dtype=kv, kt_cache_dtype=kt)
+    cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths), config=config)
+    assert cache.state.kt_min.dtype == want and cache.state.kt_max.dtype == want, name
+    sizes[name] = rk.cache_nbytes(cache)
+  kt_bytes = 2 * cache.state.kt_min.size  # two bf16 page arrays against two FP8 ones
+  assert sizes["fp8_kt_bf16"] - sizes["fp8"] == kt_bytes
+
+
 @pytest.mark.parametrize("method,t,T,lengths", CASES[:9] + CASES[10:11])
 def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   """An FP8 cache decodes as the same method over a full-precision cache holding the dequantized values: the same
@@ -88,7 +106,8 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   the FP8 grid, so that storing them is exact and the two caches stay equal."""
   n_steps = 4
   c32 = plan_config(method, t, T, n_steps)
-  c8 = dataclasses.replace(c32, kv_cache_dtype=E4M3)
+  # The KT pages in the keys' dtype in both (under FP8 K/V they default to float8_e5m2: test_fp8_kt_default)
+  c8 = dataclasses.replace(c32, kv_cache_dtype=E4M3, **({"kt_cache_dtype": "float32"} if c32.uses_kt_pages else {}))
   q, k, v = _inputs(7, len(lengths), T)
   lengths = jnp.asarray(lengths, jnp.int32)
   cache8 = rk.prefill_compress(q, k, v, lengths, config=c8)
@@ -195,10 +214,14 @@ def test_scales_come_from_the_whole_prompt():
 def test_read_bytes_and_cache_bytes():
   c16 = plan_config("rocketkv", 256, 4000, 32)
   c8 = dataclasses.replace(c16, kv_cache_dtype=E4M3)
-  # KT pages stay in the keys' dtype (bf16: 2 bytes); each attended K and V element goes to 1 byte, plus the two
-  # float32 scales
-  m = min(c16.topk, 3000)
+  # Each attended K and V element goes to 1 byte, plus the two float32 scales; the KT values the scoring reads
+  # (ceil(3000 / page_size) pages x topr channels) go from the keys' 2 bytes to float8_e5m2's 1, unless
+  # kt_cache_dtype keeps them
+  m, kt_values = min(c16.topk, 3000), -(-3000 // c16.page_size) * c16.topr
   assert c8.step_read_bytes(3000, head_dim=H, itemsize=2) == \
+      c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8 - kt_values
+  c8_kt16 = dataclasses.replace(c8, kt_cache_dtype="bfloat16")
+  assert c8_kt16.step_read_bytes(3000, head_dim=H, itemsize=2) == \
       c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8
   full16, full8 = plan_config("full", 64, 100, 4), plan_config("full", 64, 100, 4, kv_cache_dtype=E5M2)
   assert full8.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H + 8
