@@ -33,6 +33,7 @@ from flax import nnx
 import rocketkv_jax as rk
 from benchmarks.decode import LLAMA_31_8B, TINY, build_model, parse_tokens
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.llama import prefill_flops
 
 
 def matmul_rate(n: int = 8192, reps: int = 10) -> float:
@@ -49,13 +50,6 @@ def matmul_rate(n: int = 8192, reps: int = 10) -> float:
       ts.append(time.perf_counter() - t)
     best = max(best, 2 * n ** 3 / float(np.median(ts)))
   return best
-
-
-def prefill_flops(cfg: llama.LlamaConfig, T: int) -> float:
-  """Model FLOPs of one prefill of T tokens (module doc)."""
-  D, N, K, H, F, L = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.n_layers
-  per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F
-  return 2.0 * T * per_layer * L + 2.0 * T * T * N * H * L + 2.0 * D * cfg.vocab_size
 
 
 def _median(run, reps: int) -> float:

@@ -324,6 +324,16 @@ def _finish(blk: Block, cfg: LlamaConfig, x_BTD, attn_BTNH):
   return x + _mlp(blk, h)
 
 
+def prefill_flops(cfg: LlamaConfig, T: int, start: int = 0) -> float:
+  """Model FLOPs of prefilling T tokens at positions start .. start + T - 1 over the K/V of the tokens before
+  them: the linear layers (2 per weight per token), the attention (2 per multiply-add of q.k and p.v over each
+  token's prefix, causal among the T counted as T^2 / 2 pairs) and the head for one token. At start=0 the
+  usual count of a whole prefill (benchmarks/prefill_flops.py); the serving engine sizes prefill chunks by it."""
+  D, N, K, H, F, L = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.n_layers
+  per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F
+  return 2.0 * T * per_layer * L + 2.0 * T * (T + 2 * start) * N * H * L + 2.0 * D * cfg.vocab_size
+
+
 # Long prompts run a layer's MLP block (wo, residuals, norm, gate/up, down) over chunks of about this many
 # tokens, one after another: at 128k tokens the fused gate/up output alone is 7.5 GB for an 8B model, a
 # chunk's is 0.5 GB. The chunks are a Python loop, not lax.map: on an H200, XLA kept every layer's while-loop

@@ -57,6 +57,7 @@ and vocabulary: run by `Engine.validate`, and by the server to name the HTTP fie
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -77,9 +78,10 @@ from rocketkv_jax.models.params import fingerprint
 from rocketkv_jax.models.sharding import DATA, MODEL, cache_spec, default_impl, resolve_mesh
 
 __all__ = ["Context", "DecodeState", "DeviceEngine", "EngineConfig", "LimitError", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
-           "Prefilled", "Request", "SamplingParams", "check_limits", "default_buckets", "insert_jit"]
+           "Prefilled", "Request", "SamplingParams", "check_limits", "chunk_sizes", "default_buckets", "insert_jit"]
 
 MIN_BUCKET = 64  # the smallest padded prompt length of the default buckets
+CHUNK_ALIGN = 64  # chunked prefill's chunk sizes are multiples of this (`DeviceEngine.chunks`)
 MAX_SEED = 2**32 - 1  # seeds are uint32 (jax.random.key)
 MAX_INT32 = 2**31 - 1  # top_k and token counts are int32 on the device
 MIN_TEMPERATURE = 1e-5  # a positive temperature below this is greedy (vLLM's sampling epsilon): float32 overflows
@@ -89,6 +91,52 @@ MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit, vLLM's default)
 MAX_STOP_IDS = 64  # a request's own stop ids
 MAX_CACHE_SALT = 256  # characters of a client's cache_salt (a Request's may be longer: the server tags the tenant)
+
+
+def chunk_sizes(cfg: llama.LlamaConfig, c: int, q: int | None, m: int, start: int = 0) -> list[int]:
+  """Sizes of the chunks m new prompt tokens (at positions start ..) are prefilled in, with prefill_chunk_tokens c
+  and a method that reads the last q prompt queries (`MethodConfig.prompt_queries`). One chunk when chunking is off
+  (c = 0), when m <= c or when the method reads every query (q None: H2O). Else the chunks but the last follow one
+  grid of positions (`chunk_slot`), whose every chunk costs at most what c tokens at position 0 cost by
+  `llama.prefill_flops` (linear layers plus attention over the chunk's prefix): chunks shrink along a long prompt
+  instead of taking longer (8B shape, c = 1024: about 450 tokens by 32k), and every chunk runs at its grid slot's
+  size, a multiple of CHUNK_ALIGN (padded where the prompt's start or end cuts it): one executable per slot size,
+  the same for every prompt and history length. The last chunk is the prompt's last max(q, 1) tokens alone: it
+  runs `prefill_extend`, which also compresses the whole prompt, so it carries no more new tokens than stage 1's
+  window needs."""
+  if not c or q is None or m <= c:
+    return [m]
+  tail = max(q, 1)
+  sizes, p, end = [], start, start + m - tail
+  while p < end:
+    g, n = chunk_slot(cfg, c, p)
+    sizes.append(min(g + n, end) - p)
+    p += sizes[-1]
+  return sizes + [tail]
+
+
+def chunk_slot(cfg: llama.LlamaConfig, c: int, p: int) -> tuple[int, int]:
+  """(start, size) of the grid slot that holds position p: slots from position 0 on, each the largest multiple of
+  CHUNK_ALIGN, at most c and at least CHUNK_ALIGN, whose `llama.prefill_flops` at its start is at most that of c
+  tokens at position 0. A chunk from p to the slot's end costs no more than the whole slot (fewer tokens, none
+  of them further along)."""
+  grid = _chunk_grid(cfg, c)
+  i = bisect.bisect_right(grid, p) - 1
+  if i + 1 >= len(grid):
+    raise ValueError(f"position {p} is past the model's max_len={cfg.max_len}")
+  return grid[i], grid[i + 1] - grid[i]
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_grid(cfg: llama.LlamaConfig, c: int) -> list[int]:
+  budget = llama.prefill_flops(cfg, c)
+  grid = [0]
+  while grid[-1] < cfg.max_len:
+    g, n = grid[-1], c
+    while n > CHUNK_ALIGN and llama.prefill_flops(cfg, n, g) > budget:
+      n -= CHUNK_ALIGN
+    grid.append(g + n)
+  return grid
 
 
 def default_buckets(max_prompt_tokens: int) -> tuple[int, ...]:
@@ -112,8 +160,9 @@ class EngineConfig:
   method_overrides: fields of the method config (e.g. impl="xla"), given as extra keywords or as a dict.
   history_device_bytes: of the history, the most recent segments' K/V kept on the device (no copy to or from the
   host for a next turn over them; `history.py`), at most this many bytes. prefill_chunk_tokens: 0 prefills each
-  admitted prompt whole inside one step; n > 0 prefills at most about n
-  prompt tokens per step (chunked prefill, `scheduler.py`), so decoding slots never wait for a whole long prefill.
+  admitted prompt whole inside one step; n > 0 prefills a prompt longer than n in chunks, one per step (chunked
+  prefill, `scheduler.py`), each costing about what n tokens at the prompt's start cost (`DeviceEngine.chunks`),
+  so decoding slots never wait for a whole long prefill.
   """
 
   method: str
@@ -460,17 +509,14 @@ class DeviceEngine:
         return b
     raise ValueError(f"prompt of {n_tokens} tokens exceeds max_prompt_tokens={self.config.max_prompt_tokens}")
 
-  def chunks(self, m: int) -> list[int]:
-    """Sizes of the chunks m new prompt tokens are prefilled in: prefill_chunk_tokens each, the last one at most
-    that (longer, up to prefill_chunk_tokens + prompt_queries, only where it would otherwise not hold the queries
-    stage 1 reads); one chunk when chunking is off or the method reads every query (H2O)."""
-    c, q = self.config.prefill_chunk_tokens, self.method_config.prompt_queries
-    if not c or q is None or m <= c:
-      return [m]
-    full = -(-m // c) - 1  # the last chunk is (0, c] tokens long ...
-    if m - full * c < max(q, 1):  # ... unless that is shorter than the window: then the last two are one
-      full -= 1
-    return [c] * full + [m - full * c]
+  def chunks(self, m: int, start: int = 0) -> list[int]:
+    """Sizes of the chunks m new prompt tokens (at positions start ..) are prefilled in (`chunk_sizes`)."""
+    return chunk_sizes(self.model.config, self.config.prefill_chunk_tokens, self.method_config.prompt_queries, m,
+                       start)
+
+  def chunk_slot(self, p: int) -> tuple[int, int]:
+    """(start, size) of the chunk grid's slot that holds position p (`chunk_slot`)."""
+    return chunk_slot(self.model.config, self.config.prefill_chunk_tokens, p)
 
   # ------------------------------------------------------------------ placement and compiled pieces
 
@@ -525,10 +571,12 @@ class DeviceEngine:
     zeros = lambda: self.place(jnp.zeros((1, S, cfg.n_kv_heads, cfg.head_dim), self.model.dtype))  # noqa: E731
     return [tuple(jax.device_put(x) for x in h) if h is not None else (zeros(), zeros()) for h in view]
 
-  def prefill_chunk(self, chunk_ids: Sequence[int], buffers: list, start: int) -> list:
+  def prefill_chunk(self, chunk_ids: Sequence[int], buffers: list, start: int, size: int | None = None) -> list:
     """`buffers` (`buffers`, [1, S, K, H] per layer) with the K/V of chunk_ids, the prompt's tokens from
-    position `start`, written in (`models.llama.prefill_chunk`); one executable per (S, chunk length)."""
-    cfg, C = self.model.config, len(chunk_ids)
+    position `start`, written in (`models.llama.prefill_chunk`); one executable per (S, chunk length). size: the
+    chunk length to run at (>= len(chunk_ids); default that): the padding's K/V land past the chunk, where the
+    next chunk writes (and past the prompt, the lengths mask them)."""
+    cfg, C = self.model.config, size or len(chunk_ids)
     S = buffers[0][0].shape[1]
 
     def run_chunk(graphdef, state, *args):
@@ -536,7 +584,8 @@ class DeviceEngine:
                                                                                           cfg=cfg))
       return exe(state, *args)
 
-    tokens = np.asarray([list(chunk_ids)], np.int32)
+    tokens = np.zeros((1, C), np.int32)
+    tokens[0, :len(chunk_ids)] = chunk_ids
     return llama.prefill_chunk(self.model, tokens, buffers, np.array([start], np.int32), run_layer=run_chunk)
 
   def prefill_extend(self, new_ids: Sequence[int], history: list, start: int, S: int, rows, *,
@@ -573,12 +622,12 @@ class DeviceEngine:
     ids = list(prompt_ids)
     n = len(ids)
     S = self.bucket(n)
-    chunks, done = self.chunks(n - start), start
+    chunks, done = self.chunks(n - start, start), start
     history = view
     if len(chunks) > 1:  # the stored history on the device once, then each chunk written into it
       history = self.buffers(view, S)
-      for c in chunks[:-1]:
-        history = self.prefill_chunk(ids[done:done + c], history, done)
+      for c in chunks[:-1]:  # each at its grid slot's size (one executable per size: `chunk_sizes`)
+        history = self.prefill_chunk(ids[done:done + c], history, done, size=self.chunk_slot(done)[1])
         done += c
         yield c, None
     m = n - done

@@ -11,8 +11,10 @@ k - 1's tokens, so the device never idles while the host checks stops, detokeniz
 scheduler holds the call in flight.
 
 Chunked prefill (`EngineConfig.prefill_chunk_tokens`): the prefills of one step stop once they have taken that
-many prompt tokens, so a long prompt is prefilled one chunk per step between decode calls (one prompt at a
-time, in arrival order) and decoding slots never wait for a whole long prefill.
+many prompt tokens or one chunk of a long prompt (`DeviceEngine.chunks`: each about the cost of that many tokens
+at position 0; the last, which compresses the prompt, counts as a whole step too), so a long prompt is
+prefilled one chunk per step between decode calls (one prompt at a time, in arrival order) and decoding slots
+never wait for a whole long prefill.
 
 Session reuse: with `history_bytes`, every prefilled prompt's dense K/V joins the history (`history.py`), and a
 later prompt that starts with a stored one prefills only the rest over it; a stored history is reused only by
@@ -85,7 +87,8 @@ class Engine:
     self._arrived: dict[str, float] = {}  # request id -> submit time (monotonic), while queued
     self._process_rows = None  # (the active rows it was built for, their RowProcessing on the device)
     self._inserts = itertools.count(1)
-    self._filling = None  # (request, its prefill's generator, seconds it queued): a prompt being prefilled
+    # (request, its prefill's generator, seconds it queued, whether it took a chunk yet): a prompt being prefilled
+    self._filling = None
     self._reused = self._prefilled = 0  # prompt tokens taken from history / context, and prefilled
     self.history = None
     if config.history_bytes:
@@ -452,8 +455,9 @@ class Engine:
 
   def step(self) -> list[TokenEvent]:
     """Admits queued requests into free slots (prefill + insert each), then one generate(). With
-    prefill_chunk_tokens, the prefills of one step stop once they have taken that many prompt tokens: a long
-    prompt is prefilled one chunk per step, between decode calls (one prompt at a time, in arrival order)."""
+    prefill_chunk_tokens, the prefills of one step stop once they have taken that many prompt tokens or any piece
+    of a chunked prompt (module doc): a long prompt is prefilled one chunk per step, between decode calls (one
+    prompt at a time, in arrival order)."""
     budget, spent = self.config.prefill_chunk_tokens, 0
     while not (budget and spent >= budget):
       if self._filling is None:
@@ -462,15 +466,18 @@ class Engine:
         req = self._queue.popleft()
         arrived = self._arrived.pop(req.request_id, None)
         waited = time.monotonic() - arrived if arrived is not None else 0.0
-        self._filling = (req, None, waited)
-      req, fill, waited = self._filling
+        self._filling = (req, None, waited, False)
+      req, fill, waited, chunked = self._filling
       try:
         if fill is None:
           fill = self._admission(req)
-          self._filling = (req, fill, waited)
+          self._filling = (req, fill, waited, False)
         n, prefilled = next(fill)
-        spent += n
-        if prefilled is not None:
+        # a chunk of a long prompt, and its last piece (which compresses the prompt), fill the step
+        spent += budget if (prefilled is None or chunked) else n
+        if prefilled is None:
+          self._filling = (req, fill, waited, True)
+        else:
           self._filling = None
           slot = self._slots.index(None)
           self.insert(prefilled, slot)

@@ -161,8 +161,9 @@ def test_chunked_prefill_equals_whole(model, history):
   chunked = Engine(model, Tok(), EngineConfig(**dict(kw, prefill_chunk_tokens=64)))
   chunks = chunked.device.chunks(300)
   q = chunked.method_config.prompt_queries
-  assert sum(chunks) == 300 and set(chunks[:-1]) == {64} and q <= chunks[-1] <= 64  # the last holds the window
-  assert chunked.device.chunks(256 + q - 1) == [64] * 3 + [63 + q]  # a last chunk shorter than the window is merged
+  # chunks of 64 (the smallest size: this toy model's attention outweighs its linear layers within 64 tokens),
+  # then the rest, then the last holds stage 1's window alone
+  assert chunks == [64] * 4 + [300 - 256 - q, q]
   short = Request("short", prompt(20, 1), SamplingParams(max_tokens=24))
   long_ = Request("long", prompt(300, 2), SamplingParams(max_tokens=8))
   want = {k: _tokens(v) for k, v in _events(whole, [short, long_]).items()}
@@ -186,6 +187,43 @@ def test_chunked_prefill_equals_whole(model, history):
     ev = _events(chunked, [turn2])["t2"]
     assert ev[-1].cached_tokens > 250
     assert _tokens(ev) == _tokens(_events(whole, [turn2])["t2"])
+
+
+@pytest.mark.parametrize("c", [256, 1024])
+def test_chunks_cost_about_the_same(c):
+  """chunk_sizes (the 8B shape): along a long prompt each chunk but the last costs at most what c tokens at
+  position 0 cost (`llama.prefill_flops`), in multiples of CHUNK_ALIGN, as large as that allows and never growing;
+  the last is stage 1's window; the sizes at a position do not depend on the prompt's length."""
+  from benchmarks.decode import LLAMA_31_8B as cfg
+  from rocketkv_jax.models.llama import prefill_flops
+  from rocketkv_jax.serving.engine import CHUNK_ALIGN, chunk_sizes, chunk_slot
+  q = 32
+  assert chunk_sizes(cfg, c, q, c) == [c] and chunk_sizes(cfg, 0, q, 9000) == [9000]
+  assert chunk_sizes(cfg, c, None, 9000) == [9000]  # a method reading every query (H2O) prefills whole
+  for m in (32768, 20000):
+    sizes = chunk_sizes(cfg, c, q, m)
+    assert sum(sizes) == m and sizes[-1] == q
+    p = 0
+    for i, n in enumerate(sizes[:-1]):
+      last_body = i == len(sizes) - 2
+      assert n % CHUNK_ALIGN == 0 or last_body, (m, i, n)
+      assert prefill_flops(cfg, n, p) <= prefill_flops(cfg, c) or n == CHUNK_ALIGN
+      if not last_body and n < c:  # the next size up would cost more
+        assert prefill_flops(cfg, n + CHUNK_ALIGN, p) > prefill_flops(cfg, c)
+      p += n
+    assert sizes[:-2] == sorted(sizes[:-2], reverse=True) and sizes[0] == c
+  if c == 1024:  # about half by 32k (the last full-size chunk before the rest and the window)
+    assert 0.4 * c <= chunk_sizes(cfg, c, q, 32768)[-3] <= 0.6 * c
+  short, long_ = chunk_sizes(cfg, c, q, 20000), chunk_sizes(cfg, c, q, 32768)
+  assert short[:-2] == long_[:len(short) - 2]
+  # over a history: from the slot that holds the start, each chunk inside one slot of the same grid
+  over = chunk_sizes(cfg, c, q, 4000, start=28000 + 7)
+  p = 28000 + 7
+  for n in over[:-1]:
+    g, size = chunk_slot(cfg, c, p)
+    assert g <= p and p + n <= g + size and size in long_ + [c]
+    p += n
+  assert sum(over) == 4000 and over[0] < c
 
 
 def test_device_history_tier(model, tmp_path):
