@@ -43,6 +43,10 @@ SOURCES = {
   "turn2_device": f"{RESULTS}/h200_2026-12-05/serve_turn2dev_arrive.jsonl",
   "prefill_flops": f"{RESULTS}/h200_2026-12-05/prefill_flops.jsonl",
   "fp8_accuracy": f"{RESULTS}/fp8_accuracy_cpu_2026-12-05/smol_fp8_2k.md",
+  "h100_fp8kt": f"{RESULTS}/h100_2026-12-05/decode_fp8kt_32k.jsonl",
+  "h100_arrive": f"{RESULTS}/h100_2026-12-05/serve_arrive_cost_chunks.jsonl",
+  "h100_arrive_uniform": f"{RESULTS}/h100_2026-12-05/serve_arrive_uniform_chunks_33bc5aa.jsonl",
+  "h100_serve_max": f"{RESULTS}/h100_2026-12-05/serve32max_fp8kt_bf16.jsonl",
 }
 
 METHOD_ORDER = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
@@ -544,6 +548,59 @@ def turn2_prefill_section() -> list[str]:
   ]
 
 
+# ---------------------------------------------------------------------------------------------------- H100
+
+
+def h100_section() -> list[str]:
+  rel, rel_a, rel_u, rel_s = (SOURCES[k] for k in ("h100_fp8kt", "h100_arrive", "h100_arrive_uniform",
+                                                   "h100_serve_max"))
+  _, points, _ = _decode_runs(rel)
+  ok = [p for p in points if p["status"] == "ok"]
+  storage = lambda p: (p.get("kv_cache_dtype") or "", p.get("kt_cache_dtype") or "")  # noqa: E731
+  rows = []
+  for method, key in sorted({(p["method"], storage(p)) for p in ok}, key=lambda mk: (METHOD_ORDER.index(mk[0]), mk[1])):
+    pts = [p for p in ok if p["method"] == method and storage(p) == key]
+    big = max(pts, key=lambda p: (p["batch_spec"] == "max", p["batch"]))
+    small = {p["batch_spec"]: p for p in pts if p["batch_spec"] in ("1", "8")}
+    kt = "" if big.get("token_budget") is None else key[1] or "keys' dtype (bf16)"
+    rows.append([method, key[0] or "bf16", kt, f"{big['cache_bytes'] / big['batch'] / 1e6:.1f}",
+                 *[f"{small[b]['ms_per_step']:.3f}" if b in small else "" for b in ("1", "8")],
+                 str(big["batch"]), f"{big['ms_per_step']:.3f}", f"{big['tokens_per_s']:,.0f}"])
+  arrive = [("by cost (`chunk_sizes`)", r) for r in _jsonl(rel_a)] + [("uniform (earlier code)", r)
+                                                                       for r in _jsonl(rel_u)]
+  arows = [[how if r["prefill_chunk_tokens"] else "whole prefills", str(r["prefill_chunk_tokens"]),
+            f"{r['tokens_per_s']:.1f}", f"{r['tpot_ms_p50']:.2f} / {r['tpot_ms_p99']:.2f}",
+            f"{r['tpot_ms_p99'] / r['tpot_ms_p50']:.2f}",
+            f"{r['ttft_ms_p50'] / 1000:.2f} / {r['ttft_ms_p99'] / 1000:.2f}"] for how, r in arrive]
+  serve = [r for r in _jsonl(rel_s) if r.get("kind") == "serve" and r.get("status") == "ok"]
+  srows = [[_dtype(r), str(r["slots"]), f"{r['steady_tokens_per_s']:,.0f}", f"{r['engine_step_ms']:.2f}",
+            f"{r['decode_step_ms']:.2f}", f"{r['engine_vs_decode']:.3f}"] for r in serve]
+  a0 = arrive[0][1]
+  return [
+    "## One H100 (2026-12-05): FP8 K/V with FP8 page summaries, chunked prefill under arrivals",
+    "",
+    f"Sources: {_link(rel)}, {_link(rel_a)}, {_link(rel_u)}, {_link(rel_s)} (commands and code: "
+    f"{_link(rel.rsplit('/', 1)[0] + '/README.md')}). The device tool lent an H100 80GB, not an H200: every "
+    "baseline here was rerun on it; compare within this section only. 32k, t=256 (decode grid):",
+    "",
+    *_table(["method", "K/V", "KT pages", "MB per sequence", "batch 1 ms", "batch 8 ms", "largest batch", "its ms / step",
+             "tokens/s"], rows),
+    "",
+    f"New 32k prompts arriving every {a0['arrival_s']} s at {a0['slots']} slots ({a0['requests']} requests, "
+    f"{a0['max_new_tokens']} new tokens each), by how a long prompt's prefill is chunked:",
+    "",
+    *_table(["chunks", "prefill chunk tokens", "tokens/s", "TPOT p50 / p99 (ms)", "p99 / p50",
+             "TTFT p50 / p99 (s)"], arows),
+    "",
+    "The serving engine at the most slots that fit (one shared 32k prefill, 128 new tokens; FP8 K/V with its page "
+    "summaries in float8_e5m2, the FP8 default since this run):",
+    "",
+    *_table(["K/V", "slots", "steady tokens/s", "engine step (ms)", "decode-benchmark step (ms)",
+             "engine / decode"], srows),
+    "",
+  ]
+
+
 def render() -> str:
   out = [
     "# Current results",
@@ -557,7 +614,7 @@ def render() -> str:
     "",
   ]
   for section in (decode_section, engine_shapes_section, stage2_section, serve_section, fp8_section,
-                  turn2_prefill_section, accuracy_section, fp8_accuracy_section, memory_section):
+                  h100_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section, memory_section):
     out += section()
   return "\n".join(out).rstrip() + "\n"
 

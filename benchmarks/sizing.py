@@ -16,7 +16,7 @@ TP is the smallest degree in 1, 2, 4, 8 (the KV heads, 8, must divide) at which 
 fit; a replica is TP GPUs; a host holds 8 / TP replicas.
 
   python -m benchmarks.sizing                 # prints the markdown table
-  python -m benchmarks.sizing --write-readme  # and writes it into README.md between the sizing markers
+  python -m benchmarks.sizing --write-doc  # and writes it into docs/GUIDE.md between the sizing markers
   python -m benchmarks.sizing --json          # the rows as JSON lines
 """
 from __future__ import annotations
@@ -51,8 +51,8 @@ GPUS_PER_HOST = 8
 TP_DEGREES = (1, 2, 4, 8)
 DTYPE = jnp.bfloat16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
-BEGIN, END = "<!-- sizing:begin (python -m benchmarks.sizing --write-readme) -->", "<!-- sizing:end -->"
+DOC = os.path.join(ROOT, "docs", "GUIDE.md")
+BEGIN, END = "<!-- sizing:begin (python -m benchmarks.sizing --write-doc) -->", "<!-- sizing:end -->"
 
 
 def _mesh(tp: int):
@@ -141,7 +141,7 @@ def _k(n: int) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-  """The README's scaling table (and the assumptions it rests on)."""
+  """The guide's scaling table (docs/GUIDE.md, "What fits"; and the assumptions it rests on)."""
   intro = (f"Per sequence: a prompt of the context's length plus {NEW_TOKENS:,} generated tokens, bf16. An H200 "
            f"holds {HBM / 1e9:.0f} GB, of which {RESERVE / 1e9:.1f} GB (10%) is kept back for activations, compiled "
            f"programs and allocator slack. TP: the smallest tensor-parallel degree (GPUs per replica) at which the "
@@ -169,17 +169,17 @@ def markdown(table: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def readme_table(text: str) -> str:
-  """The part of README text between the sizing markers (ValueError when they are missing)."""
+def doc_table(text: str) -> str:
+  """The part of the guide's text between the sizing markers (ValueError when they are missing)."""
   if BEGIN not in text or END not in text:
-    raise ValueError(f"README.md lacks the sizing markers {BEGIN!r} ... {END!r}")
+    raise ValueError(f"docs/GUIDE.md lacks the sizing markers {BEGIN!r} ... {END!r}")
   return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
-def write_readme(table_md: str, path: str = README) -> None:
+def write_doc(table_md: str, path: str = DOC) -> None:
   with open(path) as f:
     text = f.read()
-  readme_table(text)
+  doc_table(text)
   head, rest = text.split(BEGIN, 1)
   tail = rest.split(END, 1)[1]
   with open(path, "w") as f:
@@ -188,7 +188,7 @@ def write_readme(table_md: str, path: str = README) -> None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--write-readme", action="store_true", help="write the table into README.md between the markers")
+  ap.add_argument("--write-doc", action="store_true", help="write the table into docs/GUIDE.md between the markers")
   ap.add_argument("--json", action="store_true", help="print the rows as JSON lines instead of the table")
   args = ap.parse_args(argv)
   table = rows()
@@ -197,8 +197,8 @@ def main(argv=None) -> int:
       print(json.dumps(r))
   else:
     sys.stdout.write(markdown(table))
-  if args.write_readme:
-    write_readme(markdown(table))
+  if args.write_doc:
+    write_doc(markdown(table))
   return 0
 
 

@@ -1,6 +1,6 @@
 """benchmarks/sizing.py: the scaling table's numbers are `cache_nbytes` of the caches the real prefill makes
 (checked against a trace of every layer, and against the closed form of a full cache), its arithmetic holds,
-and README.md's table is what the script writes."""
+and docs/GUIDE.md's table is what the script writes."""
 import math
 
 import jax
@@ -61,11 +61,11 @@ def test_fit_arithmetic(table):
   assert tps == {"llama-3.1-8b": 1, "llama-3.1-70b": 2, "llama-3.1-405b": 8}
 
 
-def test_readme_table_is_the_scripts(table, tmp_path):
-  with open(sizing.README) as f:
+def test_guide_table_is_the_scripts(table, tmp_path):
+  with open(sizing.DOC) as f:
     text = f.read()
-  assert sizing.readme_table(text) == sizing.markdown(table)
-  copy = tmp_path / "README.md"
-  copy.write_text(text.replace(sizing.readme_table(text), "stale\n"))
-  sizing.write_readme(sizing.markdown(table), str(copy))
+  assert sizing.doc_table(text) == sizing.markdown(table)
+  copy = tmp_path / "GUIDE.md"
+  copy.write_text(text.replace(sizing.doc_table(text), "stale\n"))
+  sizing.write_doc(sizing.markdown(table), str(copy))
   assert copy.read_text() == text
