@@ -102,12 +102,18 @@ for part in "$@"; do
     serve_load_*)  # issue 37: the HTTP load benchmark (benchmarks/serve_load.py) against `rocketkv serve`, one
       # (workload, method) per part: serve_load_long-gen_full, serve_load_long-gen_rocketkv, serve_load_doc-qa_full,
       # ..._chat_..., ..._prefill-heavy_...; then serve_load_table (the side-by-side goodput table and the plot).
-      # The server loads no random weights (benchmarks.serve's Llama-3.1-8B shape is in-process only), so this is
-      # a REAL CHECKPOINT, labelled in every record: SERVE_LOAD_MODEL (default qwen2.5-1.5b, i.e. Qwen2.5-Coder-1.5B
-      # Q4_K_M dequantized to bf16: `rocketkv fetch qwen2.5-1.5b` where the index is reachable, or a GGUF path that
-      # travelled in parts). A bare device also needs the fastapi, starlette, pydantic(-core), uvicorn and gguf
-      # wheels (not in its image) and rocketkv_jax/models -> ../models. Knobs: SL_RATES, SL_REQUESTS, SL_SLOTS,
-      # SL_CHUNK (--prefill-chunk-tokens), SL_ARGS (more serve flags).
+      # The model is SERVE_LOAD_MODEL, labelled in every record: by default random:llama-3.1-8b (random bf16 weights
+      # of the Llama-3.1-8B shape and a byte-level tokenizer: the decode and serving benchmarks' shape; speed does
+      # not depend on the values, and every answer has its full length: ignore_eos); or a real checkpoint
+      # (qwen2.5-1.5b where the index is reachable, or a GGUF path that travelled in parts). A bare device lacks
+      # fastapi, starlette, pydantic(-core), uvicorn, annotated-types and typing-inspection: carry their wheels in
+      # .carry/wheels (`benchmarks/device_wheels.sh`), installed here into /tmp/site. Knobs: SL_RATES, SL_REQUESTS,
+      # SL_SLOTS, SL_CHUNK (--prefill-chunk-tokens), SL_ARGS (more serve flags; later flags win), SL_LOAD_ARGS (more
+      # serve_load flags, e.g. --scale 0.25).
+      if [ -d .carry/wheels ] && [ ! -d /tmp/site ]; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/wheels/*.whl >>"$out/log.txt" 2>&1
+      fi
+      [ -d /tmp/site ] && export PYTHONPATH="${PYTHONPATH:-$PWD}:/tmp/site"
       if [ "$part" = serve_load_table ]; then
         python3 -m benchmarks.serve_load --table "$out/serve_load.jsonl" --plot "$out/serve_load.png" \
           >"$out/serve_load_table.txt" 2>>"$out/log.txt"; cat "$out/serve_load_table.txt" >>"$out/log.txt"
@@ -116,10 +122,10 @@ for part in "$@"; do
         # rates (chat: sessions/s) and requests (chat: sessions of 8 turns) sized to fit 580 s: untuned guesses
         case $wl in long-gen) rates=0.25,0.5,1 n=16 ;; doc-qa) rates=0.5,1,2 n=16 ;; chat) rates=0.1,0.2,0.4 n=6 ;;
                     *) rates=0.25,0.5,1 n=16 ;; esac
-        timeout 580 python3 -m benchmarks.serve_load --workload "$wl" --rates "${SL_RATES:-$rates}" \
-          --requests "${SL_REQUESTS:-$n}" --slo-ttft 5 --slo-tpot 0.05 --out "$out/serve_load.jsonl" \
+        timeout "${SL_TIMEOUT:-580}" python3 -m benchmarks.serve_load --workload "$wl" --rates "${SL_RATES:-$rates}" \
+          --requests "${SL_REQUESTS:-$n}" --slo-ttft 5 --slo-tpot 0.05 --out "$out/serve_load.jsonl" ${SL_LOAD_ARGS:-} \
           --server-log "$out/serve_load_server.log" --launch-timeout-s 400 \
-          --launch "--model ${SERVE_LOAD_MODEL:-qwen2.5-1.5b} --dtype bfloat16 --method $m --token-budget 256 \
+          --launch "--model ${SERVE_LOAD_MODEL:-random:llama-3.1-8b} --dtype bfloat16 --method $m --token-budget 256 \
                     --max-prompt-tokens 36864 --max-new-tokens 2048 --max-slots ${SL_SLOTS:-32} --history-gb 48 \
                     --prefill-buckets 1024,8192,16384,32768 --prefill-chunk-tokens ${SL_CHUNK:-0} \
                     --cache /tmp/rkv_cache --log-level warning ${SL_ARGS:-}" \
