@@ -679,8 +679,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="requests waiting for a slot before new ones get 429 (default 64)")
   s.add_argument("--steps-per-call", type=count, default=4, help="decode steps per engine call (default 4)")
   s.add_argument("--prefill-chunk-tokens", type=_number(int, low=0), default=0,
-                 help="prompt tokens prefilled per engine step, between decode calls (chunked prefill: a long "
-                      "prompt no longer stalls the answers being decoded); 0 prefills each prompt whole (default)")
+                 help="chunked prefill: a prompt longer than N is prefilled one chunk per engine step, between "
+                      "decode calls, each chunk costing about what N tokens at the prompt's start cost (later ones "
+                      "are shorter), so a long prompt no longer stalls the answers being decoded; 0 prefills each "
+                      "prompt whole (default)")
   s.add_argument("--prefill-buckets", default=None,
                  help="comma-separated prefill lengths compiled at most (default: the engine's choice)")
   s.add_argument("--served-model-name", default=None,
