@@ -358,9 +358,13 @@ def run_point(model, tokenizer, args, method: str, slots: int, facts: dict) -> d
     gc.collect()
     if rec.get("engine_step_ms"):
       rec["engine_vs_decode"] = round(rec["engine_step_ms"] / rec["decode_step_ms"], 4)
-    mid = args.prompt + args.max_new_tokens // 2
-    floor = (facts["weight_bytes"] + kv_bytes_needed(config, cfg, mid, slots)) / facts["copy_bandwidth"]
-    rec["floor_ms"] = round(floor * 1e3, 4)
+    # the step's floor as benchmarks/decode.py counts it: the weights plus what the method reads at the cache's
+    # valid length after the timed steps (the kept tokens, not the prompt's), under the requests' own plan
+    row = rk.plan_rows(method, token_budget=args.token_budget, prompt_lens=[args.prompt],
+                       max_new_tokens=args.max_new_tokens, head_dim=cfg.head_dim,
+                       **method_overrides(args)).row_configs[0]
+    kv = kv_bytes_needed(row, cfg, rec["decode_length"], slots)
+    rec["floor_ms"] = round((facts["weight_bytes"] + kv) / facts["copy_bandwidth"] * 1e3, 4)
   return rec
 
 

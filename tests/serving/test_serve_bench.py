@@ -33,6 +33,11 @@ def test_tiny_smoke_run(tmp_path, capsys):
     assert r["output_tokens"] == 4 * 8 and r["all_full_length"]
     assert r["compiles_warmup"] == r["compiles_after_run"] == 3  # prefill, insert, decode: no recompile
   assert "engine/decode" in capsys.readouterr().out  # the table
+  # the floor counts what a step reads at the cache's valid length (RocketKV's kept tokens, not the prompt's):
+  # never more than the slots' caches hold (a floor from the prompt's length read 2.6x the cache at 32k)
+  for r in lines:
+    kv = r["floor_ms"] * 1e-3 * r["copy_bandwidth_GBps"] * 1e9 - r["weight_bytes"]
+    assert 0 < kv <= r["cache_bytes_per_slot"] * r["slots"] * 1.01 + 4096, r
 
 
 @pytest.mark.slow
