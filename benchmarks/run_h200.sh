@@ -106,7 +106,8 @@ for part in "$@"; do
       # of the Llama-3.1-8B shape and a byte-level tokenizer: the decode and serving benchmarks' shape; speed does
       # not depend on the values, and every answer has its full length: ignore_eos); or a real checkpoint
       # (qwen2.5-1.5b where the index is reachable, or a GGUF path that travelled in parts). A bare device lacks
-      # fastapi, starlette, pydantic(-core), uvicorn, annotated-types and typing-inspection: carry their wheels in
+      # fastapi, starlette, pydantic(-core), uvicorn, annotated-types, typing-inspection and opentelemetry-api (fastapi
+      # imports it): carry their wheels in
       # .carry/wheels (`benchmarks/device_wheels.sh`), installed here into /tmp/site. Knobs: SL_RATES, SL_REQUESTS,
       # SL_SLOTS, SL_CHUNK (--prefill-chunk-tokens), SL_ARGS (more serve flags; later flags win), SL_LOAD_ARGS (more
       # serve_load flags, e.g. --scale 0.25).
