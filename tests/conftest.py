@@ -5,6 +5,19 @@ import os
 
 import pytest
 
+# XLA's CPU backend at optimization level 0 for every process the suite starts (inherited like the cache's variables):
+# the suite's programs are small and compiled once or twice each, so LLVM's optimizations cost more time than they
+# save (measured on 2 cores, compile cache off: tests/kernels/test_cache_append.py + tests/serving/test_engine.py
+# 164 -> 91 s, tests/kernels/test_kv_quant.py + tests/core/test_ops.py 58 -> 41 s, every test passing alike). Only
+# where no GPU plugin is installed: a GPU run's kernels compile as users get them. $ROCKETKV_TEST_XLA_OPT=on keeps
+# XLA's default.
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if (os.environ.get("ROCKETKV_TEST_XLA_OPT") != "on"
+    and not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    and CPU_TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", "")):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_XLA_FLAGS}".strip()
+
+
 # JAX's persistent compilation cache for the whole suite, in every process it starts (the variables are inherited
 # by the servers, CLIs and multi-process runs that tests launch, and read by JAX at import): the suite compiles the
 # same programs many times (each module drops its executables below; xdist workers and subprocesses compile their
@@ -25,17 +38,20 @@ if _CACHE != "off":
                     int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
-# The longest modules first (the fresh-clone run of 2026-12-05's durations, less what the same day's cuts saved: the
-# server's tests on smollm2_lite, fewer mesh and interpret cases): under xdist's --dist loadfile each worker takes whole modules in collection order, so a long
-# module collected last kept one worker busy for minutes after the other had finished. Every other module keeps its
-# place.
+# The longest modules first, in each of `./dev.sh test`'s two parts (a fresh run's durations on 2 cores, 2026-12-05,
+# level 0 for the first part, XLA's default for the xla_opt part): under xdist's --dist loadfile each worker takes
+# whole modules in collection order, so a long module collected last kept one worker busy for minutes after the
+# other had finished. Every other module keeps its place.
 LONGEST_FIRST = (
-    "tests/core/test_methods.py", "tests/kernels/test_cache_append.py", "tests/models/test_llama_generation.py",
-    "tests/core/test_kv_fp8.py", "tests/kernels/test_hsa_scores.py", "tests/serving/test_server_lifecycle.py",
-    "tests/serving/test_lm_eval.py", "tests/models/test_sharding.py", "tests/kernels/test_row_plans.py",
-    "tests/core/test_request_plans.py", "tests/models/test_jax_mesh.py", "tests/serving/test_protocol.py",
-    "tests/accuracy/test_engine.py", "tests/core/test_rocketkv_variants.py", "tests/serving/test_cli.py",
-    "tests/serving/test_sessions.py", "tests/serving/test_serve_load.py", "tests/serving/test_server.py")
+    "tests/core/test_methods.py", "tests/models/test_sharding.py", "tests/serving/test_lm_eval.py",
+    "tests/models/test_jax_mesh.py", "tests/models/test_llama_generation.py", "tests/kernels/test_hsa_scores.py",
+    "tests/kernels/test_cache_append.py", "tests/core/test_request_plans.py", "tests/kernels/test_row_plans.py",
+    "tests/core/test_kv_fp8.py", "tests/serving/test_cli.py", "tests/models/test_multiprocess.py",
+    "tests/serving/test_server_sessions.py", "tests/serving/test_engine.py", "tests/models/test_sizing.py",
+    "tests/accuracy/test_engine.py", "tests/serving/test_sessions.py", "tests/serving/test_serve_bench.py",
+    # the xla_opt part
+    "tests/serving/test_server_lifecycle.py", "tests/serving/test_protocol.py", "tests/serving/test_serve_load.py",
+    "tests/serving/test_server.py", "tests/serving/test_tenants.py", "tests/serving/test_hostile_load.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,9 @@ def _free_port() -> int:
 def test_two_processes_equal_one(tmp_path):
   here = os.path.dirname(os.path.abspath(__file__))
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # The children set their own device count; the suite's other XLA flags (conftest's) pass on.
+  env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                            if "device_count" not in f))
   logs = [(open(tmp_path / f"out{i}", "w+"), open(tmp_path / f"err{i}", "w+")) for i in (0, 1)]
   procs = [subprocess.Popen([sys.executable, os.path.join(here, "multiprocess_run.py"), str(i), str(port)],
                             stdout=out, stderr=err, text=True, env=env) for i, (out, err) in enumerate(logs)]

@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn")
 from rocketkv_jax.serving.connections import ConnectionLimits  # noqa: E402
 from tests.helpers.server import MODEL, limited_server  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla_opt]
 
 CONCURRENT = 200
 MAX_TOKENS = 4

@@ -15,6 +15,8 @@ pytest.importorskip("uvicorn")
 
 from tests.helpers.server import MODEL, PROMPTS, QUESTIONS, serving  # noqa: E402
 
+pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
+
 
 @pytest.fixture(scope="module")
 def served(smollm2_lite):

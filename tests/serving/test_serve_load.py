@@ -13,6 +13,8 @@ pytest.importorskip("uvicorn")
 
 from benchmarks import serve_load  # noqa: E402
 
+pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
+
 SERVER = ("--model smollm2 --method rocketkv --token-budget 64 --max-prompt-tokens 512 --max-slots 4 "
           "--max-new-tokens 16 --no-warmup --log-level warning")
 

@@ -15,6 +15,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from tests.helpers.server import (MODEL, PROMPTS, QUESTIONS, STORY, chat, complete, error_of,  # noqa: E402
                                   http_request, serving)
 
+pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
+
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 
 @pytest.fixture(scope="module")

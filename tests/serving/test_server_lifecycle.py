@@ -18,6 +18,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from tests.helpers.server import (MODEL, PROMPTS, QUESTIONS, Served, chat, complete, error_of,  # noqa: E402
                                   free_port, http_request, serving)
 
+pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
+
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 
 # --- overload, disconnect, shutdown: one slot, a queue of one -------------------------------------------------------

@@ -10,6 +10,8 @@ pytest.importorskip("uvicorn")
 
 from tests.helpers.server import MODEL, Served  # noqa: E402
 
+pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
+
 SECRET = "735"
 LEAD = "The vault code of the bank is "
 # every prompt ends in a tail longer than the method's window (stage 1 reads the last prompt_queries tokens'
