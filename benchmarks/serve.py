@@ -46,6 +46,7 @@ import rocketkv_jax as rk
 from benchmarks.decode import (LLAMA_31_8B, TINY, build_model, copy_bandwidth, kv_bytes_needed, parse_tokens,
                                time_decode, weight_bytes)
 from rocketkv_jax.serving import Engine, EngineConfig, Prefilled, Request, SamplingParams
+from rocketkv_jax.serving.engine import device_free_bytes, fit_slots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,13 +83,6 @@ def git_commit() -> str | None:
     return None
 
 
-def free_bytes() -> int | None:
-  """Device bytes the allocator can still hand out (None where the backend has no memory stats)."""
-  stats = jax.devices()[0].memory_stats() or {}
-  limit = stats.get("bytes_limit")
-  return None if not limit else int(limit - stats.get("bytes_in_use", 0))
-
-
 def is_oom(e: Exception) -> bool:
   s = str(e)
   return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
@@ -116,25 +110,12 @@ def engine_config(args, method: str, slots: int) -> EngineConfig:
                       method_overrides=overrides, prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
-def slot_bytes(model, tokenizer, args, method: str) -> int:
-  """Device bytes one slot costs the engine: its cache rows plus its logits row, read off a 1-slot engine
-  (its caches come from shapes: nothing is compiled or run)."""
-  probe = Engine(model, tokenizer, engine_config(args, method, 1))
-  logits, _ = probe.decode_state
-  n = probe.stats()["kv_bytes_device"] + logits.nbytes
-  del probe, logits
-  gc.collect()
-  return int(n)
-
-
-def max_slots(per_slot: int, reserve: int) -> int:
-  """The largest slot count whose slots fit in free device memory next to `reserve` bytes (prefill's and the
-  decode loop's temporaries) and two more slots' caches (the kept warm prefill and one being inserted), with
-  10% kept aside; 8 where the backend has no memory stats."""
-  free = free_bytes()
-  if free is None:
+def most_slots(model, args, method: str) -> int:
+  """'max': the engine's own sizing (`fit_slots`, what `rocketkv serve --max-slots auto` uses), --reserve-gb kept
+  for temporaries; 8 where the backend gives no memory statistics (CPU)."""
+  if device_free_bytes(jax.local_devices()[:1]) is None:
     return 8
-  return max(1, int((free - reserve - 2 * per_slot) * 0.9 // per_slot))
+  return fit_slots(model, engine_config(args, method, 1), reserve_bytes=int(args.reserve_gb * (1 << 30)))
 
 
 def random_prompt(rng, vocab: int, n: int) -> list[int]:
@@ -491,8 +472,7 @@ def main(argv=None):
         retry = False
         try:
           if slots is None:
-            slots = (max_slots(slot_bytes(model, tokenizer, args, method), int(args.reserve_gb * (1 << 30)))
-                     if spec == "max" else int(spec))
+            slots = most_slots(model, args, method) if spec == "max" else int(spec)
           rec = dict(point, slots=slots, requests=args.requests_for(slots), status="ok")
           rec.update(run_point(model, tokenizer, args, method, slots, facts))
         except Exception as e:  # noqa: BLE001 - every failure is reported with its point

@@ -92,6 +92,14 @@ def _number(kind, *, low=None, high=None, low_open=False, high_open=False, high_
   return parse
 
 
+def _slots(text: str):
+  """--max-slots: a count >= 1, or 'auto' (as many as the device's free memory holds, `engine.fit_slots`)."""
+  return "auto" if text.strip().lower() == "auto" else _number(int, low=1)(text)
+
+
+_slots.__name__ = "slots"
+
+
 def parse_dtype(text: str) -> str:
   """The canonical dtype name of one of DTYPES' spellings (case-insensitive)."""
   key = text.strip().lower()
@@ -391,7 +399,9 @@ def _cmd_serve(args) -> int:
       buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
     except ValueError:
       raise FlagError(f"--prefill-buckets={args.prefill_buckets!r} must be comma-separated integers") from None
-  engine_config = EngineConfig(method=args.method, token_budget=args.token_budget, max_slots=args.max_slots,
+  auto_slots = args.max_slots == "auto"
+  engine_config = EngineConfig(method=args.method, token_budget=args.token_budget,
+                               max_slots=1 if auto_slots else args.max_slots,
                                max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                                steps_per_call=args.steps_per_call, prefill_buckets=buckets, max_queue=args.max_queue,
                                history_bytes=int(args.history_gb * 2**30), history_spill_dir=args.history_spill_dir,
@@ -423,6 +433,14 @@ def _cmd_serve(args) -> int:
     raise FlagError(str(e)) from None
   compile_cache_dir(args)
   mesh = serve_mesh(args)
+  if auto_slots:  # before the model loads: a backend without memory statistics cannot size the slots
+    import jax
+
+    from .engine import device_free_bytes
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    if device_free_bytes(devices) is None:
+      raise FlagError(f"--max-slots auto needs the device's memory statistics, which JAX's {devices[0].platform} "
+                      f"backend does not give: give a number of slots")
   from rich.logging import RichHandler
   serving_log = logging.getLogger("rocketkv_jax.serving")
   if not serving_log.handlers:
@@ -434,6 +452,15 @@ def _cmd_serve(args) -> int:
   if chat_template is not None:
     tok.chat_template = chat_template
     log(f"chat template from {args.chat_template}")
+  if auto_slots:
+    from .engine import fit_slots
+    try:
+      slots = fit_slots(model, engine_config, reserve_bytes=int(args.slot_reserve_gb * 2**30), mesh=mesh)
+    except ValueError as e:
+      raise FlagError(f"--max-slots auto: {e}") from None
+    import dataclasses
+    engine_config = dataclasses.replace(engine_config, max_slots=slots)
+    log(f"--max-slots auto: {slots} slots fit beside the weights ({args.slot_reserve_gb:g} GiB reserved)")
   engine = Engine(model, tok, engine_config, mesh=mesh)
   log(engine.plan_summary())
   name = served_model_name(args)
@@ -448,7 +475,7 @@ def _cmd_serve(args) -> int:
   server = UvicornServer(config, app.state.runner, drain_s=args.drain_s)
   if not args.no_warmup:
     log(f"warming up: compiling {len(engine_config.prefill_buckets)} prefill buckets and the decode step")
-  log(f"serving {name!r} ({args.method}, budget {args.token_budget}, {args.max_slots} slots) "
+  log(f"serving {name!r} ({args.method}, budget {args.token_budget}, {engine_config.max_slots} slots) "
       f"on http://{args.host}:{args.port}/v1")
   # uvicorn drains, shuts down, then re-raises the signal it caught: Ctrl-C and SIGTERM end here, exit 0.
   signal.signal(signal.SIGTERM, _interrupt)
@@ -671,7 +698,14 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
   s.add_argument("--port", type=_number(int, low=0, high=65535), default=8000,
                  help="port (default 8000; 0 = any free port)")
-  s.add_argument("--max-slots", type=count, default=8, help="requests decoded at once (default 8)")
+  s.add_argument("--max-slots", type=_slots, default=8,
+                 help="requests decoded at once (default 8); 'auto': as many as the device memory left beside the "
+                      "weights holds, each slot sized for --max-prompt-tokens + --max-new-tokens under the method, "
+                      "--slot-reserve-gb kept for prefill and decode temporaries (a GPU's; the CPU backend gives no "
+                      "memory statistics)")
+  s.add_argument("--slot-reserve-gb", type=_number(float, low=0), default=4.0,
+                 help="with --max-slots auto: device memory in GiB kept for prefill's and decode's temporaries "
+                      "(default 4; more for long --max-prompt-tokens or --prefill-buckets)")
   s.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DP,TP",
                  help="run on DP x TP devices of this host: the slots split over DP (data parallel), the weights and "
                       "KV heads over TP (tensor parallel, for a model one device cannot hold); default: one device")

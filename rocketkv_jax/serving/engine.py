@@ -431,6 +431,55 @@ def insert_jit(caches, logits_BV, one_caches, one_logits_1V, slot):
   return jax.tree.map(put, caches, one_caches), put(logits_BV, one_logits_1V)
 
 
+# Of the device memory free beside the weights and the reserve, the share `slots_for_memory` leaves unused:
+# allocator fragmentation and the executables' own buffers, which memory statistics do not show before the first
+# compile (the serving benchmark's 'max' slots have used 10% since 2026-12-01 without running out).
+SLOT_MEMORY_SLACK = 0.1
+
+
+def slots_for_memory(slot_bytes: int, free_bytes: int, reserve_bytes: int) -> int:
+  """The most slots of slot_bytes each that fit in free_bytes of one device beside reserve_bytes (prefill's and the
+  decode loop's temporaries) and two more slots' worth (a prefilled request's caches and its insert's output),
+  SLOT_MEMORY_SLACK of the rest kept aside. ValueError naming the values when not one slot fits."""
+  n = int((free_bytes - reserve_bytes - 2 * slot_bytes) * (1 - SLOT_MEMORY_SLACK) // slot_bytes)
+  if n < 1:
+    raise ValueError(f"not one slot of {slot_bytes / 2**30:.2f} GiB fits: {free_bytes / 2**30:.2f} GiB are free "
+                     f"beside the weights and {reserve_bytes / 2**30:.2f} GiB are reserved (lower max_prompt_tokens, "
+                     f"max_new_tokens or the reserve)")
+  return n
+
+
+def device_free_bytes(devices) -> int | None:
+  """The fewest bytes any of `devices` can still allocate (None when the backend gives no memory statistics, as
+  JAX's CPU backend does)."""
+  free = []
+  for d in devices:
+    stats = d.memory_stats() or {}
+    if not stats.get("bytes_limit"):
+      return None
+    free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+  return min(free)
+
+
+def fit_slots(model, config: EngineConfig, *, reserve_bytes: int, mesh=None, data_axis=DATA,
+              model_axis=MODEL) -> int:
+  """The most slots (config.max_slots is ignored) whose caches fit in the device memory free now, beside the loaded
+  model: `slots_for_memory` on the device with least free memory, each device holding its share of a slot (KV heads
+  split over model_axis) and its data_axis share of the slots (a multiple of that axis's size); the history's device
+  tier (config.history_device_bytes) counts as reserved. Nothing is allocated: a slot's bytes come from shapes.
+  ValueError when the backend gives no memory statistics, or not one slot fits."""
+  mesh = resolve_mesh(mesh, data_axis, model_axis)
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+  free = device_free_bytes(devices)
+  if free is None:
+    raise ValueError(f"max_slots='auto' needs the device's memory statistics, which JAX's {devices[0].platform} "
+                     f"backend does not give: give a number of slots")
+  dp, tp = (mesh.shape[data_axis], mesh.shape[model_axis]) if mesh is not None else (1, 1)
+  probe = DeviceEngine(model, dataclasses.replace(config, max_slots=dp), mesh=mesh, data_axis=data_axis,
+                       model_axis=model_axis)
+  return dp * slots_for_memory(-(-probe.slot_bytes() // tp), free, reserve_bytes + config.history_device_bytes)
+
+
 class DeviceEngine:
   """The model, the method config and the compiled executables (module doc): prefill, insert and generate over
   arrays the caller passes in. No request, queue, lock or tokenizer; nothing kept across calls but the compile
@@ -494,6 +543,11 @@ class DeviceEngine:
     return (f"{cfg.max_slots} slots of {c.capacity} cache slots per KV head and layer ({per_slot / 2**20:.1f} MiB "
             f"each), the largest plan of a request up to max_prompt_tokens={cfg.max_prompt_tokens} and "
             f"max_new_tokens={cfg.max_new_tokens}: {c.cache_spec()}; each request runs the plan of its own length")
+
+  def slot_bytes(self) -> int:
+    """Device bytes one slot holds: its cache rows and its logits row (from shapes: nothing is allocated)."""
+    logits, caches = self.prefill_shapes
+    return cache_nbytes(caches) + math.prod(logits.shape) * np.dtype(logits.dtype).itemsize
 
   def plan(self, n_prompt: int, max_tokens: int):
     """The `RowPlan` (batch 1) of a request of n_prompt tokens and max_tokens new ones under the engine's
