@@ -665,13 +665,14 @@ async def run_server(url: str, launch: list[str] | None, args, workloads: list[W
 def print_table(records: list[dict], console, title: str = "serve_load") -> None:
   from rich.table import Table
   t = Table(title=title)
-  for col in ("method", "workload", "rate", "ok", "req/s", "goodput", "out tok/s", "TTFT p50/p99 s",
+  for col in ("method", "slots", "workload", "rate", "ok", "req/s", "goodput", "out tok/s", "TTFT p50/p99 s",
               "TPOT p50/p99 ms", "E2E p50/p99 s", "cached", "prompt"):
     t.add_column(col, justify="left" if col in ("method", "workload") else "right")
   f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
   for r in records:
     rate = "burst" if r.get("rate") is None else f"{r['rate']:g}"
-    t.add_row(str(r.get("label") or r.get("method")), r["workload"], rate, f"{r['requests_ok']}/{r['requests']}",
+    slots = (r.get("engine_stats") or {}).get("max_slots")
+    t.add_row(str(r.get("label") or r.get("method")), "-" if slots is None else f"{slots:g}", r["workload"], rate, f"{r['requests_ok']}/{r['requests']}",
               f(r["request_throughput"], 3), f(r["goodput"], 3), f(r["output_tokens_per_s"], 1),
               f"{f(r['ttft_s_p50'])}/{f(r['ttft_s_p99'])}", f"{f(r['tpot_ms_p50'], 1)}/{f(r['tpot_ms_p99'], 1)}",
               f"{f(r['e2e_s_p50'])}/{f(r['e2e_s_p99'])}", f(r.get("cached_fraction"), 2),
