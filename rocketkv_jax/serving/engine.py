@@ -474,9 +474,8 @@ def fit_slots(model, config: EngineConfig, *, reserve_bytes: int, mesh=None, dat
   if free is None:
     raise ValueError(f"max_slots='auto' needs the device's memory statistics, which JAX's {devices[0].platform} "
                      f"backend does not give: give a number of slots")
-  dp, tp = (mesh.shape[data_axis], mesh.shape[model_axis]) if mesh is not None else (1, 1)
-  probe = DeviceEngine(model, dataclasses.replace(config, max_slots=dp), mesh=mesh, data_axis=data_axis,
-                       model_axis=model_axis)
+  dp, tp = (mesh.shape[DATA], mesh.shape[MODEL]) if mesh is not None else (1, 1)  # (resolved: the axes renamed)
+  probe = DeviceEngine(model, dataclasses.replace(config, max_slots=dp), mesh=mesh)
   return dp * slots_for_memory(-(-probe.slot_bytes() // tp), free, reserve_bytes + config.history_device_bytes)
 
 

@@ -19,6 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from rocketkv_jax.models import generate, load  # noqa: E402
 from rocketkv_jax.serving import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from rocketkv_jax.serving import engine as engine_mod  # noqa: E402
+from rocketkv_jax.serving.engine import DeviceEngine, fit_slots, slots_for_memory  # noqa: E402
 
 DATA = os.path.join(ROOT, "tests", "models", "data", "hf_tiny")
 CHECKPOINTS = ("llama", "qwen2_untied", "qwen2_tied", "mistral")
@@ -90,6 +92,17 @@ def main():
     sharded, tok_s = load(path, mesh=mesh, data_axis="d", model_axis="m")
     result[f"engine make_mesh({dp},{tp}) named d/m"] = serve(
         Engine(sharded, tok_s, EngineConfig(**ekw), mesh=mesh, data_axis="d", model_axis="m")) == eref
+    # --max-slots auto on this mesh: each device holds its share of a slot (KV heads over m), the slots a multiple
+    # of d; the free bytes are those of the mesh's devices (patched: the CPU backend reports none)
+    per_slot = DeviceEngine(model, EngineConfig(**ekw)).slot_bytes()
+    seen, free = [], engine_mod.device_free_bytes
+    engine_mod.device_free_bytes = lambda devices: seen.append(set(devices)) or 100 * per_slot
+    try:
+      n = fit_slots(sharded, EngineConfig(**ekw), reserve_bytes=0, mesh=mesh, data_axis="d", model_axis="m")
+    finally:
+      engine_mod.device_free_bytes = free
+    result[f"fit_slots make_mesh({dp},{tp})"] = (seen == [set(mesh.devices.flat)] and n % dp == 0 and
+                                                 n == dp * slots_for_memory(-(-per_slot // tp), 100 * per_slot, 0))
 
   # what cannot map: a ValueError naming the mesh and the fix, before the source is even looked at
   missing = os.path.join(ROOT, "no-such-checkpoint")

@@ -21,7 +21,7 @@ def test_user_meshes_equal_unsharded():
                      timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
-  assert len(result) == 17 and all(result.values()), {k: v for k, v in result.items() if not v}
+  assert len(result) == 18 and all(result.values()), {k: v for k, v in result.items() if not v}
 
 
 def test_normalize_mesh_one_device():
