@@ -123,10 +123,11 @@ for part in "$@"; do
         # Each method gets the slots its caches fit (--max-slots auto: the memory left beside the weights, slots
         # sized for this workload's longest prompt and answer), as a user sizing a server would. Rates (chat:
         # sessions/s) span both methods' capacity, estimated for an H200 from the measured prefill rate (about
-        # 600 TFLOP/s: 0.22 s per 8k prompt, 1.3 s per 32k) and decode steps: long-gen full ~1.2 req/s (about 70
-        # slots of 10k tokens), rocketkv ~3 (prefill-bound); doc-qa full ~5 (25 slots of 33k, the history's copy),
-        # rocketkv ~8 (the question's prefill over the stored document); chat ~0.4 / ~0.6 sessions/s; prefill-heavy
-        # ~0.7 for both. Estimates, not measurements: the run is what decides.
+        # 600 TFLOP/s: 0.22 s per 8k prompt, 1.3 s per 32k), turn (0.11 s for 512 new tokens over a stored 32k
+        # history with its device tier) and decode steps: long-gen full ~1.2 req/s (about 70 slots of 10k tokens),
+        # rocketkv ~3 (then its own prefills fill the GPU); doc-qa both ~5-8 (each question's pass over the stored
+        # document, which both pay; full also holds only ~25 slots of 33k); chat ~0.4 sessions/s both (8 turns of
+        # 4k new tokens over the history); prefill-heavy ~0.7 both. Estimates, not measurements: the run decides.
         case $wl in
           long-gen)      rates=0.5,1,2,4     n=24 mp=8192  mn=2048 buckets=8192 ;;
           doc-qa)        rates=1,2,4,8       n=32 mp=33792 mn=128  buckets=1024,33792 ;;

@@ -345,6 +345,7 @@ def run_point(model, tokenizer, args, method: str, slots: int, facts: dict) -> d
                        max_new_tokens=args.max_new_tokens, head_dim=cfg.head_dim,
                        **method_overrides(args)).row_configs[0]
     kv = kv_bytes_needed(row, cfg, rec["decode_length"], slots)
+    rec["floor_kv_bytes"] = int(kv)
     rec["floor_ms"] = round((facts["weight_bytes"] + kv) / facts["copy_bandwidth"] * 1e3, 4)
   return rec
 
