@@ -436,11 +436,11 @@ def _cmd_serve(args) -> int:
   if auto_slots:  # before the model loads: a backend without memory statistics cannot size the slots
     import jax
 
-    from .engine import device_free_bytes
-    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-    if device_free_bytes(devices) is None:
-      raise FlagError(f"--max-slots auto needs the device's memory statistics, which JAX's {devices[0].platform} "
-                      f"backend does not give: give a number of slots")
+    from .engine import slot_memory
+    try:
+      slot_memory(list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1])
+    except ValueError as e:
+      raise FlagError(f"--max-slots auto: {e}") from None
   from rich.logging import RichHandler
   serving_log = logging.getLogger("rocketkv_jax.serving")
   if not serving_log.handlers:

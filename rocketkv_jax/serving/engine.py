@@ -433,7 +433,8 @@ def insert_jit(caches, logits_BV, one_caches, one_logits_1V, slot):
 
 # Of the device memory free beside the weights and the reserve, the share `slots_for_memory` leaves unused:
 # allocator fragmentation and the executables' own buffers, which memory statistics do not show before the first
-# compile (the serving benchmark's 'max' slots have used 10% since 2026-12-01 without running out).
+# compile (the serving benchmark's 'max' has kept 10% aside since 2026-12-01; it can retry with fewer slots after an
+# out-of-memory error, a server cannot).
 SLOT_MEMORY_SLACK = 0.1
 
 
@@ -461,6 +462,16 @@ def device_free_bytes(devices) -> int | None:
   return min(free)
 
 
+def slot_memory(devices) -> int:
+  """`device_free_bytes`, or a ValueError naming the backend when it gives no memory statistics (the CLI calls it
+  before the model loads, to refuse --max-slots auto at once)."""
+  free = device_free_bytes(devices)
+  if free is None:
+    raise ValueError(f"max_slots='auto' needs the device's memory statistics, which JAX's {devices[0].platform} "
+                     f"backend does not give: give a number of slots")
+  return free
+
+
 def fit_slots(model, config: EngineConfig, *, reserve_bytes: int, mesh=None, data_axis=DATA,
               model_axis=MODEL) -> int:
   """The most slots (config.max_slots is ignored) whose caches fit in the device memory free now, beside the loaded
@@ -470,10 +481,7 @@ def fit_slots(model, config: EngineConfig, *, reserve_bytes: int, mesh=None, dat
   ValueError when the backend gives no memory statistics, or not one slot fits."""
   mesh = resolve_mesh(mesh, data_axis, model_axis)
   devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-  free = device_free_bytes(devices)
-  if free is None:
-    raise ValueError(f"max_slots='auto' needs the device's memory statistics, which JAX's {devices[0].platform} "
-                     f"backend does not give: give a number of slots")
+  free = slot_memory(devices)
   dp, tp = (mesh.shape[DATA], mesh.shape[MODEL]) if mesh is not None else (1, 1)  # (resolved: the axes renamed)
   probe = DeviceEngine(model, dataclasses.replace(config, max_slots=dp), mesh=mesh)
   return dp * slots_for_memory(-(-probe.slot_bytes() // tp), free, reserve_bytes + config.history_device_bytes)

@@ -68,7 +68,7 @@ def test_serve_max_slots_flag(capsys, monkeypatch):
   monkeypatch.setattr(models, "load", no_load)
   rc = main(["serve", "--max-slots", "auto", "--port", "0", "--no-compile-cache"])
   err = " ".join(capsys.readouterr().err.split())
-  assert rc == 2 and "--max-slots auto needs the device's memory statistics, which JAX's cpu backend" in err, err
+  assert rc == 2 and "--max-slots auto: max_slots='auto' needs the device's memory statistics, which JAX's cpu backend" in err, err
   for bad, shown in (("0", "must be >= 1, got '0'"), ("many", "'many' is not an integer")):
     with pytest.raises(SystemExit) as e:
       main(["serve", "--max-slots", bad])
