@@ -8,9 +8,10 @@ import pytest
 # XLA's CPU backend at optimization level 0 for every process the suite starts (inherited like the cache's variables):
 # the suite's programs are small and compiled once or twice each, so LLVM's optimizations cost more time than they
 # save (measured on 2 cores, compile cache off: tests/kernels/test_cache_append.py + tests/serving/test_engine.py
-# 164 -> 91 s, tests/kernels/test_kv_quant.py + tests/core/test_ops.py 58 -> 41 s, every test passing alike). Only
-# where no GPU plugin is installed: a GPU run's kernels compile as users get them. $ROCKETKV_TEST_XLA_OPT=on keeps
-# XLA's default.
+# 164 -> 91 s, tests/kernels/test_kv_quant.py + tests/core/test_ops.py 58 -> 41 s, every test passing alike). The
+# modules marked xla_opt run a server for many steps and were up to 2.9x slower at level 0: `./dev.sh test` runs them
+# second with $ROCKETKV_TEST_XLA_OPT=on, which keeps XLA's default. Only where no GPU plugin is installed: a GPU
+# run's kernels compile as users get them.
 CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if (os.environ.get("ROCKETKV_TEST_XLA_OPT") != "on"
     and not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
