@@ -434,11 +434,9 @@ def _cmd_serve(args) -> int:
   compile_cache_dir(args)
   mesh = serve_mesh(args)
   if auto_slots:  # before the model loads: a backend without memory statistics cannot size the slots
-    import jax
-
     from .engine import slot_memory
     try:
-      slot_memory(list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1])
+      slot_memory(mesh)
     except ValueError as e:
       raise FlagError(f"--max-slots auto: {e}") from None
   from rich.logging import RichHandler

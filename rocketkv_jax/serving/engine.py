@@ -462,9 +462,11 @@ def device_free_bytes(devices) -> int | None:
   return min(free)
 
 
-def slot_memory(devices) -> int:
-  """`device_free_bytes`, or a ValueError naming the backend when it gives no memory statistics (the CLI calls it
-  before the model loads, to refuse --max-slots auto at once)."""
+def slot_memory(mesh=None) -> int:
+  """`device_free_bytes` of the devices slots live on (the mesh's, else the first local device), or a ValueError
+  naming the backend when it gives no memory statistics (the CLI calls it before the model loads, to refuse
+  --max-slots auto at once)."""
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
   free = device_free_bytes(devices)
   if free is None:
     raise ValueError(f"max_slots='auto' needs the device's memory statistics, which JAX's {devices[0].platform} "
@@ -480,8 +482,7 @@ def fit_slots(model, config: EngineConfig, *, reserve_bytes: int, mesh=None, dat
   tier (config.history_device_bytes) counts as reserved. Nothing is allocated: a slot's bytes come from shapes.
   ValueError when the backend gives no memory statistics, or not one slot fits."""
   mesh = resolve_mesh(mesh, data_axis, model_axis)
-  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-  free = slot_memory(devices)
+  free = slot_memory(mesh)
   dp, tp = (mesh.shape[DATA], mesh.shape[MODEL]) if mesh is not None else (1, 1)  # (resolved: the axes renamed)
   probe = DeviceEngine(model, dataclasses.replace(config, max_slots=dp), mesh=mesh)
   return dp * slots_for_memory(-(-probe.slot_bytes() // tp), free, reserve_bytes + config.history_device_bytes)
