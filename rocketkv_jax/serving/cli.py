@@ -467,7 +467,8 @@ def _cmd_serve(args) -> int:
                                                     max_body_bytes=int(args.max_body_mb * 2**20),
                                                     allowed_hosts=tuple(args.allowed_host)),
                    sessions=sessions)
-  limits = ConnectionLimits(max_connections=args.max_connections, request_timeout_s=args.request_timeout_s)
+  limits = ConnectionLimits(max_connections=args.max_connections, request_timeout_s=args.request_timeout_s,
+                            keep_alive_s=args.keep_alive_s)
   config = uvicorn_config(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
                           timeout_graceful_shutdown=args.drain_s + 5)
   server = UvicornServer(config, app.state.runner, drain_s=args.drain_s)
@@ -736,8 +737,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "connection, or is answered 503 when every one has a request in flight")
   s.add_argument("--request-timeout-s", type=_number(float, low=0, low_open=True), default=REQUEST_TIMEOUT_S,
                  help=f"seconds a request's headers and body may take to arrive, from the connection's start or its "
-                      f"previous answer; a slower (or silent) client is disconnected (default {REQUEST_TIMEOUT_S:g}; "
-                      f"idle keep-alive connections close after {KEEP_ALIVE_S} s)")
+                      f"previous answer; a slower (or silent) client is disconnected (default {REQUEST_TIMEOUT_S:g})")
+  s.add_argument("--keep-alive-s", type=count, default=KEEP_ALIVE_S,
+                 help=f"seconds an idle keep-alive connection stays open after its last answer (default "
+                      f"{KEEP_ALIVE_S}); keep it above the idle timeout of the clients' pools and of any proxy in "
+                      "front, or a reused connection can be closed under a request")
   s.add_argument("--drain-s", type=_number(float, low=0), default=10.0,
                  help="on shutdown, seconds requests in flight may finish before they are aborted (default 10)")
   s.add_argument("--no-warmup", action="store_true",

@@ -12,7 +12,12 @@ bound all of it:
   the limit on slow headers (slowloris) and slow bodies. A request whose body has arrived is never cut: its
   answer (a running stream included) takes as long as it takes.
 - keep_alive_s: an idle keep-alive connection is closed this long after its last response (uvicorn's
-  `timeout_keep_alive`).
+  `timeout_keep_alive`). It must outlast the idle time of the clients' pools (httpx, under the `openai` client:
+  5 s; aiohttp: 15 s; a load balancer's often 60 s). At equal limits a client checks that its pooled connection
+  is fresh, then sends on it: on a loaded machine the send can come after the server's timer closed the
+  connection, and the request fails with "Server disconnected without sending a response" (seen in CI, the
+  concurrent-requests server test, at 5 s against httpx's 5 s). The default, 75 s (nginx's), leaves every common
+  client a wide margin; idle connections never lock a new client out (max_connections).
 - max_connections: at most this many open connections. One past it closes the oldest connection that is waiting
   for a request (idle, or still sending its headers); when every open connection has a request in flight, the
   new one is answered 503 at once and closed. Idle connections therefore never lock a new client out, and
@@ -32,7 +37,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_CONNECTIONS = 1024
-KEEP_ALIVE_S = 5
+KEEP_ALIVE_S = 75
 REQUEST_TIMEOUT_S = 30.0
 MAX_HEADER_BYTES = 32 * 1024
 # The order connections were opened in (the event loop's time is cached per turn under uvloop: many connections

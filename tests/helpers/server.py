@@ -38,16 +38,17 @@ class Served:
 
   def __init__(self, model, tok, *, drain_s=5.0, server_kw=None, **engine_kw):
     import openai
-    import uvicorn
 
     from rocketkv_jax.serving import Engine, EngineConfig
+    from rocketkv_jax.serving.connections import uvicorn_config
     from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
     self.engine = Engine(model, tok, EngineConfig(**engine_kw))
     self.api_key = (server_kw or {}).get("api_key")
     self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, **(server_kw or {})))
     self.runner = self.app.state.runner
     self.port = free_port()
-    config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+    # As `rocketkv serve` builds it: the product's connection limits (keep-alive, request deadline, connection cap).
+    config = uvicorn_config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                             timeout_graceful_shutdown=drain_s + 5)
     self.server = UvicornServer(config, self.runner, drain_s=drain_s)
     self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)

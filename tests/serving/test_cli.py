@@ -171,6 +171,7 @@ def test_kv_report_without_warning():
     (["serve", "--host", "exa mple"], "--host='exa mple' is not an address"),
     (["serve", "--max-connections", "0"], "--max-connections: must be >= 1"),
     (["serve", "--request-timeout-s", "0"], "--request-timeout-s: must be > 0"),
+    (["serve", "--keep-alive-s", "0"], "--keep-alive-s: must be >= 1"),
     (["serve", "--request-timeout-s", "inf"], "--request-timeout-s: must be a finite number"),
     (["generate", "--prompt", "x", "--kv-cache-dtype", "int4"], "unknown K/V cache dtype 'int4'"),
     (["serve", "--kv-cache-dtype", "fp4"], "unknown K/V cache dtype 'fp4'"),

@@ -125,7 +125,8 @@ def test_shutdown_aborts_in_flight_cleanly(tiny):
 
 
 def test_rocketkv_serve_command(smollm2, tmp_path):
-  """`rocketkv serve` as a user starts it: answers, then stops cleanly on Ctrl-C (SIGINT)."""
+  """`rocketkv serve` as a user starts it: answers, closes an idle keep-alive connection after its `--keep-alive-s`,
+  then stops cleanly on Ctrl-C (SIGINT)."""
   import os
   import signal
   import subprocess
@@ -133,7 +134,7 @@ def test_rocketkv_serve_command(smollm2, tmp_path):
   port = free_port()
   cmd = [sys.executable, "-m", "rocketkv_jax.serving.cli", "serve", "--model", "smollm2", "--method", "rocketkv",
          "--token-budget", "64", "--port", str(port), "--max-slots", "2", "--max-prompt-tokens", "128",
-         "--max-new-tokens", "8", "--log-level", "warning"]
+         "--max-new-tokens", "8", "--keep-alive-s", "1", "--log-level", "warning"]
   log = open(tmp_path / "serve.log", "w+")
   proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, COLUMNS="200"))
   try:
@@ -150,6 +151,17 @@ def test_rocketkv_serve_command(smollm2, tmp_path):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
                                        max_tokens=4, temperature=0)
     assert r.choices[0].message.content and r.usage.completion_tokens <= 4
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+      sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+      answer = b""
+      while not answer.endswith(b"}"):
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection after {answer!r}"
+        answer += chunk
+      assert answer.startswith(b"HTTP/1.1 200"), answer
+      t0 = time.monotonic()
+      assert sock.recv(65536) == b"", "the idle keep-alive connection stayed open"
+      assert time.monotonic() - t0 < 4
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, open(tmp_path / "serve.log").read()
   finally:
