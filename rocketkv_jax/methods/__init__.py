@@ -117,16 +117,25 @@ def plan_limits(method: str, *, token_budget: int, max_prompt_len: int, max_new_
   then planned from their own lengths, `plan_rows(..., config=this)`."""
   check_tokens("max_prompt_len", max_prompt_len)
   check_tokens("max_new_tokens", max_new_tokens, 1)
+  get_method(method)
+  return _limits(method, token_budget, max_prompt_len, max_new_tokens, head_dim, max_len,
+                 tuple(sorted(overrides.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _limits(method: str, token_budget: int, max_prompt_len: int, max_new_tokens: int, head_dim: int, max_len,
+            overrides) -> MethodConfig:
+  """`plan_limits`, computed once per set of limits: it plans every S up to the limit (a 128k limit is about
+  130k plans, 6 s of Python), and `generate` asks for it on every call."""
   cls = get_method(method)
-  frozen = tuple(sorted(overrides.items()))
   configs = []
   for n, m in cls.limit_rows(max_prompt_len, max_new_tokens, max_len):
     try:
-      configs.append(_planned(method, token_budget, n, m, head_dim, max_len, frozen))
+      configs.append(_planned(method, token_budget, n, m, head_dim, max_len, overrides))
     except ValueError:  # such a request is refused with this error when it comes
       continue
   if not configs:  # no request fits: the longest one's error says why
-    _planned(method, token_budget, max_prompt_len, max_new_tokens, head_dim, max_len, frozen)
+    _planned(method, token_budget, max_prompt_len, max_new_tokens, head_dim, max_len, overrides)
   return cls.for_rows(configs)
 
 

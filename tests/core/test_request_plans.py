@@ -84,6 +84,16 @@ def test_limits_cover_every_request(method):
     rk.plan_rows(method, token_budget=64, prompt_lens=[n], max_new_tokens=m, head_dim=H, config=limits)
 
 
+def test_limits_are_planned_once_per_set_of_limits():
+  """`generate` asks for its bucket's limits on every call: the second ask is the first's answer (a 128k limit
+  plans about 130k lengths, seconds of Python), and other limits or overrides get their own."""
+  kw = dict(token_budget=64, max_prompt_len=1500, max_new_tokens=40, head_dim=H)
+  first = rk.plan_limits("rocketkv", **kw)
+  assert rk.plan_limits("rocketkv", **kw) is first
+  assert rk.plan_limits("rocketkv", **kw, window_size=8) != first
+  assert rk.plan_limits("rocketkv", **dict(kw, max_prompt_len=3000)).capacity > first.capacity
+
+
 # the kernels in interpret mode once: rocketkv runs every per-row kernel path (stage-1 budget, top-r, page size) that
 # hsa and rocketkv_plus run (rocketkv_plus's forced pages per row: tests/kernels/test_row_plans.py)
 CASES = [("rocketkv", "xla"), ("rocketkv", "interpret"), ("rocketkv_plus", "xla"), ("hsa", "xla"), ("quest", "xla"),
