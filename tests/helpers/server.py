@@ -211,6 +211,19 @@ def error_of(status, body) -> tuple[int, dict]:
   return status, err
 
 
+def health_on(sock) -> bytes:
+  """GET /health on an open (keep-alive) socket: the whole answer, checked to be 200 and to leave the connection
+  open (the server closing it first fails with what had arrived)."""
+  sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+  answer = b""
+  while not answer.endswith(b"}"):
+    chunk = sock.recv(65536)
+    assert chunk, f"the server closed the connection after {answer!r}"
+    answer += chunk
+  assert answer.startswith(b"HTTP/1.1 200"), answer
+  return answer
+
+
 def http_request(port, method, path, body=None, headers=None):
   """(status, headers, body) through http.client, which sends the Host header we give, if any."""
   conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

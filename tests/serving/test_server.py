@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from tests.helpers.server import (MODEL, PROMPTS, QUESTIONS, STORY, chat, complete, error_of,  # noqa: E402
-                                  http_request, serving)
+                                  health_on, http_request, serving)
 
 pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
 
@@ -123,19 +123,10 @@ def test_keep_alive_outlasts_the_clients_pool(served):
 
   expiry = httpx2.Limits().keepalive_expiry  # the pool's idle expiry, as the `openai` client builds its pool
 
-  def health(sock):
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    answer = b""
-    while not answer.endswith(b"}"):
-      chunk = sock.recv(65536)
-      assert chunk, f"the server closed the connection after {answer!r}"
-      answer += chunk
-    assert answer.startswith(b"HTTP/1.1 200"), answer
-
   with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
-    health(sock)
+    health_on(sock)
     time.sleep(expiry + 1)
-    health(sock)
+    health_on(sock)
 
 
 @pytest.mark.parametrize("case", ["json", "not_object", "no_model", "model", "capacity", "max_tokens", "temperature",

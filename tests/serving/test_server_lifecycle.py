@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from tests.helpers.server import (MODEL, PROMPTS, QUESTIONS, Served, chat, complete, error_of,  # noqa: E402
-                                  free_port, http_request, serving)
+                                  free_port, health_on, http_request, serving)
 
 pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
 
@@ -152,13 +152,7 @@ def test_rocketkv_serve_command(smollm2, tmp_path):
                                        max_tokens=4, temperature=0)
     assert r.choices[0].message.content and r.usage.completion_tokens <= 4
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-      sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-      answer = b""
-      while not answer.endswith(b"}"):
-        chunk = sock.recv(65536)
-        assert chunk, f"the server closed the connection after {answer!r}"
-        answer += chunk
-      assert answer.startswith(b"HTTP/1.1 200"), answer
+      health_on(sock)
       t0 = time.monotonic()
       assert sock.recv(65536) == b"", "the idle keep-alive connection stayed open"
       assert time.monotonic() - t0 < 4
