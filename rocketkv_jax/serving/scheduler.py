@@ -387,11 +387,16 @@ class Engine:
     PREVIOUS call's tokens and returns their events (pending abort events first), freeing finished slots.
 
     Pipelined (module doc): a request's tokens arrive one generate() after they were computed, and a row that
-    finished keeps decoding for one more call (its tokens are dropped). Once no slot is active, generate() only
-    reads the last call."""
+    finishes on a stop keeps decoding for one more call (its tokens are dropped). A row whose calls already hold
+    its max_tokens is left out of the next call (it ends when the last one is read: every token the device returns
+    for a row it decodes is real, so the host ends it by length or an earlier stop), and no call is launched when
+    every active row is such a row: a request of max_tokens <= steps_per_call (lm-eval's log-likelihood requests
+    ask for one token) costs one decode call, not two. Once no slot is active, generate() only reads the last
+    call."""
     events, self._pending = self._pending, []
     previous, self._inflight = self._inflight, None
-    active = [(i, a) for i, a in enumerate(self._slots) if a is not None]
+    active = [(i, a) for i, a in enumerate(self._slots)
+              if a is not None and a.sampled < a.request.sampling.max_tokens]
     if active:
       self._inflight = (self._launch(active), active)
     if previous is not None:

@@ -148,6 +148,26 @@ def test_finish_reasons(engine, alone):
   assert not engine.has_work()
 
 
+def test_no_call_once_every_row_holds_its_max_tokens(engine, alone, monkeypatch):
+  """The decode calls a request costs: a row whose calls already hold its max_tokens gets no further call, so
+  requests of max_tokens <= steps_per_call (4) cost one call together, and 9 tokens cost ceil(9 / 4) = 3 calls
+  (one more each before: the pipelined engine launched the next call before it read the last); the tokens are
+  the same greedy prefix of the longer answer."""
+  calls = []
+  launch = engine.device.generate
+  monkeypatch.setattr(engine.device, "generate", lambda *a, **k: calls.append(1) or launch(*a, **k))
+  base = alone["0"]["tokens"]  # greedy, 20 tokens
+  p = prompt(LENGTHS[0], 0)
+  out, _ = run(engine, {0: [Request("one", p, SamplingParams(max_tokens=1)),
+                            Request("four", p, SamplingParams(max_tokens=4))]})
+  assert len(calls) == 1
+  assert out["one"]["tokens"] == base[:1] and out["four"]["tokens"] == base[:4]
+  assert out["one"]["reason"] == out["four"]["reason"] == "length"
+  calls.clear()
+  out, _ = run(engine, {0: [Request("nine", p, SamplingParams(max_tokens=9))]})
+  assert len(calls) == 3 and out["nine"]["tokens"] == base[:9] and out["nine"]["reason"] == "length"
+
+
 def test_compiles_are_bounded(engine, alone):
   """Prefill compiles once per bucket, insert once, decode once per sampling kind in use (every row greedy,
   sampling, sampling with cuts: chosen on the host, so the loop has no data-dependent branch): once every
