@@ -117,7 +117,6 @@ def plan_limits(method: str, *, token_budget: int, max_prompt_len: int, max_new_
   then planned from their own lengths, `plan_rows(..., config=this)`."""
   check_tokens("max_prompt_len", max_prompt_len)
   check_tokens("max_new_tokens", max_new_tokens, 1)
-  get_method(method)
   return _limits(method, token_budget, max_prompt_len, max_new_tokens, head_dim, max_len,
                  tuple(sorted(overrides.items())))
 

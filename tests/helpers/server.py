@@ -36,7 +36,8 @@ def free_port() -> int:
 class Served:
   """A running server: its URL, engine and runner, an `openai` client, and raw HTTP for malformed input."""
 
-  def __init__(self, model, tok, *, drain_s=5.0, server_kw=None, **engine_kw):
+  def __init__(self, model, tok, *, limits: ConnectionLimits | None = None, drain_s=5.0, server_kw=None,
+               **engine_kw):
     import openai
 
     from rocketkv_jax.serving import Engine, EngineConfig
@@ -47,8 +48,9 @@ class Served:
     self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, **(server_kw or {})))
     self.runner = self.app.state.runner
     self.port = free_port()
-    # As `rocketkv serve` builds it: the product's connection limits (keep-alive, request deadline, connection cap).
-    config = uvicorn_config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+    # As `rocketkv serve` builds it: the connection limits (keep-alive, request deadline, connection cap), the
+    # product's defaults unless `limits`.
+    config = uvicorn_config(self.app, host="127.0.0.1", port=self.port, limits=limits, log_level="warning",
                             timeout_graceful_shutdown=drain_s + 5)
     self.server = UvicornServer(config, self.runner, drain_s=drain_s)
     self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
@@ -65,6 +67,9 @@ class Served:
     self.server.should_exit = True
     self.thread.join(timeout)
     assert not self.thread.is_alive(), "the server did not stop"
+
+  def open_connections(self) -> int:
+    return len(self.server.server_state.connections)
 
   def headers(self, **extra) -> dict:
     """A JSON request's headers (with the API key when the server has one), plus `extra`."""
@@ -117,51 +122,17 @@ def serving(model, tok, **overrides):
     s.stop()
 
 
-# Connection limits (`serving.connections`): the engine settings of a `LimitedServer`.
+# Connection limits (`serving.connections`): the engine settings of a `limited_server`.
 LIMITED_ENGINE = dict(method="rocketkv", token_budget=64, max_slots=4, max_prompt_tokens=512, max_new_tokens=64,
                       steps_per_call=4, max_queue=512)
 
 
-class LimitedServer:
-  """A running server as `rocketkv serve` runs it: the engine, the app, the connection limits, uvicorn."""
-
-  def __init__(self, model, tok, limits: ConnectionLimits, *, warmup=False, drain_s=5.0, server_kw=None,
-               **engine_kw):
-    from rocketkv_jax.serving import Engine, EngineConfig
-    from rocketkv_jax.serving.connections import uvicorn_config
-    from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
-    self.engine = Engine(model, tok, EngineConfig(**dict(LIMITED_ENGINE, **engine_kw)))
-    self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, warmup=warmup,
-                                                                **(server_kw or {})))
-    self.port = free_port()
-    config = uvicorn_config(self.app, host="127.0.0.1", port=self.port, limits=limits, log_level="warning",
-                            timeout_graceful_shutdown=drain_s + 5)
-    self.server = UvicornServer(config, self.app.state.runner, drain_s=drain_s)
-    self.thread = threading.Thread(target=self.server.run, name="test-uvicorn-limits", daemon=True)
-    self.thread.start()
-    t0 = time.monotonic()
-    while not self.server.started:
-      if not self.thread.is_alive() or time.monotonic() - t0 > 300:
-        raise RuntimeError("the server did not start")
-      time.sleep(0.02)
-
-  def stop(self, timeout=120.0) -> None:
-    self.server.should_exit = True
-    self.thread.join(timeout)
-    assert not self.thread.is_alive(), "the server did not stop"
-
-  def open_connections(self) -> int:
-    return len(self.server.server_state.connections)
-
-
 @contextlib.contextmanager
 def limited_server(model, tok, limits, **kw):
-  """A running `LimitedServer` with connection limits `limits`, always stopped."""
-  s = LimitedServer(model, tok, limits, **kw)
-  try:
+  """A running `Served` with connection limits `limits` and LIMITED_ENGINE's settings (and `kw`), always
+  stopped."""
+  with serving(model, tok, limits=limits, **dict(LIMITED_ENGINE, **kw)) as s:
     yield s
-  finally:
-    s.stop()
 
 
 # --- requests as a user makes them -----------------------------------------------------------------------------
@@ -222,6 +193,17 @@ def health_on(sock) -> bytes:
     answer += chunk
   assert answer.startswith(b"HTTP/1.1 200"), answer
   return answer
+
+
+def closed_by_server(sock, wait: float) -> bool:
+  """Whether the server closed `sock` within `wait` seconds (recv gives b"" or a reset)."""
+  sock.settimeout(wait)
+  try:
+    return sock.recv(1024) == b""
+  except socket.timeout:
+    return False
+  except ConnectionResetError:
+    return True
 
 
 def http_request(port, method, path, body=None, headers=None):

@@ -15,7 +15,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 from rocketkv_jax.serving.connections import ConnectionLimits  # noqa: E402
-from tests.helpers.server import MODEL, limited_server  # noqa: E402
+from tests.helpers.server import MODEL, closed_by_server, health_on, limited_server  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
 
@@ -41,16 +41,6 @@ def raw_request(port, request: bytes, timeout=10.0) -> tuple[int, bytes]:
 def health(port) -> int:
   return raw_request(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")[0]
 
-
-def closed_by_server(sock, wait: float) -> bool:
-  """Whether the server closed `sock` within `wait` seconds (recv gives b"" or a reset)."""
-  sock.settimeout(wait)
-  try:
-    return sock.recv(1024) == b""
-  except socket.timeout:
-    return False
-  except ConnectionResetError:
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +106,7 @@ def test_a_body_trickled_past_the_deadline_is_cut(fast_limits):
 
 def test_idle_keep_alive_connections_close_after_keep_alive_s(fast_limits):
   with socket.create_connection(("127.0.0.1", fast_limits.port), timeout=10) as sock:
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    health_on(sock)
     t0 = time.monotonic()
     assert closed_by_server(sock, 3.0)
     assert 0.5 < time.monotonic() - t0 < 2.5
