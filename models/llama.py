@@ -442,17 +442,25 @@ class PromptScores(NamedTuple):
 
 
 def score_tokens(model: Llama, x_BTD, tokens_BT, k: int) -> PromptScores:
-  """`PromptScores` from the last layer's residual stream x [B, T, D] (before the final norm), over chunks of
-  SCORE_CHUNK_TOKENS tokens."""
-  B, T, _ = x_BTD.shape
-  nxt = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((B, 1), tokens_BT.dtype)], axis=1)
-  outs = []
-  for i in range(0, T, SCORE_CHUNK_TOKENS):
-    lp = jax.nn.log_softmax(_head(model, x_BTD[:, i:i + SCORE_CHUNK_TOKENS]), axis=-1)
-    chosen = jnp.take_along_axis(lp, nxt[:, i:i + SCORE_CHUNK_TOKENS, None], axis=-1)[..., 0]
+  """`PromptScores` from the last layer's residual stream x [B, T, D] (before the final norm), one chunk of
+  SCORE_CHUNK_TOKENS tokens at a time: a sequential `lax.map`, so only one chunk's [B, chunk, V] logits are alive
+  (independent unrolled chunks let XLA keep every chunk's logits at once: 33 GiB at 32k tokens and a 128k
+  vocabulary, which no memory plan reserves)."""
+  B, T, D = x_BTD.shape
+  c = min(SCORE_CHUNK_TOKENS, T)
+  n = -(-T // c)
+  nxt = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((B, n * c - T + 1), tokens_BT.dtype)], axis=1)
+  x = jnp.pad(x_BTD, ((0, 0), (0, n * c - T), (0, 0)))
+
+  def chunk(xs):
+    x_BCD, nxt_BC = xs
+    lp = jax.nn.log_softmax(_head(model, x_BCD), axis=-1)
+    chosen = jnp.take_along_axis(lp, nxt_BC[..., None], axis=-1)[..., 0]
     top_v, top_i = jax.lax.top_k(lp, max(k, 1))
-    outs.append((chosen, top_i[..., :k].astype(jnp.int32), top_v[..., :k]))
-  return PromptScores(*(jnp.concatenate(xs, axis=1) for xs in zip(*outs)))
+    return chosen, top_i[..., :k].astype(jnp.int32), top_v[..., :k]
+
+  outs = jax.lax.map(chunk, (x.reshape(B, n, c, D).swapaxes(0, 1), nxt.reshape(B, n, c).swapaxes(0, 1)))
+  return PromptScores(*(o.swapaxes(0, 1).reshape(B, n * c, *o.shape[3:])[:, :T] for o in outs))
 
 
 def prefill_layer(blk: Block, cfg: LlamaConfig, x_BTD, pos_BT, attend):

@@ -162,6 +162,27 @@ def test_prompt_scores_equal_the_dense_forward(tiny_model, method, monkeypatch):
                                np.take_along_axis(lp[b, :n - 1], ids, -1), atol=1e-4)
 
 
+def test_prompt_scores_hold_one_chunk_of_logits(monkeypatch):
+  """Scoring a prompt keeps about one chunk's [B, chunk, V] float32 logits alive, not the prompt's: XLA kept every
+  unrolled chunk's logits at once (33 GiB at a 32k bucket and Llama-3's vocabulary), and `rocketkv serve
+  --max-prompt-tokens 32768` ran out of memory warming up its scored prefill on an 80 GB H100. Read from the
+  compiled executable's memory analysis (32 chunks of 64 tokens, a 32k vocabulary: 268 MB for all of them)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from rocketkv_jax.models import llama
+  from rocketkv_jax.models.params import from_params
+  from tests.models.conftest import tiny_config, tiny_params
+  monkeypatch.setattr(llama, "SCORE_CHUNK_TOKENS", 64)
+  cfg = tiny_config(vocab_size=32768)
+  graphdef, state = nnx.split(from_params(cfg, tiny_params(cfg)))
+  B, T = 1, 2048
+  score = jax.jit(lambda st, x, t: llama.score_tokens(nnx.merge(graphdef, st), x, t, 4))
+  compiled = score.lower(state, jnp.zeros((B, T, cfg.dim)), jnp.zeros((B, T), jnp.int32)).compile()
+  chunk_bytes = B * 64 * cfg.vocab_size * 4
+  assert compiled.memory_analysis().temp_size_in_bytes < 4 * chunk_bytes
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("start", [0, 37, 90])
 def test_offset_attention_merge_equals_masked(dtype, start):
