@@ -47,6 +47,7 @@ SOURCES = {
   "h100_arrive": f"{RESULTS}/h100_2026-12-05/serve_arrive_cost_chunks.jsonl",
   "h100_arrive_uniform": f"{RESULTS}/h100_2026-12-05/serve_arrive_uniform_chunks_33bc5aa.jsonl",
   "h100_serve_max": f"{RESULTS}/h100_2026-12-05/serve32max_fp8kt_bf16.jsonl",
+  "serve_load": f"{RESULTS}/serve_load_h100_2026-12-06/serve_load.jsonl",
 }
 
 METHOD_ORDER = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
@@ -601,6 +602,42 @@ def h100_section() -> list[str]:
   ]
 
 
+def serve_load_section() -> list[str]:
+  rel = SOURCES["serve_load"]
+  recs = [r for r in _jsonl(rel) if r.get("kind") == "serve_load"]
+  cells = {(r["workload"], r["rate"], r["method"]): r for r in recs}
+  points = list(dict.fromkeys((r["workload"], r["rate"]) for r in recs))
+  r0 = recs[0]
+
+  def cell(r):
+    return [str(r["engine_stats"]["max_slots"]), f"{r['goodput']:.3f} ({r['good_requests']}/{r['requests']})",
+            f"{r['ttft_s_p50']:.2f} / {r['ttft_s_p99']:.2f}", f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}"]
+
+  rows = []
+  for wl, rate in points:
+    a, b = cells.get((wl, rate, "rocketkv")), cells.get((wl, rate, "full"))
+    if a is None or b is None:
+      continue
+    ratio = f"{a['goodput'] / b['goodput']:.2f}x" if b["goodput"] > 0 else "-"
+    rows.append([wl, f"{rate:g}", *cell(a), *cell(b), ratio])
+  return [
+    "## Serving under load, as clients see it (one H100, 2026-12-06)",
+    "",
+    f"Source: {_link(rel)} (commands, workloads and what each point means: "
+    f"{_link(rel.rsplit('/', 1)[0] + '/README.md')}). `benchmarks/serve_load.py` against `rocketkv serve` "
+    f"({r0['model']}, t={r0['token_budget']}, the slots `--max-slots auto` fits), Poisson arrivals for "
+    f"{r0['duration_limit_s']:g} s per point (doc-qa and prefill-heavy: 30 s); goodput = requests meeting TTFT <= "
+    f"{r0['slo_ttft_s']:g} s and TPOT <= {r0['slo_tpot_s'] * 1e3:g} ms over the point's wall time (arrivals and "
+    "the tail). An H100 80GB, not an H200; chat was not measured (device time ran out).",
+    "",
+    *_table(["workload", "rate (req/s)", "rocketkv slots", "rocketkv goodput (good/sent)",
+             "rocketkv TTFT p50 / p99 (s)", "rocketkv TPOT p50 / p99 (ms)", "full slots",
+             "full goodput (good/sent)", "full TTFT p50 / p99 (s)", "full TPOT p50 / p99 (ms)",
+             "goodput rocketkv / full"], rows),
+    "",
+  ]
+
+
 def render() -> str:
   out = [
     "# Current results",
@@ -614,7 +651,7 @@ def render() -> str:
     "",
   ]
   for section in (decode_section, engine_shapes_section, stage2_section, serve_section, fp8_section,
-                  h100_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section, memory_section):
+                  h100_section, serve_load_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section, memory_section):
     out += section()
   return "\n".join(out).rstrip() + "\n"
 

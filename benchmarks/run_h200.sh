@@ -128,6 +128,9 @@ for part in "$@"; do
         # rocketkv ~3 (then its own prefills fill the GPU); doc-qa both ~5-8 (each question's pass over the stored
         # document, which both pay; full also holds only ~25 slots of 33k); chat ~0.4 sessions/s both (8 turns of
         # 4k new tokens over the history); prefill-heavy ~0.7 both. Estimates, not measurements: the run decides.
+        # Measured on an H100 (results/serve_load_h100_2026-12-06): long-gen slots 74 vs 36, doc-qa 179 vs 9 and
+        # about 0.5 s per question, a 32k prompt alone 2.8 s to its first token; the chat server's warm-up (six
+        # buckets) took 170 s, so chat parts need SL_TIMEOUT of about 400.
         case $wl in
           long-gen)      rates=0.5,1,2,4     n=24 mp=8192  mn=2048 buckets=8192 ;;
           doc-qa)        rates=1,2,4,8       n=32 mp=33792 mn=128  buckets=1024,33792 ;;
