@@ -131,9 +131,10 @@ for part in "$@"; do
         # Measured on an H100 (results/serve_load_h100_2026-12-06): long-gen slots 74 vs 36, doc-qa 179 vs 9 and
         # about 0.5 s per question, a 32k prompt alone 2.8 s to its first token; the chat server's warm-up (six
         # buckets) took 170 s, so chat parts need SL_TIMEOUT of about 400.
+        hd=0  # --history-device-gb: doc-qa keeps its document's K/V on the GPU (no host copy per question)
         case $wl in
           long-gen)      rates=0.5,1,2,4     n=24 mp=8192  mn=2048 buckets=8192 ;;
-          doc-qa)        rates=1,2,4,8       n=32 mp=33792 mn=128  buckets=1024,33792 ;;
+          doc-qa)        rates=1,2,4,8       n=32 mp=33792 mn=128  buckets=1024,33792 hd=8 ;;
           chat)          rates=0.1,0.2,0.4,0.8 n=8 mp=36864 mn=256 buckets=1024,4096,8192,16384,32768,36864 ;;
           *)             rates=0.25,0.5,1    n=12 mp=32768 mn=128  buckets=32768 ;;
         esac
@@ -142,7 +143,7 @@ for part in "$@"; do
           --server-log "$out/serve_load_server.log" --launch-timeout-s 400 \
           --launch "--model ${SERVE_LOAD_MODEL:-random:llama-3.1-8b} --dtype bfloat16 --method $m --token-budget 256 \
                     --max-prompt-tokens $mp --max-new-tokens $mn --max-slots ${SL_SLOTS:-auto} --slot-reserve-gb 6 \
-                    --max-queue 256 --history-gb 48 --prefill-buckets $buckets --prefill-chunk-tokens ${SL_CHUNK:-0} \
+                    --max-queue 256 --history-gb 48 --history-device-gb $hd --prefill-buckets $buckets --prefill-chunk-tokens ${SL_CHUNK:-0} \
                     --cache /tmp/rkv_cache --log-level warning ${SL_ARGS:-}" \
           >>"$out/log.txt" 2>&1 || echo "part exited $? : $part" >>"$out/log.txt"
       fi ;;
