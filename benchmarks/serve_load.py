@@ -600,7 +600,8 @@ def _git_commit() -> str | None:
 
 
 def _delta(before: dict, after: dict) -> dict:
-  keys = ("tokens_generated", "prompt_tokens_reused", "prompt_tokens_prefilled", "compiles")
+  keys = ("tokens_generated", "prompt_tokens_reused", "prompt_tokens_prefilled", "compiles",
+          "history_store_seconds")
   return {k: after[k] - before[k] for k in keys if k in before and k in after}
 
 

@@ -90,6 +90,7 @@ class Engine:
     # (request, its prefill's generator, seconds it queued, whether it took a chunk yet): a prompt being prefilled
     self._filling = None
     self._reused = self._prefilled = 0  # prompt tokens taken from history / context, and prefilled
+    self._store_s = 0.0  # host seconds admissions spent copying new prompt K/V into the host history
     self.history = None
     if config.history_bytes:
       cfg = model.config
@@ -197,12 +198,13 @@ class Engine:
                 kv_bytes_host=h.host_bytes() if h else 0, kv_bytes_disk=h.disk_bytes() if h else 0,
                 kv_bytes_history_device=h.device_bytes() if h else 0,
                 history_segments=len(h.segments) if h else 0, prompt_tokens_reused=self._reused,
-                prompt_tokens_prefilled=self._prefilled)
+                prompt_tokens_prefilled=self._prefilled, history_store_seconds=round(self._store_s, 6))
 
   def reset_counters(self) -> None:
     """Zeroes the counters `stats()` reports (tokens generated, prompt tokens reused and prefilled): after a
     warm-up, so /metrics counts client traffic only. Compiled pieces and the history are kept."""
     self._tokens_generated = self._reused = self._prefilled = 0
+    self._store_s = 0.0
 
   def free_slots(self) -> list[int]:
     return [i for i, a in enumerate(self._slots) if a is None]
@@ -288,11 +290,16 @@ class Engine:
         if self.history.max_device_bytes:  # the device tier keeps them where they are (it moves old ones out)
           self.history.add(ids, [k[0] for k, _ in new_kv], [v[0] for _, v in new_kv], r, request.cache_salt)
         else:
+          # The copy to host memory is on the request's path to its first token; timed apart from the prefill
+          # (waited for first) as the history_store_seconds counter.
+          jax.block_until_ready(new_kv)
+          t0 = time.perf_counter()
           for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
             for x in kv:
               x.copy_to_host_async()
           self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
                            request.cache_salt)
+          self._store_s += time.perf_counter() - t0
       yield tokens, Prefilled(*p, request, cached=r)
 
   def _admission(self, request: Request):

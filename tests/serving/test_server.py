@@ -30,7 +30,8 @@ def test_models_health_and_metrics(served):
   assert served.http("GET", "/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
   m = served.metrics()
   for name in ("rocketkv_queue_depth", "rocketkv_active_slots", "rocketkv_tokens_generated_total",
-               "rocketkv_kv_bytes_device", "rocketkv_tokens_per_s", "rocketkv_engine_alive"):
+               "rocketkv_kv_bytes_device", "rocketkv_tokens_per_s", "rocketkv_engine_alive",
+               "rocketkv_history_store_seconds_total"):
     assert name in m, name
   assert m["rocketkv_max_slots"] == 4 and m["rocketkv_engine_alive"] == 1
 

@@ -126,6 +126,7 @@ def test_next_turn_reuses_the_history_and_answers_the_same(model, method, reused
   assert got == want and pt == 200 and cached == reused
   st = hist.stats()
   assert st["prompt_tokens_reused"] == reused and st["prompt_tokens_prefilled"] == 350 - reused
+  assert st["history_store_seconds"] > 0 and plain.stats()["history_store_seconds"] == 0
   assert st["kv_bytes_host"] == 200 * hist.history.token_bytes()  # turn 2 stored only its 50 new tokens
 
 
