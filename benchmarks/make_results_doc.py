@@ -603,11 +603,13 @@ def h100_section() -> list[str]:
 
 
 def serve_load_section() -> list[str]:
+  from benchmarks.serve_load import WORKLOADS
   rel = SOURCES["serve_load"]
   recs = [r for r in _jsonl(rel) if r.get("kind") == "serve_load"]
   cells = {(r["workload"], r["rate"], r["method"]): r for r in recs}
   points = list(dict.fromkeys((r["workload"], r["rate"]) for r in recs))
   r0 = recs[0]
+  missing = [w for w in WORKLOADS if w not in {r["workload"] for r in recs}]
 
   def cell(r):
     return [str(r["engine_stats"]["max_slots"]), f"{r['goodput']:.3f} ({r['good_requests']}/{r['requests']})",
@@ -619,18 +621,18 @@ def serve_load_section() -> list[str]:
     if a is None or b is None:
       continue
     ratio = f"{a['goodput'] / b['goodput']:.2f}x" if b["goodput"] > 0 else "-"
-    rows.append([wl, f"{rate:g}", *cell(a), *cell(b), ratio])
+    rows.append([wl, f"{rate:g}", f"{a['duration_limit_s']:g}", *cell(a), *cell(b), ratio])
   return [
     "## Serving under load, as clients see it (one H100, 2026-12-06)",
     "",
     f"Source: {_link(rel)} (commands, workloads and what each point means: "
     f"{_link(rel.rsplit('/', 1)[0] + '/README.md')}). `benchmarks/serve_load.py` against `rocketkv serve` "
-    f"({r0['model']}, t={r0['token_budget']}, the slots `--max-slots auto` fits), Poisson arrivals for "
-    f"{r0['duration_limit_s']:g} s per point (doc-qa and prefill-heavy: 30 s); goodput = requests meeting TTFT <= "
-    f"{r0['slo_ttft_s']:g} s and TPOT <= {r0['slo_tpot_s'] * 1e3:g} ms over the point's wall time (arrivals and "
-    "the tail). An H100 80GB, not an H200; chat was not measured (device time ran out).",
+    f"({r0['model']}, t={r0['token_budget']}, the slots `--max-slots auto` fits), Poisson arrivals for the "
+    f"window given; goodput = requests meeting TTFT <= {r0['slo_ttft_s']:g} s and TPOT <= "
+    f"{r0['slo_tpot_s'] * 1e3:g} ms over the point's wall time (arrivals and the tail). An H100 80GB, not an H200"
+    + (f"; not measured: {', '.join(missing)}." if missing else "."),
     "",
-    *_table(["workload", "rate (req/s)", "rocketkv slots", "rocketkv goodput (good/sent)",
+    *_table(["workload", "rate (req/s)", "window (s)", "rocketkv slots", "rocketkv goodput (good/sent)",
              "rocketkv TTFT p50 / p99 (s)", "rocketkv TPOT p50 / p99 (ms)", "full slots",
              "full goodput (good/sent)", "full TTFT p50 / p99 (s)", "full TPOT p50 / p99 (ms)",
              "goodput rocketkv / full"], rows),
@@ -651,7 +653,8 @@ def render() -> str:
     "",
   ]
   for section in (decode_section, engine_shapes_section, stage2_section, serve_section, fp8_section,
-                  h100_section, serve_load_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section, memory_section):
+                  h100_section, serve_load_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section,
+                  memory_section):
     out += section()
   return "\n".join(out).rstrip() + "\n"
 

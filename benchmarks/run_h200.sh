@@ -143,7 +143,8 @@ for part in "$@"; do
           --server-log "$out/serve_load_server.log" --launch-timeout-s 400 \
           --launch "--model ${SERVE_LOAD_MODEL:-random:llama-3.1-8b} --dtype bfloat16 --method $m --token-budget 256 \
                     --max-prompt-tokens $mp --max-new-tokens $mn --max-slots ${SL_SLOTS:-auto} --slot-reserve-gb 6 \
-                    --max-queue 256 --history-gb 48 --history-device-gb $hd --prefill-buckets $buckets --prefill-chunk-tokens ${SL_CHUNK:-0} \
+                    --max-queue 256 --history-gb 48 --history-device-gb $hd --prefill-buckets $buckets \
+                    --prefill-chunk-tokens ${SL_CHUNK:-0} \
                     --cache /tmp/rkv_cache --log-level warning ${SL_ARGS:-}" \
           >>"$out/log.txt" 2>&1 || echo "part exited $? : $part" >>"$out/log.txt"
       fi ;;

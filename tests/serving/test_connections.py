@@ -42,7 +42,6 @@ def health(port) -> int:
   return raw_request(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")[0]
 
 
-
 @pytest.fixture(scope="module")
 def fast_limits(smollm2_lite):
   """A server with a 1 s request deadline, 1 s keep-alive and 20 connections at most."""
