@@ -131,11 +131,15 @@ for part in "$@"; do
         # Measured on an H100 (results/serve_load_h100_2026-12-06): long-gen slots 74 vs 36, doc-qa 179 vs 9 and
         # about 0.5 s per question, a 32k prompt alone 2.8 s to its first token; the chat server's warm-up (six
         # buckets) took 170 s, so chat parts need SL_TIMEOUT of about 400.
+        # doc-qa's 128 bucket: a question (12-80 tokens and stage 1's window) is prefilled over the stored document
+        # at its bucket; at 1024 its attention over 33k tokens cost about 0.26 s per question on the H100. chat's
+        # 40960: a random model's answers re-tokenize longer than they were sampled, and 36864 refused 6 of 80
+        # turns (results/serve_load_h100_2026-12-06b).
         hd=0  # --history-device-gb: doc-qa keeps its document's K/V on the GPU (no host copy per question)
         case $wl in
           long-gen)      rates=0.5,1,2,4     n=24 mp=8192  mn=2048 buckets=8192 ;;
-          doc-qa)        rates=1,2,4,8       n=32 mp=33792 mn=128  buckets=1024,33792 hd=8 ;;
-          chat)          rates=0.1,0.2,0.4,0.8 n=8 mp=36864 mn=256 buckets=1024,4096,8192,16384,32768,36864 ;;
+          doc-qa)        rates=1,2,4,8       n=32 mp=33792 mn=128  buckets=128,1024,33792 hd=8 ;;
+          chat)          rates=0.1,0.2,0.4,0.8 n=8 mp=40960 mn=256 buckets=1024,4096,8192,16384,32768,40960 ;;
           *)             rates=0.25,0.5,1    n=12 mp=32768 mn=128  buckets=32768 ;;
         esac
         timeout "${SL_TIMEOUT:-580}" python3 -m benchmarks.serve_load --workload "$wl" --rates "${SL_RATES:-$rates}" \

@@ -23,18 +23,26 @@ less the last `prompt_queries` tokens, whose queries stage 1 reads and which are
 `Context` (`compress_context`) is query-agnostic reuse: requests continue copies of its cache. Prompt logprobs
 need a scoring prefill of the whole prompt: such a request neither reuses nor adds to the history.
 
+The history's host copy: a new prompt's K/V reaches host memory off its path to the first token. Admission starts
+the device-to-host copy and inserts the request; one worker thread waits for the copy and adds it to the history
+while the slots decode (measured on an H100: 2.55 s per 32k prompt, which every such request's first token waited
+for). Only one store is in flight: the next admission waits for it, without stalling the decode calls, so a next
+turn always finds the previous one stored and the device never holds two prompts' K/V waiting for the host.
+
 Failures: a request whose prefill raises ends alone (finish_reason "error", `TokenEvent.error`); the decode call
 is shared, so an error there is the runner's to report to every request in flight.
 
 Concurrency: one thread owns an `Engine` (the server's `runner.EngineRunner`: every submit, abort and step
 travels to that thread), as JetStream's and vLLM's engine cores are driven by one loop. Nothing here is
-thread-safe, by design: there is no lock. The device engine under it keeps nothing across calls but its compile
+thread-safe, by design: there is no lock (the history's store worker touches only the `HistoryStore`, which has
+its own). The device engine under it keeps nothing across calls but its compile
 cache; the decode state it reads and returns is held here.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -90,7 +98,9 @@ class Engine:
     # (request, its prefill's generator, seconds it queued, whether it took a chunk yet): a prompt being prefilled
     self._filling = None
     self._reused = self._prefilled = 0  # prompt tokens taken from history / context, and prefilled
-    self._store_s = 0.0  # host seconds admissions spent copying new prompt K/V into the host history
+    self._store_s = 0.0  # seconds the store worker spent copying new prompts' K/V into the host history
+    self._store_pool = None  # that worker (made on first use): one thread, so one store in flight
+    self._storing = None  # the store in flight (a Future of its seconds), or None
     self.history = None
     if config.history_bytes:
       cfg = model.config
@@ -188,7 +198,7 @@ class Engine:
 
   def has_work(self) -> bool:
     return bool(self._queue or self._pending or self._inflight is not None or self._filling is not None or
-                any(a is not None for a in self._slots))
+                self._storing is not None or any(a is not None for a in self._slots))
 
   def stats(self) -> dict:
     h = self.history
@@ -239,6 +249,7 @@ class Engine:
     which are not stored; all of it for H2O), and at least the last token (its logits start the decode)."""
     if self.history is None:
       return 0
+    self._settle()
     _, common = self.history.match(prompt_ids, cache_salt)
     return self._reuse(len(prompt_ids), common)
 
@@ -260,10 +271,41 @@ class Engine:
     return n
 
   def _prefill_over_history(self, request: Request) -> Prefilled:
-    """The whole of `_fill` at once (chunks, if any, back to back)."""
+    """The whole of `_fill` at once (chunks, if any, back to back), its K/V in the history on return."""
     for _, prefilled in self._fill(request):
       if prefilled is not None:
+        self._settle()
         return prefilled
+
+  def _store(self, ids, new_kv, reused: int, salt: str) -> None:
+    """Starts a prompt's K/V on its way to the host history (module doc): every layer's device-to-host copy
+    starts now; the worker waits for the prefill, then for the copies, and adds them."""
+    self._settle()
+    for kv in new_kv:
+      for x in kv:
+        x.copy_to_host_async()
+
+    def store() -> float:
+      jax.block_until_ready(new_kv)
+      t0 = time.perf_counter()
+      self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], reused,
+                       salt)
+      return time.perf_counter() - t0
+
+    if self._store_pool is None:
+      self._store_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rocketkv-history-store")
+    self._storing = self._store_pool.submit(store)
+
+  def _settle(self) -> None:
+    """Waits for the store in flight, if any (its seconds join history_store_seconds). A store that failed loses
+    only that prompt's history (logged): its request was answered."""
+    storing, self._storing = self._storing, None
+    if storing is None:
+      return
+    try:
+      self._store_s += storing.result()
+    except Exception:  # noqa: BLE001 - the request is served; a later prompt prefills what was not kept
+      log.exception("copying a prompt's K/V into the history failed; it is not kept")
 
   def _fill(self, request: Request):
     """A request's prefill over its reusable history (when kept; else over nothing): the device engine's
@@ -271,6 +313,7 @@ class Engine:
     (its tokens, the Prefilled); the new tokens' K/V then join the history."""
     ids = list(request.prompt_ids)
     n = len(ids)
+    self._settle()  # the previous prompt's K/V in the history first: this one may continue it
     seg, common = self.history.match(ids, request.cache_salt) if self.history is not None else (None, 0)
     r = self._reuse(n, common) if self.history is not None else 0
     if self.history is not None:
@@ -289,17 +332,8 @@ class Engine:
       if self.history is not None:
         if self.history.max_device_bytes:  # the device tier keeps them where they are (it moves old ones out)
           self.history.add(ids, [k[0] for k, _ in new_kv], [v[0] for _, v in new_kv], r, request.cache_salt)
-        else:
-          # The copy to host memory is on the request's path to its first token; timed apart from the prefill
-          # (waited for first) as the history_store_seconds counter.
-          jax.block_until_ready(new_kv)
-          t0 = time.perf_counter()
-          for kv in new_kv:  # every layer's copy to the host starts now; np.asarray below waits for each
-            for x in kv:
-              x.copy_to_host_async()
-          self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], r,
-                           request.cache_salt)
-          self._store_s += time.perf_counter() - t0
+        else:  # off the request's path to its first token (module doc)
+          self._store(ids, new_kv, r, request.cache_salt)
       yield tokens, Prefilled(*p, request, cached=r)
 
   def _admission(self, request: Request):
@@ -365,12 +399,14 @@ class Engine:
     A history is the model's dense K/V, the same for every method: it loads under any method."""
     if self.history is None:
       raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
+    self._settle()
     return self.history.save(path, stamp=self._stamp("history", with_method=False))
 
   def load_history(self, path) -> int:
     """Adds the histories saved at `path` (SavedFileError for another model or a damaged file)."""
     if self.history is None:
       raise ValueError("this engine keeps no history (EngineConfig.history_bytes=0)")
+    self._settle()
     return self.history.load(path, stamp=self._stamp("history", with_method=False))
 
   # ------------------------------------------------------------------ slots and decode
@@ -475,6 +511,9 @@ class Engine:
       if self._filling is None:
         if not (self._queue and None in self._slots):
           break
+        if (self._storing is not None and not self._storing.done()
+            and (self._inflight is not None or any(a is not None for a in self._slots))):
+          break  # the next admission waits for the store in flight (module doc); the slots decode meanwhile
         req = self._queue.popleft()
         arrived = self._arrived.pop(req.request_id, None)
         waited = time.monotonic() - arrived if arrived is not None else 0.0
@@ -499,4 +538,8 @@ class Engine:
         self._filling = None
         self._pending.append(TokenEvent(req.request_id, [], "", True, "error", prompt_tokens(req), 0,
                                         error=f"{type(e).__name__}: {e}"))
-    return self.generate()
+    events = self.generate()
+    if not (self._queue or self._inflight is not None or self._filling is not None
+            or any(a is not None for a in self._slots)):
+      self._settle()  # nothing else to do: the store in flight ends this step
+    return events

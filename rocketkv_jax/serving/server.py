@@ -516,8 +516,8 @@ _METRICS = {
     "history_segments": ("gauge", "Stored prompt histories (prefix-tree segments)."),
     "prompt_tokens_reused": ("counter", "Prompt tokens taken from the history or a context, not prefilled."),
     "prompt_tokens_prefilled": ("counter", "Prompt tokens prefilled."),
-    "history_store_seconds": ("counter", "Seconds admissions spent copying new prompt K/V into host memory "
-                              "(after their prefill, before their first token)."),
+    "history_store_seconds": ("counter", "Seconds the history's store worker spent copying new prompt K/V into "
+                              "host memory (off the requests' path to their first token)."),
     "compiles": ("counter", "XLA compilations the engine has run (warm-up included)."),
 }
 # latency histograms' bucket bounds (seconds), as vLLM's

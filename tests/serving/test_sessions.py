@@ -130,6 +130,46 @@ def test_next_turn_reuses_the_history_and_answers_the_same(model, method, reused
   assert st["kv_bytes_host"] == 200 * hist.history.token_bytes()  # turn 2 stored only its 50 new tokens
 
 
+def test_the_history_store_is_off_the_first_token_path(model):
+  """A prompt's copy into the host history runs on the store worker: the request's first tokens come while its
+  store is still held; the next queued request is admitted only once that store ends (one in flight), while
+  the first keeps decoding; then it reuses the stored prompt. A store that fails loses only its history."""
+  import threading
+  engine = Engine(model, Tok(), EngineConfig(**KW, history_bytes=HISTORY))
+  release, entered, add = threading.Event(), threading.Event(), engine.history.add
+
+  def held_add(*args, **kw):
+    entered.set()
+    assert release.wait(60)
+    return add(*args, **kw)
+
+  engine.history.add = held_add
+  p1 = ids(150, 2)
+  engine.submit(Request("a", p1, SamplingParams(max_tokens=20)))
+  got = []
+  for _ in range(3):
+    got += [e for e in engine.step() if e.request_id == "a"]
+  assert entered.is_set() and not release.is_set()
+  assert sum(len(e.token_ids) for e in got) > 0  # a's tokens came while its store was held
+  engine.submit(Request("b", p1 + ids(40, 3), SamplingParams(max_tokens=4)))
+  for _ in range(2):
+    assert all(e.request_id != "b" for e in engine.step())
+  assert engine.stats()["queue_depth"] == 1 and engine.stats()["active_slots"] == 1  # b waits, a decodes
+  release.set()
+  events = []
+  while engine.has_work():
+    events += engine.step()
+  b = [e for e in events if e.request_id == "b" and e.finished]
+  assert b and b[0].cached_tokens == 150 and engine.stats()["history_store_seconds"] > 0
+
+  def failing_add(*args, **kw):
+    raise OSError("no memory for the history")
+
+  engine.history.add = failing_add
+  toks, cached, _ = answer(engine, ids(100, 5), "c", max_tokens=3)
+  assert len(toks) == 3 and engine.history.match(ids(100, 5))[1] == 0 and not engine.has_work()
+
+
 def test_reuse_leaves_the_window_to_prefill(model):
   """A turn that adds fewer than the window's tokens re-prefills the window's last tokens (their queries are
   not stored), and at least the last token; the answer still equals a plain engine's."""
