@@ -48,6 +48,8 @@ SOURCES = {
   "h100_arrive_uniform": f"{RESULTS}/h100_2026-12-05/serve_arrive_uniform_chunks_33bc5aa.jsonl",
   "h100_serve_max": f"{RESULTS}/h100_2026-12-05/serve32max_fp8kt_bf16.jsonl",
   "serve_load": f"{RESULTS}/serve_load_h100_2026-12-06/serve_load.jsonl",
+  # the later run: doc-qa with the history's device tier and a 128 bucket, chat (serve_load_section reads both)
+  "serve_load_b": f"{RESULTS}/serve_load_h100_2026-12-06b/serve_load.jsonl",
 }
 
 METHOD_ORDER = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
@@ -603,13 +605,23 @@ def h100_section() -> list[str]:
 
 
 def serve_load_section() -> list[str]:
+  """Each workload's rows from the latest run (SOURCES serve_load, then serve_load_b) that measured both methods
+  on it."""
   from benchmarks.serve_load import WORKLOADS
-  rel = SOURCES["serve_load"]
-  recs = [r for r in _jsonl(rel) if r.get("kind") == "serve_load"]
+  runs = [(rel, [r for r in _jsonl(rel) if r.get("kind") == "serve_load"])
+          for rel in (SOURCES["serve_load"], SOURCES["serve_load_b"])]
+  latest = {}  # workload -> (the run's file, its records of the workload)
+  for rel, recs in runs:
+    for wl in dict.fromkeys(r["workload"] for r in recs):
+      mine = [r for r in recs if r["workload"] == wl]
+      if {"rocketkv", "full"} <= {r["method"] for r in mine}:
+        latest[wl] = (rel, mine)
+  recs = [r for wl in WORKLOADS if wl in latest for r in latest[wl][1]]
   cells = {(r["workload"], r["rate"], r["method"]): r for r in recs}
   points = list(dict.fromkeys((r["workload"], r["rate"]) for r in recs))
   r0 = recs[0]
-  missing = [w for w in WORKLOADS if w not in {r["workload"] for r in recs}]
+  missing = [w for w in WORKLOADS if w not in latest]
+  where = {w: _link(latest[w][0]) for w in latest}
 
   def cell(r):
     return [str(r["engine_stats"]["max_slots"]), f"{r['goodput']:.3f} ({r['good_requests']}/{r['requests']})",
@@ -622,17 +634,19 @@ def serve_load_section() -> list[str]:
       continue
     ratio = f"{a['goodput'] / b['goodput']:.2f}x" if b["goodput"] > 0 else "-"
     rows.append([wl, f"{rate:g}", f"{a['duration_limit_s']:g}", *cell(a), *cell(b), ratio])
+  readmes = ", ".join(_link(rel.rsplit("/", 1)[0] + "/README.md") for rel, _ in runs)
   return [
     "## Serving under load, as clients see it (one H100, 2026-12-06)",
     "",
-    f"Source: {_link(rel)} (commands, workloads and what each point means: "
-    f"{_link(rel.rsplit('/', 1)[0] + '/README.md')}). `benchmarks/serve_load.py` against `rocketkv serve` "
+    "Sources: " + "; ".join(f"{w}: {where[w]}" for w in where) + f" (commands, server flags, workloads and what "
+    f"each point means: {readmes}). `benchmarks/serve_load.py` against `rocketkv serve` "
     f"({r0['model']}, t={r0['token_budget']}, the slots `--max-slots auto` fits), Poisson arrivals for the "
     f"window given; goodput = requests meeting TTFT <= {r0['slo_ttft_s']:g} s and TPOT <= "
     f"{r0['slo_tpot_s'] * 1e3:g} ms over the point's wall time (arrivals and the tail). An H100 80GB, not an H200"
     + (f"; not measured: {', '.join(missing)}." if missing else "."),
     "",
-    *_table(["workload", "rate (req/s)", "window (s)", "rocketkv slots", "rocketkv goodput (good/sent)",
+    *_table(["workload", "rate (req/s; chat: sessions/s)", "window (s)", "rocketkv slots",
+             "rocketkv goodput (good/sent)",
              "rocketkv TTFT p50 / p99 (s)", "rocketkv TPOT p50 / p99 (ms)", "full slots",
              "full goodput (good/sent)", "full TTFT p50 / p99 (s)", "full TPOT p50 / p99 (ms)",
              "goodput rocketkv / full"], rows),

@@ -131,7 +131,7 @@ for part in "$@"; do
         # Measured on an H100 (results/serve_load_h100_2026-12-06): long-gen slots 74 vs 36, doc-qa 179 vs 9 and
         # about 0.5 s per question, a 32k prompt alone 2.8 s to its first token; the chat server's warm-up (six
         # buckets) took 170 s, so chat parts need SL_TIMEOUT of about 400.
-        # doc-qa's 128 bucket: a question (12-80 tokens and stage 1's window) is prefilled over the stored document
+        # doc-qa's 128 bucket: a question (about 40 new tokens) is prefilled over the stored document
         # at its bucket; at 1024 its attention over 33k tokens cost about 0.26 s per question on the H100. chat's
         # 40960: a random model's answers re-tokenize longer than they were sampled, and 36864 refused 6 of 80
         # turns (results/serve_load_h100_2026-12-06b).

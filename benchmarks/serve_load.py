@@ -767,8 +767,8 @@ def plot(records: list[dict], path: str) -> None:
     rates = sorted({r["rate"] for r in rs if r.get("rate") is not None})
     burst_x = (max(rates) * 2 if rates else 1.0)
     for m in dict.fromkeys(r.get("label") or r.get("method") or "?" for r in rs):
-      pts = sorted(((burst_x if r.get("rate") is None else r["rate"]), r) for r in rs
-                   if (r.get("label") or r.get("method") or "?") == m)
+      pts = sorted((((burst_x if r.get("rate") is None else r["rate"]), r) for r in rs
+                    if (r.get("label") or r.get("method") or "?") == m), key=lambda p: p[0])  # repeats: run order
       x = [p for p, _ in pts]
       c = method_color(str(m).split("[")[0])
       for ax, key, unit in ((row[0], "ttft_s", "s"), (row[1], "tpot_ms", "ms")):

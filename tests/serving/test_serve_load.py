@@ -47,6 +47,17 @@ def test_metrics_parse_keeps_the_engine_stats():
   assert serve_load.parse_metrics(text) == {"tokens_generated": 42, "active_slots": 2, "tokens_per_s": 3.5}
 
 
+def test_plot_takes_a_repeated_point(tmp_path):
+  """Two records of one method at one rate (a rerun in the same file) plot in run order; they once raised
+  TypeError (records compared as dicts)."""
+  pytest.importorskip("matplotlib")
+  rec = dict(workload="prefill-heavy", method="rocketkv", rate=0.1, ttft_s_p50=3.9, ttft_s_p99=4.1, tpot_ms_p50=11.0,
+             tpot_ms_p99=11.1, goodput=0.08, request_throughput=0.08, slo_ttft_s=5.0, slo_tpot_s=0.05,
+             rate_unit="requests/s")
+  serve_load.plot([rec, dict(rec, ttft_s_p50=2.8, ttft_s_p99=2.9)], str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").stat().st_size > 0
+
+
 def test_tiny_load_against_a_launched_server(tmp_path, capsys):
   out, png, log = tmp_path / "load.jsonl", tmp_path / "load.png", tmp_path / "serve.log"
   rc = serve_load.main(["--tiny", "--workload", "doc-qa,chat", "--requests", "3", "--rate", "8", "--seed", "1",
