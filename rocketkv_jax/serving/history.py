@@ -86,6 +86,20 @@ class Segment:
     return sum(x.nbytes for x in self.k) + sum(x.nbytes for x in self.v)
 
 
+def _own_rows(x, lo: int, hi: int, dtype) -> np.ndarray:
+  """x[lo:hi] as a host array that holds only those rows: a copy unless they are all of x's memory. A view of a
+  prompt's padded buffer would keep the whole bucket alive while the history counts only its tokens (a 4k chat
+  turn in an 8k bucket: twice the host memory `max_bytes` allows)."""
+  a = np.asarray(x)
+  rows = a[lo:hi]
+  root = a
+  while isinstance(root.base, np.ndarray):
+    root = root.base
+  if rows.dtype == dtype and rows.flags.c_contiguous and rows.nbytes == root.nbytes:
+    return rows
+  return np.array(rows, dtype, copy=True, order="C")
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
   n = min(len(a), len(b))
   diff = np.flatnonzero(a[:n] != b[:n])
@@ -266,7 +280,7 @@ class HistoryStore:
       if on_device:
         keep = lambda x: x[lo:hi].astype(self.dtype)  # noqa: E731
       else:
-        keep = lambda x: np.ascontiguousarray(np.asarray(x)[lo:hi], self.dtype)  # noqa: E731
+        keep = lambda x: _own_rows(x, lo, hi, self.dtype)  # noqa: E731
       new = Segment(parent=self._owner(seg, start) if seg is not None else None, start=start,
                     tokens=prompt[start:], k=[keep(x) for x in new_k], v=[keep(x) for x in new_v],
                     last_used=next(self._clock), salt=salt, on_device=on_device)

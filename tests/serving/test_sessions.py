@@ -249,6 +249,24 @@ def test_history_store_prefix_tree_and_views():
   assert len(store.segments) == 2
 
 
+def test_a_stored_segment_holds_only_its_tokens_memory():
+  """The history keeps a prompt's rows of its padded prefill buffer as their own memory: a view would keep the
+  whole bucket alive while host_bytes counts only the tokens (the limit then exceeded by bucket / tokens; a chat
+  server at its 48 GiB history limit was killed on a 128 GB host). An exact, owned buffer is kept as it is."""
+  store = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20)
+  padded = [np.asarray(jnp.ones((1, 64, 2, 4)))[0] for _ in range(2)]  # as the engine hands them: views of [1, T, ..]
+  seg = store.add(list(range(10)), padded, padded, reused=0)
+  for x in (*seg.k, *seg.v):
+    root = x
+    while isinstance(root.base, np.ndarray):
+      root = root.base
+    assert x.shape == (10, 2, 4) and root.nbytes == x.nbytes
+  assert store.host_bytes() == 10 * store.token_bytes()
+  exact = [np.ones((5, 2, 4), np.float32) for _ in range(2)]
+  seg = store.add(list(range(100, 105)), exact, exact, reused=0)
+  assert all(np.shares_memory(x, y) for x, y in zip(seg.k, exact))  # no copy needed
+
+
 def test_history_store_drops_least_recently_used_within_its_limit(tmp_path):
   one = 2 * 2 * 10 * 2 * 4 * 4  # bytes of a 10-token path
   store = HistoryStore(2, (2, 4), np.float32, max_bytes=2 * one)
