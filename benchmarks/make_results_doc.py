@@ -604,6 +604,9 @@ def h100_section() -> list[str]:
   ]
 
 
+LOAD_PAIR = ("rocketkv", "full")  # the load section's two methods, side by side
+
+
 def serve_load_section() -> list[str]:
   """Each workload's rows from the latest run (SOURCES serve_load, then serve_load_b) that measured both methods
   on it."""
@@ -614,7 +617,7 @@ def serve_load_section() -> list[str]:
   for rel, recs in runs:
     for wl in dict.fromkeys(r["workload"] for r in recs):
       mine = [r for r in recs if r["workload"] == wl]
-      if {"rocketkv", "full"} <= {r["method"] for r in mine}:
+      if all(m in {r["method"] for r in mine} for m in LOAD_PAIR):
         latest[wl] = (rel, mine)
   recs = [r for wl in WORKLOADS if wl in latest for r in latest[wl][1]]
   cells = {(r["workload"], r["rate"], r["method"]): r for r in recs}
@@ -629,7 +632,7 @@ def serve_load_section() -> list[str]:
 
   rows = []
   for wl, rate in points:
-    a, b = cells.get((wl, rate, "rocketkv")), cells.get((wl, rate, "full"))
+    a, b = (cells.get((wl, rate, m)) for m in LOAD_PAIR)
     if a is None or b is None:
       continue
     ratio = f"{a['goodput'] / b['goodput']:.2f}x" if b["goodput"] > 0 else "-"
