@@ -53,7 +53,7 @@ _SPILL_LOCK = ".lock"  # in each history-* spill folder, flock'd by its live own
 _EMPTY = "empty"  # the one array of a saved store without segments
 MAX_SALT = 320  # characters of a stored salt: a client's cache_salt (256 at most) behind the server's tenant tag
 
-__all__ = ["HistoryStore", "HistoryView", "Segment"]
+__all__ = ["HistoryStore", "HistoryView", "Segment", "own_rows"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,10 +86,11 @@ class Segment:
     return sum(x.nbytes for x in self.k) + sum(x.nbytes for x in self.v)
 
 
-def _own_rows(x, lo: int, hi: int, dtype) -> np.ndarray:
+def own_rows(x, lo: int, hi: int, dtype) -> np.ndarray:
   """x[lo:hi] as a host array that holds only those rows: a copy unless they are all of x's memory. A view of a
   prompt's padded buffer would keep the whole bucket alive while the history counts only its tokens (a 4k chat
-  turn in an 8k bucket: twice the host memory `max_bytes` allows)."""
+  turn in an 8k bucket: twice the host memory `max_bytes` allows). The engine's store worker calls it before `add`,
+  so the copy does not hold the store's lock (which the engine thread's stats take every step)."""
   a = np.asarray(x)
   rows = a[lo:hi]
   root = a
@@ -280,7 +281,7 @@ class HistoryStore:
       if on_device:
         keep = lambda x: x[lo:hi].astype(self.dtype)  # noqa: E731
       else:
-        keep = lambda x: _own_rows(x, lo, hi, self.dtype)  # noqa: E731
+        keep = lambda x: own_rows(x, lo, hi, self.dtype)  # noqa: E731
       new = Segment(parent=self._owner(seg, start) if seg is not None else None, start=start,
                     tokens=prompt[start:], k=[keep(x) for x in new_k], v=[keep(x) for x in new_v],
                     last_used=next(self._clock), salt=salt, on_device=on_device)

@@ -59,7 +59,7 @@ from rocketkv_jax.models.sharding import DATA, MODEL
 from . import saved
 from .engine import (MAX_LOGIT_BIAS, MAX_STOP_IDS, Context, DeviceEngine, EngineConfig, Prefilled, Request,
                      SamplingParams, check_limits)
-from .history import MAX_SALT, HistoryStore
+from .history import MAX_SALT, HistoryStore, own_rows
 from .output import RequestState, TokenEvent, advance
 
 __all__ = ["Engine", "QueueFull", "prompt_tokens"]
@@ -288,8 +288,9 @@ class Engine:
     def store() -> float:
       jax.block_until_ready(new_kv)
       t0 = time.perf_counter()
-      self.history.add(ids, [np.asarray(k)[0] for k, _ in new_kv], [np.asarray(v)[0] for _, v in new_kv], reused,
-                       salt)
+      m, dtype = len(ids) - reused, self.history.dtype  # the prompt's rows, copied out of the padded buffers here:
+      rows = [[own_rows(np.asarray(x)[0], 0, m, dtype) for x in kv] for kv in new_kv]  # not under the store's lock
+      self.history.add(ids, [k for k, _ in rows], [v for _, v in rows], reused, salt)
       return time.perf_counter() - t0
 
     if self._store_pool is None:

@@ -161,6 +161,12 @@ def test_the_history_store_is_off_the_first_token_path(model):
     events += engine.step()
   b = [e for e in events if e.request_id == "b" and e.finished]
   assert b and b[0].cached_tokens == 150 and engine.stats()["history_store_seconds"] > 0
+  for seg in engine.history.segments:  # each holds its own rows, not its prompt's padded bucket (64 / 128 / 256)
+    for x in (*seg.k, *seg.v):
+      root = x
+      while isinstance(root.base, np.ndarray):
+        root = root.base
+      assert root.nbytes == x.nbytes == len(seg.tokens) * x[0].nbytes
 
   def failing_add(*args, **kw):
     raise OSError("no memory for the history")
