@@ -255,6 +255,49 @@ def test_history_store_prefix_tree_and_views():
   assert len(store.segments) == 2
 
 
+def test_match_equals_comparing_every_stored_path():
+  """`match` counts each segment's shared prefix from its parent's and its own tokens; it equals comparing the
+  prompt with every stored path in full (paths rebuilt here from the tree), over random trees of branching
+  conversations, documents with questions and prompts that leave a path inside a segment or before its
+  first token."""
+  rng = np.random.default_rng(7)
+  for trial in range(20):
+    store = HistoryStore(1, (1, 1), np.float32, max_bytes=1 << 30)
+    prompts = []
+    for _ in range(12):
+      if prompts and rng.random() < 0.8:  # continue or branch off a stored prompt
+        base = prompts[rng.integers(len(prompts))]
+        cut = int(rng.integers(1, len(base) + 1))
+        p = base[:cut] + rng.integers(0, 5, int(rng.integers(1, 6))).tolist()
+      else:
+        p = rng.integers(0, 5, int(rng.integers(1, 8))).tolist()
+      seg, common = store.match(p)
+      reused = min(common, len(p) - 1)
+      n = len(p) - reused
+      store.add(p, [np.zeros((n, 1, 1), np.float32)], [np.zeros((n, 1, 1), np.float32)], reused)
+      prompts.append(p)
+
+    def path(seg):
+      return (path(seg.parent)[:seg.start] if seg.parent is not None else []) + seg.tokens.tolist()
+
+    def shared(a, b):
+      return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    for _ in range(30):
+      base = prompts[rng.integers(len(prompts))]
+      q = base[:int(rng.integers(0, len(base) + 1))] + rng.integers(0, 5, int(rng.integers(0, 4))).tolist()
+      want = max((shared(path(s), q) for s in store.segments), default=0)
+      seg, got = store.match(q)
+      assert got == want, (trial, q)
+      assert got == 0 or shared(path(seg), q) == got
+
+
+def test_history_match_benchmark_runs_small():
+  from benchmarks import history_match
+  r = history_match.measure(5, doc=64, q=4, reps=2)
+  assert r["questions"] == 5 and r["match_ms"] > 0 and r["held_mib"] > 0
+
+
 def test_a_stored_segment_holds_only_its_tokens_memory():
   """The history keeps a prompt's rows of its padded prefill buffer as their own memory: a view would keep the
   whole bucket alive while host_bytes counts only the tokens (the limit then exceeded by bucket / tokens; a chat
