@@ -43,6 +43,13 @@ def ids(n, seed):
   return np.random.default_rng(seed).integers(3, 128, n).tolist()
 
 
+def held_bytes(x: np.ndarray) -> int:
+  """Bytes of the buffer a host array keeps alive (its root base's), which its own nbytes may not show."""
+  while isinstance(x.base, np.ndarray):
+    x = x.base
+  return x.nbytes
+
+
 def answer(engine, prompt, rid="r", max_tokens=12, context=None):
   """(tokens, cached_tokens, prompt_tokens) of one greedy request run alone."""
   engine.submit(Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), context=context))
@@ -163,10 +170,7 @@ def test_the_history_store_is_off_the_first_token_path(model):
   assert b and b[0].cached_tokens == 150 and engine.stats()["history_store_seconds"] > 0
   for seg in engine.history.segments:  # each holds its own rows, not its prompt's padded bucket (64 / 128 / 256)
     for x in (*seg.k, *seg.v):
-      root = x
-      while isinstance(root.base, np.ndarray):
-        root = root.base
-      assert root.nbytes == x.nbytes == len(seg.tokens) * x[0].nbytes
+      assert held_bytes(x) == x.nbytes == len(seg.tokens) * x[0].nbytes
 
   def failing_add(*args, **kw):
     raise OSError("no memory for the history")
@@ -306,10 +310,7 @@ def test_a_stored_segment_holds_only_its_tokens_memory():
   padded = [np.asarray(jnp.ones((1, 64, 2, 4)))[0] for _ in range(2)]  # as the engine hands them: views of [1, T, ..]
   seg = store.add(list(range(10)), padded, padded, reused=0)
   for x in (*seg.k, *seg.v):
-    root = x
-    while isinstance(root.base, np.ndarray):
-      root = root.base
-    assert x.shape == (10, 2, 4) and root.nbytes == x.nbytes
+    assert x.shape == (10, 2, 4) and held_bytes(x) == x.nbytes
   assert store.host_bytes() == 10 * store.token_bytes()
   exact = [np.ones((5, 2, 4), np.float32) for _ in range(2)]
   seg = store.add(list(range(100, 105)), exact, exact, reused=0)
