@@ -579,7 +579,20 @@ SENTINEL_SCORE = -16.0
 SENTINEL_CHANNELS = 8
 
 
-def offset_attention(q_BTNH, hist_k_BSKH, hist_v_BSKH, k_BTKH, v_BTKH, start_B, *, impl: str = "auto"):
+def history_parts(B: int, T: int, N: int, S: int) -> int:
+  """How many parts offset_attention's cuDNN path splits a history of S keys into. Flash attention runs one block
+  per (row, head, 64 queries), each walking all its keys: a 40-token question over a 33k document is 64 blocks
+  on an H100's 132 SMs (0.39 ms per layer's call, 25 of the question's 60 ms on the device). P parts (extra
+  batch rows, merged by their normalisers as the new tokens' part is) multiply the blocks by P, each walking S / P
+  keys: the power of two up to 8 that reaches 512 blocks, parts of at least 2,048 keys."""
+  blocks, P = B * N * -(-T // 64), 1
+  while P < 8 and blocks * P < 512 and S // (2 * P) >= 2048:
+    P *= 2
+  return P
+
+
+def offset_attention(q_BTNH, hist_k_BSKH, hist_v_BSKH, k_BTKH, v_BTKH, start_B, *, impl: str = "auto",
+                     parts: int | None = None):
   """GQA attention of T new tokens at positions start + i over a K/V history valid in [0, start) (positions past
   it are ignored) and over themselves, causally: query i sees history [0, start) and new keys [0, i]. The prefill
   of a chunk after earlier chunks and of a new turn after a stored history.
@@ -589,7 +602,8 @@ def offset_attention(q_BTNH, hist_k_BSKH, hist_v_BSKH, k_BTKH, v_BTKH, start_B, 
   softmax normalisers: cuDNN returns none, so each part gets a sentinel key of known score SENTINEL_SCORE whose
   value is 1 in an added channel, and that channel of the part's output, 1 / (1 + Z / e^SENTINEL), gives its
   normaliser Z (bf16 precision: the merge's error is that of bf16 attention itself). "auto": cudnn for bf16 /
-  fp16 on a GPU (cuDNN aligns a causal mask top-left, so one call cannot offset it), else masked."""
+  fp16 on a GPU (cuDNN aligns a causal mask top-left, so one call cannot offset it), else masked. parts: the
+  history's split on the cudnn path (`history_parts` by default), each part with its own sentinel."""
   if impl == "auto":
     impl = "cudnn" if (jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)) else "masked"
   if impl == "masked":
@@ -601,18 +615,30 @@ def offset_attention(q_BTNH, hist_k_BSKH, hist_v_BSKH, k_BTKH, v_BTKH, start_B, 
   B, T, N, H = q_BTNH.shape
   S, K = hist_k_BSKH.shape[1], hist_k_BSKH.shape[2]
   dt, E = q_BTNH.dtype, SENTINEL_CHANNELS
+  P = history_parts(B, T, N, S) if parts is None else parts
+  L = -(-S // P)  # each part's keys; its buffer holds them, then room for its sentinel
+  Lp = -(-(L + 1) // 128) * 128
   scale = 1.0 / math.sqrt(H)
   unit = jnp.zeros((H + E,), dt).at[H].set(1)  # the queries' added channel; the sentinel's value
   sent_k = jnp.zeros((H + E,), dt).at[H].set(SENTINEL_SCORE / scale)  # its key: score q.k * scale = SENTINEL
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, E)))  # noqa: E731
   q = pad(q_BTNH) + unit
-  pos, st = jnp.arange(S)[None, :, None, None], start_B[:, None, None, None]
-  # the sentinel takes row `start` (callers' S > start: the history's buffer also holds the new tokens)
-  hist_k = jnp.where(pos < st, pad(hist_k_BSKH.astype(dt)), jnp.where(pos == st, sent_k, 0))
-  hist_v = jnp.where(pos < st, pad(hist_v_BSKH.astype(dt)), jnp.where(pos == st, unit, 0))
-  o_h = jax.nn.dot_product_attention(q, hist_k, hist_v, scale=scale, implementation=implementation,
-                                     query_seq_lengths=jnp.full((B,), T, jnp.int32),
-                                     key_value_seq_lengths=start_B.astype(jnp.int32) + 1)
+  # the history in P parts of L keys, part p holding positions [p L, p L + L), of which `valid` lie before start;
+  # each part's sentinel takes the row after its valid keys (a part wholly past start holds only its sentinel)
+  valid = jnp.clip(start_B[:, None] - jnp.arange(P)[None, :] * L, 0, L)  # [B, P]
+  pos, vp = jnp.arange(Lp)[None, None, :, None, None], valid[:, :, None, None, None]
+
+  def parted(x, sentinel):
+    x = jnp.pad(pad(x.astype(dt)), ((0, 0), (0, P * L - S), (0, 0), (0, 0))).reshape(B, P, L, K, H + E)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, Lp - L), (0, 0), (0, 0)))
+    return jnp.where(pos < vp, x, jnp.where(pos == vp, sentinel, 0)).reshape(B * P, Lp, K, H + E)
+
+  q_parts = jnp.broadcast_to(q[:, None], (B, P, T, N, H + E)).reshape(B * P, T, N, H + E)
+  o_h = jax.nn.dot_product_attention(q_parts, parted(hist_k_BSKH, sent_k), parted(hist_v_BSKH, unit), scale=scale,
+                                     implementation=implementation,
+                                     query_seq_lengths=jnp.full((B * P,), T, jnp.int32),
+                                     key_value_seq_lengths=(valid + 1).reshape(B * P).astype(jnp.int32))
+  o_h = o_h.reshape(B, P, T, N, H + E)
   # the new tokens' own part: a dummy first query, the sentinel as key 0, so that with the top-left causal mask
   # query i + 1 (new token i) sees the sentinel and new keys [0, i]
   q_own = jnp.concatenate([jnp.zeros((B, 1, N, H + E), dt), q], 1)
@@ -621,13 +647,15 @@ def offset_attention(q_BTNH, hist_k_BSKH, hist_v_BSKH, k_BTKH, v_BTKH, start_B, 
   o_n = jax.nn.dot_product_attention(q_own, k_own, v_own, scale=scale, is_causal=True,
                                      implementation=implementation)[:, 1:]
   # part p's output is (U_p + w e) / (Z_p + w), w = e^SENTINEL: a_p = -log(channel H) = log(1 + Z_p / w); the
-  # merge (U_h + U_n) / (Z_h + Z_n), scaled by e^-max(a) against overflow
-  a_h = -jnp.log(jnp.maximum(o_h[..., H].astype(jnp.float32), 1e-38))
+  # merge (sum of U_p) / (sum of Z_p) over the P history parts and the new tokens' part, scaled by e^-max(a)
+  # against overflow
+  a_h = -jnp.log(jnp.maximum(o_h[..., H].astype(jnp.float32), 1e-38))  # [B, P, T, N]
   a_n = -jnp.log(jnp.maximum(o_n[..., H].astype(jnp.float32), 1e-38))
-  m = jnp.maximum(a_h, a_n)
-  w_h, w_n = jnp.exp(a_h - m), jnp.exp(a_n - m)
-  den = w_h + w_n - 2 * jnp.exp(-m)
-  out = (o_h[..., :H].astype(jnp.float32) * w_h[..., None] + o_n[..., :H].astype(jnp.float32) * w_n[..., None])
+  m = jnp.maximum(a_h.max(axis=1), a_n)
+  w_h, w_n = jnp.exp(a_h - m[:, None]), jnp.exp(a_n - m)
+  den = w_h.sum(axis=1) + w_n - (P + 1) * jnp.exp(-m)
+  out = ((o_h[..., :H].astype(jnp.float32) * w_h[..., None]).sum(axis=1)
+         + o_n[..., :H].astype(jnp.float32) * w_n[..., None])
   return (out / den[..., None]).astype(dt)
 
 
@@ -692,27 +720,32 @@ def prefill_chunk_layer_jit(graphdef, state, x_BTD, buf_k_BSKH, buf_v_BSKH, star
   return x, buf_k, buf_v
 
 
-def prefill_chunk(model: Llama, tokens_BT, buffers, start_B, *, run_layer=None):
+def split_layers(model: Llama) -> list:
+  """Each layer's (graphdef, state) (`nnx.split`), which the per-layer prefills run: about 0.2-0.6 ms of Python
+  per layer, so a caller that prefills often (the serving engine) splits once and passes them."""
+  return [nnx.split(blk) for blk in model.layers]
+
+
+def prefill_chunk(model: Llama, tokens_BT, buffers, start_B, *, run_layer=None, layers=None):
   """One chunk of a chunked prefill (`prefill_chunk_layer_jit` per layer): tokens [B, T] at positions start + i
   (right-padded: padding writes past the valid tokens, which the next chunk overwrites and the last one's
   lengths mask). buffers: per layer (k, v) [B, S, K, H] on the device, valid in [0, start); donated. Returns the
   per-layer buffers with the chunk written. run_layer: a stand-in taking (graphdef, state, x, buf_k, buf_v,
-  start) (the engine passes compiled executables)."""
+  start) (the engine passes compiled executables). layers: `split_layers(model)`, when the caller keeps it."""
   cfg = model.config
   if run_layer is None:
     run_layer = functools.partial(prefill_chunk_layer_jit, cfg=cfg)
   x = embed_tokens(model, jnp.asarray(tokens_BT, jnp.int32))
   start_B = jnp.asarray(start_B, jnp.int32)
   out = []
-  for blk, (k, v) in zip(model.layers, buffers):
-    graphdef, state = nnx.split(blk)
+  for (graphdef, state), (k, v) in zip(layers or split_layers(model), buffers):
     x, k, v = run_layer(graphdef, state, x, k, v, start_B)
     out.append((k, v))
   return tuple(out)
 
 
 def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config, *, seq_len=None, run_layer=None,
-                   rows=None):
+                   rows=None, layers=None):
   """Prefill of new tokens that continue a K/V history, with the method's stage 1 over history + new tokens.
 
   tokens [B, T]: the new tokens, right-padded (new_len valid per row), at positions start + i.
@@ -724,7 +757,8 @@ def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config,
   reduction) when every row has at least `config.prompt_queries` new tokens: the history keeps keys and
   values, not queries. run_layer: a stand-in for `prefill_extend_layer_jit` taking its arguments
   (graphdef, state, x, hist_k, hist_v, start, new_len, rows) (the engine passes compiled executables). rows:
-  each sequence's own plan (`rocketkv_jax.plan_rows`; config is then the batch's).
+  each sequence's own plan (`rocketkv_jax.plan_rows`; config is then the batch's). layers: `split_layers(model)`,
+  when the caller keeps it.
   Returns (logits [B, V] of each row's last new token, per-layer caches, per-layer (k, v) [B, T, K, H] of
   the new tokens, on the device).
   """
@@ -745,9 +779,10 @@ def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config,
     return None if h is None else jax.device_put(h)
 
   caches, new_kv = [], []
+  layers = layers or split_layers(model)
   with concurrent.futures.ThreadPoolExecutor(PREFETCH_LAYERS) as pool:
     ahead = collections.deque(pool.submit(fetch, i) for i in range(min(PREFETCH_LAYERS, cfg.n_layers)))
-    for i, blk in enumerate(model.layers):
+    for i, (graphdef, state) in enumerate(layers):
       hist = ahead.popleft().result()
       if i + PREFETCH_LAYERS < cfg.n_layers:
         ahead.append(pool.submit(fetch, i + PREFETCH_LAYERS))
@@ -757,7 +792,6 @@ def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config,
         if zeros is None:
           zeros = jnp.zeros((tokens_BT.shape[0], seq_len, cfg.n_kv_heads, cfg.head_dim), x.dtype)
         hist = (zeros, zeros)
-      graphdef, state = nnx.split(blk)
       x, cache, k, v = run_layer(graphdef, state, x, hist[0], hist[1], start_B, new_len_B, rows)
       caches.append(cache)
       new_kv.append((k, v))

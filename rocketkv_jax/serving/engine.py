@@ -515,6 +515,7 @@ class DeviceEngine:
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
     self.model_id = fingerprint(model)
     self._graphdef, self._state = nnx.split(model)
+    self._layers = llama.split_layers(model)  # what the per-layer prefills run, split once
     self._executables = Executables(mesh=mesh)
     # one request's (logits, caches): the shapes of a batch-1 prefill, the same for every bucket (a saved
     # context must match them; a slot's row has them)
@@ -648,7 +649,8 @@ class DeviceEngine:
 
     tokens = np.zeros((1, C), np.int32)
     tokens[0, :len(chunk_ids)] = chunk_ids
-    return llama.prefill_chunk(self.model, tokens, buffers, np.array([start], np.int32), run_layer=run_chunk)
+    return llama.prefill_chunk(self.model, tokens, buffers, np.array([start], np.int32), run_layer=run_chunk,
+                               layers=self._layers)
 
   def prefill_extend(self, new_ids: Sequence[int], history: list, start: int, S: int, rows, *,
                      after_chunks: bool = False):
@@ -670,7 +672,7 @@ class DeviceEngine:
 
     logits, caches, new_kv = llama.prefill_extend(self.model, tokens, np.array([m], np.int32), history,
                                                   np.array([start], np.int32), self.method_config, seq_len=S,
-                                                  run_layer=run_layer, rows=rows)
+                                                  run_layer=run_layer, rows=rows, layers=self._layers)
     return Prefilled(logits, caches), new_kv
 
   def prefill_chunked(self, prompt_ids: Sequence[int], view: list, start: int, rows, *, keep_kv: bool = True):

@@ -332,7 +332,7 @@ class Engine:
       self._reused += r
       if self.history is not None:
         if self.history.max_device_bytes:  # the device tier keeps them where they are (it moves old ones out)
-          self.history.add(ids, [k[0] for k, _ in new_kv], [v[0] for _, v in new_kv], r, request.cache_salt)
+          self.history.add(ids, [k for k, _ in new_kv], [v for _, v in new_kv], r, request.cache_salt)
         else:  # off the request's path to its first token (module doc)
           self._store(ids, new_kv, r, request.cache_salt)
       yield tokens, Prefilled(*p, request, cached=r)

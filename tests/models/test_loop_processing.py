@@ -185,9 +185,11 @@ def test_prompt_scores_hold_one_chunk_of_logits(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("start", [0, 37, 90])
-def test_offset_attention_merge_equals_masked(dtype, start):
+@pytest.mark.parametrize("parts", [1, 3, 4])
+def test_offset_attention_merge_equals_masked(dtype, start, parts):
   """offset_attention's sentinel merge (cuDNN's on a GPU; here the same merge on XLA) equals the masked reference
-  within bf16 attention's own error, for an empty history, a short one and one that fills the buffer."""
+  within bf16 attention's own error, for an empty history, a short one and one that fills the buffer, with the
+  history whole and in parts (3 does not divide it; at start 37 a part is partly valid and later ones empty)."""
   import jax.numpy as jnp
   from rocketkv_jax.models.llama import offset_attention
   rng = np.random.default_rng(start)
@@ -198,10 +200,43 @@ def test_offset_attention_merge_equals_masked(dtype, start):
   st = jnp.asarray([start, min(start + 5, S - T)], jnp.int32)
   want = np.asarray(offset_attention(q.astype(jnp.float32), hk.astype(jnp.float32), hv.astype(jnp.float32),
                                      k.astype(jnp.float32), v.astype(jnp.float32), st, impl="masked"))
-  got = np.asarray(offset_attention(q, hk, hv, k, v, st, impl="sentinel-xla"), np.float32)
+  got = np.asarray(offset_attention(q, hk, hv, k, v, st, impl="sentinel-xla", parts=parts), np.float32)
   tol = 1e-5 if dtype == "float32" else 3e-2
   np.testing.assert_allclose(got, want, atol=tol)
   if dtype == "float32":  # junk past `start` in the history is never read
     junk = hk.at[:, start + 5:].set(1e4)
-    got2 = np.asarray(offset_attention(q, junk, hv, k, v, st, impl="sentinel-xla"))
+    got2 = np.asarray(offset_attention(q, junk, hv, k, v, st, impl="sentinel-xla", parts=parts))
     np.testing.assert_allclose(got2, want, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [None, 1])
+def test_offset_attention_cudnn_equals_masked_gpu(parts):
+  """The cuDNN path compiled on the GPU at doc-qa's shape (a 128-token bucket over a 33k buffer, Llama-3.1-8B's
+  heads; 8 parts by default) against the masked reference in float32."""
+  import jax
+  import jax.numpy as jnp
+  from rocketkv_jax.models.llama import offset_attention
+  if jax.default_backend() != "gpu":
+    pytest.skip("no GPU")
+  rng = np.random.default_rng(5)
+  B, T, S, N, K, H = 1, 128, 33792, 32, 8, 128
+  x = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)  # noqa: E731
+  q, k, v = x(B, T, N, H, sc=2.0), x(B, T, K, H, sc=2.0), x(B, T, K, H)
+  hk, hv = x(B, S, K, H, sc=2.0), x(B, S, K, H)
+  st = jnp.asarray([32768], jnp.int32)
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  want = np.asarray(jax.jit(lambda *a: offset_attention(*a, impl="masked"))(f32(q), f32(hk), f32(hv), f32(k),
+                                                                             f32(v), st))
+  got = jax.jit(lambda *a: offset_attention(*a, impl="cudnn", parts=parts))(q, hk, hv, k, v, st)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2)
+
+
+def test_history_parts_split_few_queries_over_long_histories():
+  """A question over a 33k document (the doc-qa admission) gets 8 parts; a long prompt's chunk (many query blocks
+  already) and a short history none."""
+  from rocketkv_jax.models.llama import history_parts
+  assert history_parts(1, 128, 32, 33792) == 8
+  assert history_parts(1, 2048, 32, 33792) == 1
+  assert history_parts(1, 128, 32, 2048) == 1
+  assert history_parts(4, 128, 32, 33792) == 2

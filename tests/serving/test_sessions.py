@@ -259,6 +259,34 @@ def test_history_store_prefix_tree_and_views():
   assert len(store.segments) == 2
 
 
+@pytest.mark.parametrize("parent_on_host", [False, True])
+def test_device_tier_views_equal_the_host_ones(parent_on_host):
+  """The device tier assembles a view on the device (one jitted call per layer): the same arrays as a host store's
+  view, for a path all on the device and for a host parent under a device child (a view within the host parent is
+  a host view); the batch-of-one arrays the engine hands over are kept as their rows only."""
+  host = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20)
+  dev = HistoryStore(2, (2, 4), np.float32, max_bytes=1 << 20, max_device_bytes=1 << 20)
+  a, b = list(range(10)), list(range(6)) + [99, 98, 97]
+  ka, va = _kv(10)
+  kb, vb = _kv(9)
+  host.add(a, ka, va, reused=0)
+  host.add(b, [k[6:] for k in kb], [v[6:] for v in vb], reused=6)
+  batched = lambda xs, pad: [jnp.pad(jnp.asarray(x), ((0, pad), (0, 0), (0, 0)))[None] for x in xs]  # noqa: E731
+  dev.add(a, batched(ka, 6), batched(va, 6), reused=0)
+  if parent_on_host:
+    dev._to_host(dev.segments[0])  # noqa: SLF001 - as the tier does past its limit
+  dev.add(b, batched([k[6:] for k in kb], 2), batched([v[6:] for v in vb], 2), reused=6)
+  assert [s.on_device for s in dev.segments] == [not parent_on_host, True]
+  assert all(x.shape[0] == len(s.tokens) for s in dev.segments for x in (*s.k, *s.v))
+  assert dev.device_bytes() + dev.host_bytes() == host.host_bytes()
+  for n in (9, 4):
+    want, got = host.view(host.match(b)[0], n, 12), dev.view(dev.match(b)[0], n, 12)
+    for layer in range(2):
+      for w, g in zip(want[layer], got[layer]):
+        assert g.shape == (1, 12, 2, 4) and (isinstance(g, jax.Array) or (parent_on_host and n == 4))
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
 def test_match_equals_comparing_every_stored_path():
   """`match` counts each segment's shared prefix from its parent's and its own tokens; it equals comparing the
   prompt with every stored path in full (paths rebuilt here from the tree), over random trees of branching
@@ -294,6 +322,16 @@ def test_match_equals_comparing_every_stored_path():
       seg, got = store.match(q)
       assert got == want, (trial, q)
       assert got == 0 or shared(path(seg), q) == got
+
+
+def test_admission_benchmark_runs_small(tmp_path):
+  from benchmarks import admission
+  out = tmp_path / "a.jsonl"
+  admission.main(["--tiny", "--methods", "rocketkv", "--doc", "200", "--question", "40", "--questions", "2",
+                  "--buckets", "64,256", "--profile", str(tmp_path / "trace"), "--profiled", "1", "--top", "3",
+                  "--out", str(out)])
+  (r,) = [json.loads(x) for x in out.read_text().splitlines()]
+  assert r["cached_tokens"] == 200 and r["admission_s_p50"] > 0 and len(r["top_ops"]) == 3
 
 
 def test_history_match_benchmark_runs_small():
