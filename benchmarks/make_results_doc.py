@@ -50,6 +50,11 @@ SOURCES = {
   "serve_load": f"{RESULTS}/serve_load_h100_2026-12-06/serve_load.jsonl",
   # the later run: doc-qa with the history's device tier and a 128 bucket, chat (serve_load_section reads both)
   "serve_load_b": f"{RESULTS}/serve_load_h100_2026-12-06b/serve_load.jsonl",
+  # the third: doc-qa and chat after a question's admission was made 2.6x cheaper (a38c9ac), and that admission
+  # itself before and after (benchmarks/admission.py)
+  "serve_load_c": f"{RESULTS}/serve_load_h100_2026-12-06c/serve_load.jsonl",
+  "admission": f"{RESULTS}/serve_load_h100_2026-12-06c/admission.jsonl",
+  "admission_before": f"{RESULTS}/serve_load_h100_2026-12-06c/admission_before.jsonl",
 }
 
 METHOD_ORDER = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
@@ -608,11 +613,11 @@ LOAD_PAIR = ("rocketkv", "full")  # the load section's two methods, side by side
 
 
 def serve_load_section() -> list[str]:
-  """Each workload's rows from the latest run (SOURCES serve_load, then serve_load_b) that measured both methods
-  on it."""
+  """Each workload's rows from the latest run (SOURCES serve_load, serve_load_b, serve_load_c) that measured both
+  methods on it, then the admission of one question over a stored document (SOURCES admission, before and after)."""
   from benchmarks.serve_load import WORKLOADS
   runs = [(rel, [r for r in _jsonl(rel) if r.get("kind") == "serve_load"])
-          for rel in (SOURCES["serve_load"], SOURCES["serve_load_b"])]
+          for rel in (SOURCES["serve_load"], SOURCES["serve_load_b"], SOURCES["serve_load_c"])]
   latest = {}  # workload -> (the run's file, its records of the workload)
   for rel, recs in runs:
     for wl in dict.fromkeys(r["workload"] for r in recs):
@@ -653,6 +658,26 @@ def serve_load_section() -> list[str]:
              "rocketkv TTFT p50 / p99 (s)", "rocketkv TPOT p50 / p99 (ms)", "full slots",
              "full goodput (good/sent)", "full TTFT p50 / p99 (s)", "full TPOT p50 / p99 (ms)",
              "goodput rocketkv / full"], rows),
+    "",
+    *admission_rows(),
+  ]
+
+
+def admission_rows() -> list[str]:
+  """One question's admission over a stored 32k document, before and after a38c9ac (`benchmarks/admission.py`)."""
+  before = {r["method"]: r for r in _jsonl(SOURCES["admission_before"])}
+  after = {r["method"]: r for r in _jsonl(SOURCES["admission"])}
+  r0 = next(iter(after.values()))
+  rows = [[m, f"{before[m]['admission_s_p50']:.3f}", f"{r['admission_s_p50']:.3f}",
+           f"{before[m]['device_busy_s'] * 1e3:.1f} / {r['device_busy_s'] * 1e3:.1f}"] for m, r in after.items()]
+  return [
+    f"What a doc-qa question costs the engine ({_link(SOURCES['admission'])}, code `a38c9ac`; before it: "
+    f"{_link(SOURCES['admission_before'])}; {r0['device']}, `python -m benchmarks.admission`): a "
+    f"{r0['question_tokens']}-token question over a stored {r0['doc_tokens']:,}-token document (the history's "
+    f"device tier, buckets {r0['buckets']}), prefilled, compressed under its own plan and inserted, median of "
+    f"{r0['argv'][r0['argv'].index('--questions') + 1]} questions:",
+    "",
+    *_table(["method", "admission before (s)", "after (s)", "device busy per question, before / after (ms)"], rows),
     "",
   ]
 

@@ -130,7 +130,8 @@ for part in "$@"; do
         # 4k new tokens over the history); prefill-heavy ~0.7 both. Estimates, not measurements: the run decides.
         # Measured on an H100 (results/serve_load_h100_2026-12-06): long-gen slots 74 vs 36, doc-qa 179 vs 9 and
         # about 0.5 s per question, a 32k prompt alone 2.8 s to its first token; the chat server's warm-up (six
-        # buckets) took 170 s, so chat parts need SL_TIMEOUT of about 400.
+        # buckets) took 170 s, so chat parts need SL_TIMEOUT of about 400. Since a38c9ac a question's admission
+        # takes 0.052 s (results/serve_load_h100_2026-12-06c): doc-qa rocketkv held 10/s within the SLO, not 15/s.
         # doc-qa's 128 bucket: a question (about 40 new tokens) is prefilled over the stored document
         # at its bucket; at 1024 its attention over 33k tokens cost about 0.26 s per question on the H100. chat's
         # 40960: a random model's answers re-tokenize longer than they were sampled, and 36864 refused 6 of 80
