@@ -148,9 +148,11 @@ class HistoryView:
     if not self.pieces:
       return None
     if any(seg.on_device for seg, _, _ in self.pieces):  # assembled on the device, host pieces copied there
-      bounds = tuple((lo, hi) for _, lo, hi in self.pieces)
-      return _assemble(tuple(seg.k[layer] for seg, _, _ in self.pieces),
-                       tuple(seg.v[layer] for seg, _, _ in self.pieces), bounds=bounds, padded_len=self.padded_len)
+      # a host piece's rows are cut on the host (a view), so only they travel; a device piece is cut in the call
+      parts = {name: tuple(getattr(seg, name)[layer] if seg.on_device else getattr(seg, name)[layer][lo:hi]
+                           for seg, lo, hi in self.pieces) for name in ("k", "v")}
+      bounds = tuple((lo, hi) if seg.on_device else (0, hi - lo) for seg, lo, hi in self.pieces)
+      return _assemble(parts["k"], parts["v"], bounds=bounds, padded_len=self.padded_len)
     out = []
     for name in ("k", "v"):
       buf = np.empty((1, self.padded_len) + tuple(self.kv_shape), self.dtype)  # one pass: pieces, then zeros
@@ -296,9 +298,9 @@ class HistoryStore:
   # ------------------------------------------------------------------ adding and dropping
 
   def add(self, prompt, new_k, new_v, reused: int, salt: str = "") -> Segment | None:
-    """Stores the K/V of prompt positions [reused, len(prompt)) (new_k / new_v: per layer [n, K, H] with
-    n >= len(prompt) - reused, or longer, padding ignored; or [1, n, K, H], a batch of one) for requests of this salt. Only what no stored path of
-    the salt already holds is kept. Device arrays stay on the device while the device tier has room (module doc);
+    """Stores the K/V of prompt positions [reused, len(prompt)) (new_k / new_v: per layer [n, K, H], or
+    [1, n, K, H] as a batch of one, with n >= len(prompt) - reused, or longer, padding ignored) for requests of this
+    salt. Only what no stored path of the salt already holds is kept. Device arrays stay on the device while the device tier has room (module doc);
     anything else is copied to host memory. Returns the segment that holds the whole prompt (None if it did not
     fit)."""
     prompt = np.asarray(prompt, np.int32)
