@@ -16,6 +16,7 @@ against the wall time (what the host adds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -108,14 +109,11 @@ def main(argv=None):
               + argv, jax=jax.__version__, model="tiny" if args.tiny else "llama-3.1-8b-shape",
               token_budget=args.token_budget, buckets=args.buckets, history_device_gb=args.history_device_gb)
   rng = np.random.default_rng(3)
-  out = open(args.out, "a") if args.out else None
-  for method in args.methods.split(","):
-    rec = dict(base, **measure(model, args, method, rng))
-    line = json.dumps(rec)
-    print(line, flush=True)
-    if out:
-      out.write(line + "\n")
-      out.flush()
+  with open(args.out, "a") if args.out else contextlib.nullcontext() as out:
+    for method in args.methods.split(","):  # each method's record printed, and appended to --out, as it ends
+      line = json.dumps(dict(base, **measure(model, args, method, rng)))
+      for f in (sys.stdout, out) if out else (sys.stdout,):
+        print(line, file=f, flush=True)
 
 
 if __name__ == "__main__":
