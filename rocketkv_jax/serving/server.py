@@ -126,12 +126,10 @@ def warm_up(engine, log=None) -> float:
   request per prefill bucket (a prompt of the bucket's length: its prefill and the insert), the same again with
   prompt logprobs (`echo` + `logprobs`: the scored prefill, one executable per bucket), then one request per decode
   kind (greedy; sampling; sampling with top-p / top-k cuts; the processed kind: penalties, bias, min_tokens and
-  logprobs), each long enough for a decode call. With questions admitted together (`max_admit_rows` > 1 and the
-  history's device tier): a document of the largest bucket less the smallest, then 1, 2, 4, ... questions of half
-  the smallest bucket over it at once (each batch size's prefill over the longest documents). The history it made is
-  cleared and the engine's counters zeroed, so /metrics counts client traffic only. Not compiled ahead: a history's
-  other extend prefills (one per history/question length pair, with sessions) and a context's feed lengths (library
-  `contexts`, not served). Call before the engine thread starts. Returns the seconds taken."""
+  logprobs), each long enough for a decode call. The history it made is cleared and the engine's counters zeroed,
+  so /metrics counts client traffic only. Not compiled ahead: a history's extend prefill (one per history/question
+  length pair, with sessions) and a context's feed lengths (library `contexts`, not served). Call before the engine
+  thread starts. Returns the seconds taken."""
   t0 = time.perf_counter()
 
   def run(request_id, prompt, sampling, what):
@@ -161,18 +159,6 @@ def warm_up(engine, log=None) -> float:
                                                                    repetition_penalty=1.1)))
   for j, (what, sampling) in enumerate(kinds):
     run(f"warmup-decode-{j}", prompt(buckets[0]), sampling, f"decode ({what})")
-  rows = min(getattr(engine.config, "max_admit_rows", 1), getattr(engine.config, "max_slots", 1))
-  history = getattr(engine, "history", None)
-  if rows > 1 and history is not None and history.max_device_bytes and len(buckets) > 1:
-    doc = prompt(buckets[-1] - buckets[0])
-    engine.remember(doc)
-    b = 1  # one alone too: a question that finds one slot free
-    while b <= rows:
-      for j in range(b):
-        engine.submit(Request(request_id=f"warmup-rows-{b}-{j}", prompt_ids=doc + prompt(max(1, buckets[0] // 2)),
-                              sampling=SamplingParams(max_tokens=1)))
-      run(f"warmup-rows-{b}", prompt(1), SamplingParams(max_tokens=1), f"{b} questions over a document at once")
-      b *= 2
   if getattr(engine, "history", None) is not None:
     engine.history.clear()
   engine.reset_counters()

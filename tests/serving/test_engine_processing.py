@@ -281,22 +281,6 @@ def test_questions_over_one_document_are_admitted_together(model):
       assert e.history.match(q.prompt_ids, "")[1] == len(q.prompt_ids)
 
 
-def test_warm_up_compiles_questions_admitted_together(model):
-  """The server's warm-up compiles each batch size of questions over a document of the largest bucket: a burst of
-  questions after it compiles nothing."""
-  from rocketkv_jax.serving.server import warm_up
-  kw = dict(KW, max_slots=4, max_prompt_tokens=256, prefill_buckets=(64, 256), history_bytes=2**24,
-            history_device_bytes=2**24, max_admit_rows=4)
-  e = Engine(model, Tok(), EngineConfig(**kw))
-  warm_up(e)
-  compiled = e.stats()["compiles"]
-  doc = prompt(190, 4)
-  e.remember(doc)
-  events = _events(e, [Request(f"q{i}", doc + prompt(40, 60 + i), SamplingParams(max_tokens=3)) for i in range(6)])
-  assert len(events) == 6 and e.stats()["compiles"] == compiled
-  assert any(len(k) == 4 and k[3] == 4 for k in e.device._executables._exes if k[0] == "extend")  # noqa: SLF001
-
-
 def test_ignore_eos(engine_rk):
   """ignore_eos: the model's EOS no longer ends the answer (it is kept as a token), the request's own stop ids
   still do."""
