@@ -679,11 +679,9 @@ def prefill_extend_layer_jit(graphdef, state, x_BTD, hist_k_BSKH, hist_v_BSKH, s
   [start, start + new_len)); queries exist only for the new tokens (zeros before), which is all a method
   reads when at least `config.prompt_queries` tokens are new."""
   blk = nnx.merge(graphdef, state)
-  B, T = x_BTD.shape[:2]
+  T = x_BTD.shape[1]
   pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   S = hist_k_BSKH.shape[1]
-  if hist_k_BSKH.shape[0] != B:  # one history [1, S, K, H] that every row continues (questions over a document)
-    hist_k_BSKH, hist_v_BSKH = (jnp.broadcast_to(h, (B,) + h.shape[1:]) for h in (hist_k_BSKH, hist_v_BSKH))
 
   def attend(q, k, v):
     k_all = place_rows(hist_k_BSKH, k, start_B)
@@ -752,9 +750,9 @@ def prefill_extend(model: Llama, tokens_BT, new_len_B, history, start_B, config,
 
   tokens [B, T]: the new tokens, right-padded (new_len valid per row), at positions start + i.
   history: per layer (k, v) [B, S, K, H] post-RoPE, valid in [0, start), S >= start + new_len (the padded
-    whole sequence), or [1, S, K, H]: one history every row continues; NumPy (host) or device arrays. Each
-    layer's pair is put on the device while earlier layers run (PREFETCH_LAYERS ahead, by worker threads), so
-    the device holds a few layers' history, never all of it. An entry may be None (nothing stored: zeros [B, seq_len, K, H] made on the device).
+    whole sequence); NumPy (host) or device arrays. Each layer's pair is put on the device while earlier
+    layers run (PREFETCH_LAYERS ahead, by worker threads), so the device holds a few layers' history, never
+    all of it. An entry may be None (nothing stored: zeros [B, seq_len, K, H] made on the device).
   The result equals `prefill` of the whole sequence (up to float rounding of a different attention
   reduction) when every row has at least `config.prompt_queries` new tokens: the history keeps keys and
   values, not queries. run_layer: a stand-in for `prefill_extend_layer_jit` taking its arguments

@@ -407,8 +407,7 @@ def _cmd_serve(args) -> int:
                                history_bytes=int(args.history_gb * 2**30), history_spill_dir=args.history_spill_dir,
                                history_disk_bytes=int(args.history_disk_gb * 2**30),
                                prefill_chunk_tokens=args.prefill_chunk_tokens,
-                               history_device_bytes=int(args.history_device_gb * 2**30),
-                               max_admit_rows=args.max_admit_rows, **kv_dtype_override(args))
+                               history_device_bytes=int(args.history_device_gb * 2**30), **kv_dtype_override(args))
   if args.sessions_dir is not None and not engine_config.history_bytes:
     raise FlagError("--sessions-dir needs a history: set --history-gb > 0")
   from .sessions import DirError, SessionsDir, check_writable
@@ -753,9 +752,6 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--history-device-gb", type=_number(float, low=0), default=0.0,
                  help="of the history, the most recent sessions' K/V kept on the device (GiB, default 0): a next "
                       "turn over them needs no copy from host memory")
-  s.add_argument("--max-admit-rows", type=count, default=1,
-                 help="with --history-device-gb: queued requests that continue the same stored prompt (questions "
-                      "over one document) are prefilled together, up to N in one call (default 1: one at a time)")
   s.add_argument("--history-spill-dir", default=None,
                  help="move history that no longer fits in host memory to files here (default: drop it)")
   s.add_argument("--history-disk-gb", type=_number(float, low=0), default=16.0,

@@ -162,9 +162,7 @@ class EngineConfig:
   host for a next turn over them; `history.py`), at most this many bytes. prefill_chunk_tokens: 0 prefills each
   admitted prompt whole inside one step; n > 0 prefills a prompt longer than n in chunks, one per step (chunked
   prefill, `scheduler.py`), each costing about what n tokens at the prompt's start cost (`DeviceEngine.chunks`),
-  so decoding slots never wait for a whole long prefill. max_admit_rows: queued requests that continue the same
-  history kept on the device (questions over one document) are prefilled together, up to this many in one call
-  (in powers of two; `scheduler.py`); 1 admits one at a time.
+  so decoding slots never wait for a whole long prefill.
   """
 
   method: str
@@ -181,14 +179,13 @@ class EngineConfig:
   method_overrides: tuple[tuple[str, object], ...]
   prefill_chunk_tokens: int
   history_device_bytes: int
-  max_admit_rows: int
 
   def __init__(self, method: str = "rocketkv", token_budget: int = 256, max_slots: int = 8,
                max_prompt_tokens: int = 2048, max_new_tokens: int = 256, steps_per_call: int = 4,
                prefill_buckets: Sequence[int] | None = None, max_queue: int = 64, history_bytes: int = 0,
                history_spill_dir: str | None = None, history_disk_bytes: int = 0,
                method_overrides: dict | Sequence[tuple[str, object]] | None = None, prefill_chunk_tokens: int = 0,
-               history_device_bytes: int = 0, max_admit_rows: int = 1, **overrides):
+               history_device_bytes: int = 0, **overrides):
     get_method(method)  # ValueError naming an unknown method
     check_int("token_budget", token_budget, MIN_TOKEN_BUDGET)
     for name, value, low in (("max_slots", max_slots, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
@@ -196,8 +193,7 @@ class EngineConfig:
                              ("max_queue", max_queue, 0), ("history_bytes", history_bytes, 0),
                              ("history_disk_bytes", history_disk_bytes, 0),
                              ("prefill_chunk_tokens", prefill_chunk_tokens, 0),
-                             ("history_device_bytes", history_device_bytes, 0),
-                             ("max_admit_rows", max_admit_rows, 1)):
+                             ("history_device_bytes", history_device_bytes, 0)):
       check_int(name, value, low)
     if prefill_buckets is None:
       buckets = default_buckets(max_prompt_tokens)
@@ -221,8 +217,7 @@ class EngineConfig:
                   steps_per_call=steps_per_call, prefill_buckets=buckets, max_queue=max_queue,
                   history_bytes=history_bytes, history_spill_dir=history_spill_dir,
                   history_disk_bytes=history_disk_bytes, method_overrides=tuple(sorted(merged.items())),
-                  prefill_chunk_tokens=prefill_chunk_tokens, history_device_bytes=history_device_bytes,
-                  max_admit_rows=max_admit_rows)
+                  prefill_chunk_tokens=prefill_chunk_tokens, history_device_bytes=history_device_bytes)
     for k, v in values.items():
       object.__setattr__(self, k, v)
 
@@ -436,12 +431,6 @@ def insert_jit(caches, logits_BV, one_caches, one_logits_1V, slot):
   return jax.tree.map(put, caches, one_caches), put(logits_BV, one_logits_1V)
 
 
-@jax.jit
-def row_jit(tree, b):
-  """Row b (a traced int32) of every array in tree, as a batch of one."""
-  return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, b, 1, axis=0), tree)
-
-
 # Of the device memory free beside the weights and the reserve, the share `slots_for_memory` leaves unused:
 # allocator fragmentation and the executables' own buffers, which memory statistics do not show before the first
 # compile (the serving benchmark's 'max' has kept 10% aside since 2026-12-01; it can retry with fewer slots after an
@@ -572,13 +561,8 @@ class DeviceEngine:
   def plan(self, n_prompt: int, max_tokens: int):
     """The `RowPlan` (batch 1) of a request of n_prompt tokens and max_tokens new ones under the engine's
     config. Raises ValueError naming the value when the paper's plan for that length is invalid."""
-    return self.plan_rows([n_prompt], [max_tokens])
-
-  def plan_rows(self, prompt_lens: Sequence[int], max_tokens: Sequence[int]):
-    """The `RowPlan` of a batch of requests, each row planned from its own prompt length and max_tokens
-    (`rocketkv_jax.plan_rows` under the engine's config)."""
-    return plan_rows(self.config.method, token_budget=self.config.token_budget, prompt_lens=list(prompt_lens),
-                     max_new_tokens=list(max_tokens), head_dim=self.model.config.head_dim,
+    return plan_rows(self.config.method, token_budget=self.config.token_budget, prompt_lens=[n_prompt],
+                     max_new_tokens=max_tokens, head_dim=self.model.config.head_dim,
                      max_len=self.model.config.max_len, config=self.method_config, **self._overrides).rows
 
   def bucket(self, n_tokens: int) -> int:
@@ -676,44 +660,20 @@ class DeviceEngine:
     S: the whole prompt's bucket. The new tokens are padded to their bucket, or after chunks (at most
     prefill_chunk_tokens + prompt_queries of them) to a power of two >= MIN_BUCKET: a 32k bucket would prefill
     the padding."""
-    m = len(new_ids)
+    m, cfg = len(new_ids), self.model.config
     T = min(S, max(MIN_BUCKET, 1 << (m - 1).bit_length())) if after_chunks else self.bucket(m)
-    return self._extend([new_ids], T, history, [start], S, rows)
-
-  def prefill_rows(self, new_ids_rows: Sequence[Sequence[int]], history: list, starts: Sequence[int], S: int,
-                   rows):
-    """Several prompts that continue one stored history (`history`: its view, per layer [1, S, K, H], valid at
-    least up to every start), row b from position starts[b] by its own new tokens (one list per row, all of one
-    bucket), prefilled in one call of batch B = len(new_ids_rows), each prompt compressed under its own plan
-    (`rows`: `plan_rows` of the B prompts): (their Prefilled, batch B, and the new tokens' per-layer (K, V)
-    [B, T, K, H]; `row` takes one out). One executable per (S, T, B): the scheduler admits B in 2, 4, 8, ...
-    (`EngineConfig.max_admit_rows`)."""
-    return self._extend(new_ids_rows, self.bucket(max(len(x) for x in new_ids_rows)), history, starts, S, rows)
-
-  def _extend(self, new_ids_rows, T: int, history: list, starts: Sequence[int], S: int, rows):
-    B, cfg = len(new_ids_rows), self.model.config
-    tokens = np.zeros((B, T), np.int32)
-    for b, ids in enumerate(new_ids_rows):
-      tokens[b, :len(ids)] = ids
-    lengths = np.array([len(x) for x in new_ids_rows], np.int32)
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :m] = new_ids
 
     def run_layer(graphdef, state, *args):
-      key = ("extend", S, T) if B == 1 else ("extend", S, T, B)
-      exe = self._compiled(key, lambda: llama.prefill_extend_layer_jit.lower(
+      exe = self._compiled(("extend", S, T), lambda: llama.prefill_extend_layer_jit.lower(
           graphdef, state, *args, cfg=cfg, config=self.method_config))
       return exe(state, *args)
 
-    logits, caches, new_kv = llama.prefill_extend(self.model, tokens, lengths, history,
-                                                  np.asarray(starts, np.int32), self.method_config, seq_len=S,
+    logits, caches, new_kv = llama.prefill_extend(self.model, tokens, np.array([m], np.int32), history,
+                                                  np.array([start], np.int32), self.method_config, seq_len=S,
                                                   run_layer=run_layer, rows=rows, layers=self._layers)
     return Prefilled(logits, caches), new_kv
-
-  def row(self, tree, b: int):
-    """Row b of every array in `tree` (a batched prefill's logits, caches and new K/V), as a batch of one: one
-    executable per tree's shapes, b traced."""
-    b_j = np.int32(b)
-    key = ("row",) + tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(tree))
-    return self._compiled(key, lambda: row_jit.lower(tree, b_j))(tree, b_j)
 
   def prefill_chunked(self, prompt_ids: Sequence[int], view: list, start: int, rows, *, keep_kv: bool = True):
     """A prompt's prefill over the K/V of its first `start` tokens (`view`: per layer (K, V) [1, S, K, H] with S

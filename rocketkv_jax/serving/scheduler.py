@@ -23,12 +23,6 @@ less the last `prompt_queries` tokens, whose queries stage 1 reads and which are
 `Context` (`compress_context`) is query-agnostic reuse: requests continue copies of its cache. Prompt logprobs
 need a scoring prefill of the whole prompt: such a request neither reuses nor adds to the history.
 
-Questions together (`EngineConfig.max_admit_rows`, with the history's device tier): queued requests that continue
-the same stored path (many questions over one document) are prefilled in one call of 2, 4, 8, ... rows
-(`DeviceEngine.prefill_rows`: the document's view built once, the weights read once, each question from its own
-reused length and compressed under its own plan), then inserted one by one. Taken in arrival order from the head of the queue, up to the first request
-that differs.
-
 The history's host copy: a new prompt's K/V reaches host memory off its path to the first token. Admission starts
 the device-to-host copy and inserts the request; one worker thread waits for the copy and adds it to the history
 while the slots decode (measured on an H100: 2.55 s per 32k prompt, which every such request's first token waited
@@ -343,79 +337,6 @@ class Engine:
           self._store(ids, new_kv, r, request.cache_salt)
       yield tokens, Prefilled(*p, request, cached=r)
 
-  def _waited(self, request: Request) -> float:
-    """Seconds the request queued (its arrival time forgotten)."""
-    arrived = self._arrived.pop(request.request_id, None)
-    return time.monotonic() - arrived if arrived is not None else 0.0
-
-  def _shared_start(self, request: Request):
-    """((stored segment, the prompt's bucket, its new tokens' bucket), reused tokens) when a batched admission can
-    take the request (a plain prompt over a stored history, its rest in one chunk); else None. Requests with equal
-    keys continue the same stored path (each from its own reused length) and compile alike."""
-    if request.context is not None or request.sampling.prompt_logprobs is not None:
-      return None
-    ids = request.prompt_ids
-    seg, common = self.history.match(ids, request.cache_salt)
-    r = self._reuse(len(ids), common)
-    if r == 0 or len(self.device.chunks(len(ids) - r, r)) != 1:
-      return None
-    return (seg, self.device.bucket(len(ids)), self.device.bucket(len(ids) - r)), r
-
-  def _rows_with(self, request: Request):
-    """(the requests to admit together, their reused lengths, their shared key) for `request`, just taken from the
-    queue, and the queued requests after it that continue the same stored path (`_shared_start`): up to
-    max_admit_rows and the free slots, a power of two of them (one executable per count), taken in arrival order
-    up to the first that differs; None when no other request joins it (it is admitted alone)."""
-    limit = min(self.config.max_admit_rows, self._slots.count(None))
-    if limit < 2 or not self._queue or self.history is None or not self.history.max_device_bytes:
-      return None
-    self._settle()
-    first = self._shared_start(request)
-    if first is None:
-      return None
-    key, r = first
-    group, reused = [request], [r]
-    while self._queue and len(group) < limit and self._queue[0].cache_salt == request.cache_salt:
-      nxt = self._shared_start(self._queue[0])
-      if nxt is None or nxt[0] != key:
-        break
-      group.append(self._queue.popleft())
-      reused.append(nxt[1])
-    keep = 1 << (len(group).bit_length() - 1)
-    for extra in reversed(group[keep:]):  # back to the queue's head, in order
-      self._queue.appendleft(extra)
-    return (group[:keep], reused[:keep], key) if keep > 1 else None
-
-  def _admit_rows(self, group: list, reused: list, key) -> int:
-    """Prefills `group` (requests continuing one stored path, each from its own reused length: `_rows_with`) in
-    one call over the path's view, each compressed under its own plan, and inserts each into a free slot with its
-    new K/V added to the history; a failure fails every request of the group not inserted yet. Returns the prompt
-    tokens prefilled."""
-    seg, S, _ = key
-    waited = {q.request_id: self._waited(q) for q in group}
-    inserted = set()
-    try:
-      rows = self.device.plan_rows([len(q.prompt_ids) for q in group], [q.sampling.max_tokens for q in group])
-      view = self.history.view(seg, max(reused), S)  # a row reads its history up to its own start only
-      p, new_kv = self.device.prefill_rows([list(q.prompt_ids[r:]) for q, r in zip(group, reused)], view, reused,
-                                           S, rows)
-      for b, (q, r) in enumerate(zip(group, reused)):
-        logits, caches, kv = self.device.row((p[0], p[1], new_kv), b)
-        self._reused += r
-        self._prefilled += len(q.prompt_ids) - r
-        self.history.add(q.prompt_ids, [k for k, _ in kv], [v for _, v in kv], r, q.cache_salt)
-        slot = self._slots.index(None)
-        self.insert(Prefilled(logits, caches, q, cached=r), slot)
-        self._slots[slot].queued_s = waited[q.request_id]
-        inserted.add(q.request_id)
-    except Exception as e:  # noqa: BLE001 - these requests fail; the others decode on
-      log.exception("requests %s failed in their prefill", [q.request_id for q in group])
-      for q in group:
-        if q.request_id not in inserted:
-          self._pending.append(TokenEvent(q.request_id, [], "", True, "error", prompt_tokens(q), 0,
-                                          error=f"{type(e).__name__}: {e}"))
-    return sum(len(q.prompt_ids) - r for q, r in zip(group, reused))
-
   def _admission(self, request: Request):
     """The generator of (prompt tokens prefilled, Prefilled or None) that admits a request: `_fill`'s chunks
     when the request is prefilled over the history or chunked, else its whole prefill at once."""
@@ -595,11 +516,9 @@ class Engine:
             and (self._inflight is not None or any(a is not None for a in self._slots))):
           break  # the next admission waits for the store in flight (module doc); the slots decode meanwhile
         req = self._queue.popleft()
-        rows = self._rows_with(req)
-        if rows is not None:  # questions over one document on the device, prefilled together (module doc)
-          spent += self._admit_rows(*rows)
-          continue
-        self._filling = (req, None, self._waited(req), False)
+        arrived = self._arrived.pop(req.request_id, None)
+        waited = time.monotonic() - arrived if arrived is not None else 0.0
+        self._filling = (req, None, waited, False)
       req, fill, waited, chunked = self._filling
       try:
         if fill is None:

@@ -257,30 +257,6 @@ def test_device_history_tier(model, tmp_path):
   assert again == want
 
 
-def test_questions_over_one_document_are_admitted_together(model):
-  """max_admit_rows: questions queued over one document kept on the device are prefilled in one call of 2 or 4
-  rows (a power of two, up to the free slots), each compressed under its own plan: the answers, cached counts and
-  stored K/V are those of one-at-a-time admission. A question over another document, or past the slots, waits."""
-  kw = dict(KW, max_slots=8, max_prompt_tokens=400, history_bytes=2**24, history_device_bytes=2**24)
-  doc = prompt(200, 3)
-  qs = [Request(f"q{i}", doc + prompt(20 + i, 50 + i), SamplingParams(max_tokens=5 + i)) for i in range(6)]
-  qs.insert(5, Request("other", prompt(220, 9), SamplingParams(max_tokens=4)))
-  one = Engine(model, Tok(), EngineConfig(**kw))
-  rows = Engine(model, Tok(), EngineConfig(**dict(kw, max_admit_rows=4)))
-  runs = {}
-  for name, e in (("one", one), ("rows", rows)):
-    e.remember(doc)
-    events = _events(e, qs)
-    runs[name] = {k: (_tokens(v), v[-1].cached_tokens) for k, v in events.items()}
-  assert runs["rows"] == runs["one"] and all(c > 150 for k, (_, c) in runs["one"].items() if k != "other")
-  keys = [k for k in rows.device._executables._exes if k[0] == "extend"]  # noqa: SLF001
-  assert sorted(len(k) == 4 and k[3] for k in keys if len(k) == 4) == [4]  # q0-q3 together, then q4 alone
-  assert not [k for k in one.device._executables._exes if k[0] == "extend" and len(k) == 4]  # noqa: SLF001
-  for q in qs:  # every question's K/V stored, as one-at-a-time admission stores it
-    for e in (one, rows):
-      assert e.history.match(q.prompt_ids, "")[1] == len(q.prompt_ids)
-
-
 def test_ignore_eos(engine_rk):
   """ignore_eos: the model's EOS no longer ends the answer (it is kept as a token), the request's own stop ids
   still do."""
