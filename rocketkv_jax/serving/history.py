@@ -300,8 +300,8 @@ class HistoryStore:
   def add(self, prompt, new_k, new_v, reused: int, salt: str = "") -> Segment | None:
     """Stores the K/V of prompt positions [reused, len(prompt)) (new_k / new_v: per layer [n, K, H], or
     [1, n, K, H] as a batch of one, with n >= len(prompt) - reused, or longer, padding ignored) for requests of this
-    salt. Only what no stored path of the salt already holds is kept. Device arrays stay on the device while the device tier has room (module doc);
-    anything else is copied to host memory. Returns the segment that holds the whole prompt (None if it did not
+    salt. Only what no stored path of the salt already holds is kept. Device arrays stay on the device while the
+    device tier has room (module doc); anything else is copied to host memory. Returns the segment that holds the whole prompt (None if it did not
     fit)."""
     prompt = np.asarray(prompt, np.int32)
     n = len(prompt)
