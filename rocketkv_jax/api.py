@@ -155,7 +155,7 @@ def _check_leaves(cache, config, model_dtype) -> tuple[int, int, int, int]:
   for name in ("length", "pos", "state.positions", "state.row_topr", "state.row_page_size"):
     if name in shapes and leaves[name].dtype != jnp.int32:
       raise ValueError(f"cache.{name}.dtype={leaves[name].dtype} must be int32")
-  for name in ("state.scores", "state.v_sum", "k_scale", "v_scale"):
+  for name in ("state.scores", "state.v_sum", "k_scale", "v_scale", "k_mean"):
     if name in shapes and leaves[name].dtype != jnp.float32:
       raise ValueError(f"cache.{name}.dtype={leaves[name].dtype} must be float32")
   if cache.v.dtype != cache.k.dtype:

@@ -14,7 +14,7 @@ import numpy as np
 
 from rocketkv_jax import ops
 from rocketkv_jax.kernels.checks import kt_num_pages
-from rocketkv_jax.kernels.kv_quant import dequantize, kv_scale, quantize
+from rocketkv_jax.kernels.kv_quant import dequantize, key_mean, kv_scale, quantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,10 @@ class KVCache:
 
   k, v: [B, K, S, H] post-RoPE keys and values at the method's capacity S. Each KV head holds its own
     token set; slots [0, length) are valid. In the model's dtype, or FP8 (`kv_cache_dtype`), read with:
-  k_scale, v_scale: [B, K] float32, an FP8 cache's scale per (sequence, KV head) (`kernels/kv_quant.py`: a value
-    reads as k.astype(f32) * k_scale); None when K/V are not quantized (any method may store FP8).
+  k_scale, v_scale: [B, K] float32, an FP8 cache's scale per (sequence, KV head), and
+  k_mean: [B, K, H] float32, its keys' prompt mean per channel (`kernels/kv_quant.py`: a key reads as
+    k.astype(f32) * k_scale + k_mean, a value as v.astype(f32) * v_scale); None when K/V are not quantized (any
+    method may store FP8).
   length: [B] int32, valid slots (the same for every KV head of a sequence).
   pos: [B] int32, absolute position of the next token = tokens seen so far, kept or evicted.
   state: the method's extra leaves, a registered dataclass pytree of the class its config names
@@ -69,7 +71,7 @@ class KVCache:
   spec: static (not a leaf): the method and config fields that built the cache; `decode_step` refuses a
     config whose spec differs.
 
-  The fields are in the order k, v, length, pos, state, k_scale, v_scale, so the flattened leaves keep the
+  The fields are in the order k, v, length, pos, state, k_scale, v_scale, k_mean, so the flattened leaves keep the
   order they had when every method's leaves were fields of KVCache itself.
   """
 
@@ -80,6 +82,7 @@ class KVCache:
   state: object | None = None
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
+  k_mean: jax.Array | None = None
   spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -89,7 +92,7 @@ class KVCache:
 
 def cache_leaves(cache: KVCache) -> dict:
   """Every array field of `cache` by name, None where unset, in pytree order: the shared ones (k, v, length,
-  pos, k_scale, v_scale) and each field of the method's state as "state.<field>" (no entry for a None state).
+  pos, k_scale, v_scale, k_mean) and each field of the method's state as "state.<field>" (no entry for a None state).
   These are the names `MethodConfig.cache_shapes` uses and the checks' messages say."""
   out = {}
   for f in dataclasses.fields(cache):
@@ -145,8 +148,11 @@ def check_alive(name: str, cache) -> None:
 
 
 def read_keys(cache: KVCache) -> jax.Array:
-  """cache.k as its values: dequantized to float32 for an FP8 cache, as stored otherwise."""
-  return cache.k if cache.k_scale is None else dequantize(cache.k, cache.k_scale[:, :, None, None])
+  """cache.k as its values: dequantized to float32 and the key mean added back for an FP8 cache, as stored
+  otherwise."""
+  if cache.k_scale is None:
+    return cache.k
+  return dequantize(cache.k, cache.k_scale[:, :, None, None]) + cache.k_mean[:, :, None, :]
 
 
 def read_values(cache: KVCache) -> jax.Array:
@@ -198,8 +204,9 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, 
   after), at the config's capacity, with the method's state (`config.init_state`) from its leaves: KT pages
   when the method keeps them, each sequence's own plan (`rows`, a `RowPlan`; None: every sequence the
   config's) where the method plans per row, and `extras` (other leaves of the state, by field name). With an
-  FP8 `kv_cache_dtype`, K and V are stored quantized at scales from the full-precision prompt (every valid
-  token of it, kept or not: `kv_quant.kv_scale`), and the KT pages are the full-precision keys'."""
+  FP8 `kv_cache_dtype`, the keys are centred on their full-precision prompt mean (`kv_quant.key_mean`), and K
+  and V are stored quantized at scales from the full-precision prompt (every valid token of it, kept or not:
+  `kv_quant.kv_scale`); the KT pages are the full-precision centred keys'."""
   capacity = config.capacity
   m = keep_BKM.shape[-1]
   valid = slot_valid(count_B, m)[:, None, :, None]
@@ -209,18 +216,21 @@ def kept_cache(config, k_BTKH, v_BTKH, keep_BKM, count_B, lengths_B, rows=None, 
     x = jnp.where(valid, x, jnp.zeros((), x.dtype))
     return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - m), (0, 0)))
 
+  model_dtype, scales = k_BTKH.dtype, {}
+  if config.kv_scaled:
+    b, t, n_kv, _ = k_BTKH.shape
+    prompt_BKT = jnp.broadcast_to(slot_valid(lengths_B, t)[:, None, :], (b, n_kv, t))
+    scales["k_mean"] = key_mean(k_BTKH.transpose(0, 2, 1, 3), prompt_BKT)
+    k_BTKH = k_BTKH.astype(jnp.float32) - scales["k_mean"][:, None]  # centred: the kept keys, pages and scale
   k, v = place(k_BTKH), place(v_BTKH)
   length = count_B.astype(jnp.int32)
   leaves = dict(config.row_leaves(k.shape[0], rows), **extras)
   if config.uses_kt_pages:
     leaves["kt_min"], leaves["kt_max"] = build_kt_pages(
-        k, length, config.page_size, config.kt_dtype(k.dtype), num_pages=config.num_kt_pages,
+        k, length, config.page_size, config.kt_dtype(model_dtype), num_pages=config.num_kt_pages,
         page_size_B=leaves.get("row_page_size"))
-  scales = {}
   if config.kv_scaled:
-    dtype = config.kv_dtype(k.dtype)
-    prompt_BKT = jnp.broadcast_to(slot_valid(lengths_B, k_BTKH.shape[1])[:, None, :],
-                                  (k.shape[0], k.shape[1], k_BTKH.shape[1]))
+    dtype = config.kv_dtype(model_dtype)
     scales["k_scale"] = kv_scale(k_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
     scales["v_scale"] = kv_scale(v_BTKH.transpose(0, 2, 1, 3), prompt_BKT, dtype)
     k = quantize(k, scales["k_scale"][:, :, None, None], dtype)
@@ -244,6 +254,8 @@ def append_choosing_at(cache: KVCache, k_new_BKH, v_new_BKH, slot, config, q_BKG
 
 def _append(cache, k_new_BKH, v_new_BKH, slot, config, **choose):
   state = cache.state  # a PageState when the method keeps KT pages
+  if cache.k_mean is not None:  # an FP8 cache holds (and its KT pages fold) the centred key
+    k_new_BKH = (k_new_BKH.astype(jnp.float32) - cache.k_mean).astype(k_new_BKH.dtype)
   pages = (state.kt_min, state.kt_max) if config.uses_kt_pages else ()
   if choose:
     choose["topr_B"] = state.row_topr

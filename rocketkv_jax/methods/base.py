@@ -85,9 +85,10 @@ def kv_itemsize(config, itemsize: int) -> int:
   return jnp.dtype(config.kv_cache_dtype).itemsize if config.kv_scaled else itemsize
 
 
-def kv_scale_bytes(config) -> int:
-  """Bytes of the scales a step reads per KV head, sequence and layer: k_scale and v_scale (float32) when FP8."""
-  return 8 if config.kv_scaled else 0
+def kv_scale_bytes(config, head_dim: int) -> int:
+  """Bytes of the scales a step reads per KV head, sequence and layer when FP8: k_scale and v_scale (float32),
+  and the key mean (float32 per channel) the new key is centred on."""
+  return 8 + 4 * head_dim if config.kv_scaled else 0
 
 
 def valid_slots(cache: KVCache):
@@ -299,7 +300,7 @@ class Dense(Selector):
 
   def step_read_bytes(self, config, length, *, head_dim, itemsize):
     """Every held K/V pair (and an FP8 cache's scales; ALGORITHM.md §3, §5)."""
-    return min(length, config.capacity) * 2 * head_dim * kv_itemsize(config, itemsize) + kv_scale_bytes(config)
+    return min(length, config.capacity) * 2 * head_dim * kv_itemsize(config, itemsize) + kv_scale_bytes(config, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +330,7 @@ class TopK(Selector):
   def step_read_bytes(self, config, length, *, head_dim, itemsize):
     """The scoring reads (`score_read_bytes`) plus K, V and an int32 index per attended token (and an FP8
     cache's scales)."""
-    attend = min(config.topk, length) * (2 * head_dim * kv_itemsize(config, itemsize) + 4) + kv_scale_bytes(config)
+    attend = min(config.topk, length) * (2 * head_dim * kv_itemsize(config, itemsize) + 4) + kv_scale_bytes(config, head_dim)
     return self.score_read_bytes(config, length, head_dim=head_dim, itemsize=itemsize) + attend
 
   def score_read_bytes(self, config, length: int, *, head_dim: int, itemsize: int) -> int:
@@ -402,7 +403,7 @@ class MethodConfig:
 
   @property
   def kv_scaled(self) -> bool:
-    """Whether K/V are stored in FP8 with scales (the cache's k_scale / v_scale leaves)."""
+    """Whether K/V are stored in FP8 with scales (the cache's k_scale / v_scale / k_mean leaves)."""
     return self.kv_cache_dtype is not None and is_quantized(self.kv_cache_dtype)
 
   def kv_dtype(self, model_dtype) -> jnp.dtype:
@@ -538,6 +539,7 @@ class MethodConfig:
       shapes["state." + name] = (batch,)
     if self.kv_scaled:
       shapes["k_scale"] = shapes["v_scale"] = (batch, n_kv_heads)
+      shapes["k_mean"] = (batch, n_kv_heads, head_dim)
     shapes.update(self.policy.state_shapes(self, batch, n_kv_heads, head_dim))
     shapes.update(self.selector.state_shapes(self, batch, n_kv_heads, head_dim))
     return shapes

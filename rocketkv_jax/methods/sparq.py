@@ -66,8 +66,9 @@ class SparQSelector(TopK):
     # each sequence's own top-r (cache.state.row_topr <= r): its first channels by rank, the rest count for nothing
     qr = jnp.where((jnp.arange(r) < cache.state.row_topr[:, None])[:, None, None, :], qr, 0.0)
     k_r = jnp.take_along_axis(cache.k, channels_BKR[:, :, None, :], axis=-1).astype(jnp.float32)  # [B, K, S, R]
-    if cache.k_scale is not None:  # an FP8 cache: the chosen channels' values
-      k_r = dequantize(k_r, cache.k_scale[:, :, None, None])
+    if cache.k_scale is not None:  # an FP8 cache: the chosen channels' values, the key mean added back
+      k_r = (dequantize(k_r, cache.k_scale[:, :, None, None])
+             + jnp.take_along_axis(cache.k_mean, channels_BKR, axis=-1)[:, :, None, :])
     s = jnp.einsum("BKGR,BKSR->BKGS", qr, k_r, precision="highest")
     tau = jnp.sqrt(q_BKGH.shape[-1] * jnp.abs(qr).sum(-1) / jnp.abs(qf).sum(-1))  # [B, K, G]
     valid_S = valid_slots(cache)[:, None, None, :]

@@ -102,8 +102,9 @@ def test_fp8_kt_default(method):
 @pytest.mark.parametrize("method,t,T,lengths", CASES[:9] + CASES[10:11])
 def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   """An FP8 cache decodes as the same method over a full-precision cache holding the dequantized values: the same
-  stage-1 keep, KT pages (both from the full-precision prompt), scores and outputs. The decode tokens are put on
-  the FP8 grid, so that storing them is exact and the two caches stay equal."""
+  stage-1 keep, KT pages (both from the full-precision prompt; the FP8 cache's from the keys centred on their
+  mean, so each page is shifted by it), scores and outputs. The decode tokens are put on the FP8 grid, so that
+  storing them is exact and the two caches stay equal."""
   n_steps = 4
   c32 = plan_config(method, t, T, n_steps)
   # The KT pages in the keys' dtype in both (under FP8 K/V they default to float8_e5m2: test_fp8_kt_default)
@@ -115,7 +116,13 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   assert cache8.k.dtype == jnp.float8_e4m3fn and cache8.k_scale.shape == (len(lengths), k.shape[2])
   leaves8, leaves32 = cache_leaves(cache8), cache_leaves(cache32)
   assert type(cache8.state) is type(cache32.state) and set(leaves8) == set(leaves32)
-  for name in set(leaves8) - {"k", "v", "k_scale", "v_scale", "state.v_sum"}:
+  assert leaves32["k_mean"] is None and cache8.k_mean.shape == (len(lengths), k.shape[2], H)
+  pages = {"state.kt_min", "state.kt_max"} & set(leaves8)
+  for name in pages:  # a page's min / max of the centred keys: the page's own, shifted by the key mean
+    kt8, kt32 = np.asarray(leaves8[name]), np.asarray(leaves32[name])
+    shifted = kt8 + np.asarray(cache8.k_mean)[..., None]
+    np.testing.assert_allclose(np.where(kt8 == 0, kt32, shifted), kt32, rtol=1e-6, atol=1e-6, err_msg=name)
+  for name in set(leaves8) - {"k", "v", "k_scale", "v_scale", "k_mean", "state.v_sum"} - pages:
     a, b = leaves8[name], leaves32[name]
     assert (a is None) == (b is None), name
     if a is not None:
@@ -124,14 +131,16 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   if "state.v_sum" in leaves8:  # (each cache is donated to its own steps)
     held = replace_leaves(held, **{"state.v_sum": jnp.copy(leaves8["state.v_sum"])})
   qs, ks, vs = _steps(7, len(lengths), n_steps)
-  ks = jnp.stack([_on_grid(x, cache8.k_scale, cache8.k.dtype) for x in ks])
+  ks = jnp.stack([_on_grid(x - cache8.k_mean, cache8.k_scale, cache8.k.dtype) + cache8.k_mean for x in ks])
   vs = jnp.stack([_on_grid(x, cache8.v_scale, cache8.v.dtype) for x in vs])
   got, end8 = decode_steps(c8, cache8, (qs, ks, vs))
   want, end32 = decode_steps(c32, held, (qs, ks, vs))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(read_keys(end8)), np.asarray(end32.k))
-  if "state.kt_min" in cache_leaves(end8):
-    np.testing.assert_array_equal(np.asarray(end8.state.kt_min), np.asarray(end32.state.kt_min))
+  if pages:
+    kt8, kt32 = np.asarray(end8.state.kt_min), np.asarray(end32.state.kt_min)
+    shifted = kt8 + np.asarray(end8.k_mean)[..., None]
+    np.testing.assert_allclose(np.where(kt8 == 0, kt32, shifted), kt32, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -149,6 +158,24 @@ def test_full_budget_fp8_is_close_to_dense(method, dtype):
   print(f"{method} {dtype} relative error {err:.4f}")
   assert err < FP8_TOLERANCE[dtype], (method, dtype, err)
   assert cache.k.dtype == jnp.dtype(dtype) and cache.k.nbytes == cache.k.size  # 1 byte per element
+
+
+@pytest.mark.parametrize("method", ["full", "rocketkv", "sparq"])
+def test_key_offsets_cost_nothing(method):
+  """Keys with large per-channel offsets (as a k_proj bias gives: Qwen2's layer-0 keys sit ~24 standard deviations
+  off zero) decode within FP8's usual error: the cache stores them centred on their prompt mean. Stored as they
+  are, the offsets would set the scale and their rounding (~3% of 60 per element) would swamp the logits."""
+  T, lengths, n_steps = 120, [120, 70], 3
+  t = 2 * (T + n_steps)
+  q, k, v = _inputs(13, 2, T)
+  qs, ks, vs = _steps(13, 2, n_steps)
+  offset = jnp.zeros(H).at[:4].set(jnp.array([60.0, -45.0, 30.0, 50.0]))
+  k, ks = k + offset, ks + offset
+  steps = (qs, ks, vs)
+  ours, _ = run_steps(plan_config(method, t, T, n_steps, kv_cache_dtype=E4M3), q, k, v, lengths, steps)
+  dense, _ = run_steps(plan_config("full", t, T, n_steps), q, k, v, lengths, steps)
+  err = np.linalg.norm(ours - dense) / np.linalg.norm(dense)
+  assert err < FP8_TOLERANCE[E4M3], (method, err)
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -199,37 +226,43 @@ def test_kernels_match_xla_fp8(method):
 
 
 def test_scales_come_from_the_whole_prompt():
-  """k_scale = amax over the prompt's valid tokens (kept or evicted) / 448; a zero head gets 1."""
+  """k_mean = the mean key over the prompt's valid tokens (kept or evicted), per channel; k_scale = amax of the
+  centred keys / 448, v_scale = amax of the values / 448; a zero head gets 1."""
   T, lengths = 200, [200, 120]
   config = plan_config("snapkv", 64, T, 2, kv_cache_dtype=E4M3)
   q, k, v = _inputs(4, 2, T)
   k = k.at[:, :, 1].set(0.0)  # KV head 1: all zeros
   cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths), config=config)
   for b, L in enumerate(lengths):
-    np.testing.assert_allclose(float(cache.k_scale[b, 0]), float(jnp.abs(k[b, :L, 0]).max()) / 448, rtol=1e-6)
+    mean = k[b, :L, 0].mean(axis=0)
+    np.testing.assert_allclose(np.asarray(cache.k_mean[b, 0]), np.asarray(mean), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(cache.k_scale[b, 0]), float(jnp.abs(k[b, :L, 0] - mean).max()) / 448,
+                               rtol=1e-5)
     np.testing.assert_allclose(float(cache.v_scale[b, 1]), float(jnp.abs(v[b, :L, 1]).max()) / 448, rtol=1e-6)
-    assert float(cache.k_scale[b, 1]) == 1.0
+    assert float(cache.k_scale[b, 1]) == 1.0 and not np.asarray(cache.k_mean[b, 1]).any()
 
 
 def test_read_bytes_and_cache_bytes():
   c16 = plan_config("rocketkv", 256, 4000, 32)
   c8 = dataclasses.replace(c16, kv_cache_dtype=E4M3)
-  # Each attended K and V element goes to 1 byte, plus the two float32 scales; the KT values the scoring reads
+  # Each attended K and V element goes to 1 byte, plus the two float32 scales and the key mean (H float32) the new
+  # key is centred on; the KT values the scoring reads
   # (ceil(3000 / page_size) pages x topr channels) go from the keys' 2 bytes to float8_e5m2's 1, unless
   # kt_cache_dtype keeps them
   m, kt_values = min(c16.topk, 3000), -(-3000 // c16.page_size) * c16.topr
   assert c8.step_read_bytes(3000, head_dim=H, itemsize=2) == \
-      c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8 - kt_values
+      c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8 + 4 * H - kt_values
   c8_kt16 = dataclasses.replace(c8, kt_cache_dtype="bfloat16")
   assert c8_kt16.step_read_bytes(3000, head_dim=H, itemsize=2) == \
-      c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8
+      c16.step_read_bytes(3000, head_dim=H, itemsize=2) - m * 2 * H + 8 + 4 * H
   full16, full8 = plan_config("full", 64, 100, 4), plan_config("full", 64, 100, 4, kv_cache_dtype=E5M2)
-  assert full8.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H + 8
+  assert full8.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H + 8 + 4 * H
   assert full16.step_read_bytes(50, head_dim=H, itemsize=2) == 50 * 2 * H * 2
   q, k, v = _inputs(0, 2, 100, jnp.bfloat16)
   a = rk.prefill_compress(q, k, v, jnp.array([100, 50]), config=full16)
   b = rk.prefill_compress(q, k, v, jnp.array([100, 50]), config=full8)
-  assert rk.cache_nbytes(b) == rk.cache_nbytes(a) - (a.k.nbytes + a.v.nbytes) // 2 + 2 * (2 * k.shape[2] * 4)
+  assert rk.cache_nbytes(b) == \
+      rk.cache_nbytes(a) - (a.k.nbytes + a.v.nbytes) // 2 + 2 * (2 * k.shape[2] * 4) + 2 * k.shape[2] * H * 4
 
 
 def test_decode_checks_the_fp8_cache():

@@ -48,11 +48,11 @@ def test_generate_with_an_fp8_kv_cache(tiny_gguf, capsys):
   plain, _ = run_json(capsys, args)
   fp8, _ = run_json(capsys, args + ["--kv-cache-dtype", "fp8"])
   assert 1 <= len(fp8["token_ids"]) <= 4
-  # K and V go from 4 bytes per element to 1, plus one float32 scale each per (sequence, layer, KV head); the
-  # lengths and plan leaves are unchanged
+  # K and V go from 4 bytes per element to 1, plus one float32 scale each per (sequence, layer, KV head) and the
+  # key mean (head_dim float32 per (sequence, layer, KV head)); the lengths and plan leaves are unchanged
   from tests.helpers.checkpoints import CFG
   kv_elements = 2 * CFG.n_layers * CFG.n_kv_heads * plain["stats"]["capacity"] * CFG.head_dim
-  scales = 2 * CFG.n_layers * CFG.n_kv_heads * 4
+  scales = 2 * CFG.n_layers * CFG.n_kv_heads * 4 + CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
   assert fp8["stats"]["capacity"] == plain["stats"]["capacity"]
   # and the KT pages (2 x layers x KV heads x head_dim x some P pages) from the keys' 4 bytes to float8_e5m2's 1
   # (the FP8 default, `MethodConfig.kt_storage`)
