@@ -42,7 +42,8 @@ SOURCES = {
   "serve_max": f"{RESULTS}/h200_2026-12-05/serve32max.jsonl",
   "turn2_device": f"{RESULTS}/h200_2026-12-05/serve_turn2dev_arrive.jsonl",
   "prefill_flops": f"{RESULTS}/h200_2026-12-05/prefill_flops.jsonl",
-  "fp8_accuracy": f"{RESULTS}/fp8_accuracy_cpu_2026-12-05/smol_fp8_2k.md",
+  "fp8_accuracy": f"{RESULTS}/fp8_centred_qwen_h100_2026-12-06/qwen_fp8c.md",
+  "fp8_accuracy_smol": f"{RESULTS}/fp8_centred_cpu_2026-12-06/smol_fp8c_2k.md",
   "h100_fp8kt": f"{RESULTS}/h100_2026-12-05/decode_fp8kt_32k.jsonl",
   "h100_arrive": f"{RESULTS}/h100_2026-12-05/serve_arrive_cost_chunks.jsonl",
   "h100_arrive_uniform": f"{RESULTS}/h100_2026-12-05/serve_arrive_uniform_chunks_33bc5aa.jsonl",
@@ -510,12 +511,19 @@ def fp8_section() -> list[str]:
 
 
 def fp8_accuracy_section() -> list[str]:
-  rel = SOURCES["fp8_accuracy"]
-  lines = _read(rel).splitlines()
-  meta = [line for line in lines if line.startswith("- ")][:4]
-  heading = next(line for line in lines if line.startswith("## Headline"))
-  return ["## Accuracy with FP8 K/V: SmolLM2-135M, CPU (2026-12-05)", "", f"Source: {_link(rel)}.", "",
-          *_meta_lines(meta), "", *_md_section(_read(rel), heading), ""]
+  out = ["## Accuracy with FP8 K/V, keys centred: Qwen2.5-Coder-1.5B (one H100) and SmolLM2-135M (CPU), 2026-12-06",
+         "", "K/V in float8_e4m3fn with the keys centred on their prompt mean (docs/ALGORITHM.md, \"Extension: FP8 "
+         "K/V storage\") against the model's dtype, on the same prompts; the variants' paired differences are in "
+         "each source's \"Variants against their base method\".", ""]
+  for key, name in (("fp8_accuracy", "Qwen2.5-Coder-1.5B-Instruct, bf16 weights, one H100"),
+                    ("fp8_accuracy_smol", "SmolLM2-135M-Instruct, float32, CPU")):
+    rel = SOURCES[key]
+    lines = _read(rel).splitlines()
+    meta = [line for line in lines if line.startswith("- ")][:4]
+    heading = next(line for line in lines if line.startswith("## Headline"))
+    out += [f"### {name}", "", f"Source: {_link(rel)}.", "", *_meta_lines(meta), "",
+            *_md_section(_read(rel), heading), ""]
+  return out
 
 
 # ---------------------------------------------------------------------------------------------------- issue 37

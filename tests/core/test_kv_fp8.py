@@ -300,5 +300,7 @@ def test_pallas_fp8_matches_xla_gpu(method, dtype):
   want, cw = run_steps(xla, q, k, v, lengths, steps)
   got, cg = run_steps(dataclasses.replace(xla, impl="pallas"), q, k, v, lengths, steps)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
-  # a GPU's division may round a stored value to the neighbouring FP8 step
-  np.testing.assert_allclose(np.asarray(cg.k.astype(jnp.float32)), np.asarray(cw.k.astype(jnp.float32)), rtol=0.13)
+  # a GPU's division may round a stored value to the neighbouring FP8 step: 2^-mantissa bits apart (e4m3fn 1/8,
+  # e5m2 1/4), or one subnormal step near zero (the centred keys hold many small values)
+  step = dict(rtol=1.04 * 2.0 ** -jnp.finfo(dtype).nmant, atol=float(jnp.finfo(dtype).smallest_subnormal))
+  np.testing.assert_allclose(np.asarray(cg.k.astype(jnp.float32)), np.asarray(cw.k.astype(jnp.float32)), **step)
