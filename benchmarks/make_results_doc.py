@@ -511,7 +511,8 @@ def fp8_section() -> list[str]:
 
 
 def fp8_accuracy_section() -> list[str]:
-  out = ["## Accuracy with FP8 K/V, keys centred: Qwen2.5-Coder-1.5B (one H100) and SmolLM2-135M (CPU), 2026-12-06",
+  title = "Accuracy with FP8 K/V, keys centred: Qwen2.5-Coder-1.5B (one H100) and SmolLM2-135M (CPU), 2026-12-06"
+  out = [f"## {title}",
          "", "K/V in float8_e4m3fn with the keys centred on their prompt mean (docs/ALGORITHM.md, \"Extension: FP8 "
          "K/V storage\") against the model's dtype, on the same prompts; the variants' paired differences are in "
          "each source's \"Variants against their base method\".", ""]

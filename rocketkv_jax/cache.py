@@ -71,8 +71,8 @@ class KVCache:
   spec: static (not a leaf): the method and config fields that built the cache; `decode_step` refuses a
     config whose spec differs.
 
-  The fields are in the order k, v, length, pos, state, k_scale, v_scale, k_mean, so the flattened leaves keep the
-  order they had when every method's leaves were fields of KVCache itself.
+  The fields are in the order k, v, length, pos, state, k_scale, v_scale, k_mean, so the flattened leaves keep
+  the order they had when every method's leaves were fields of KVCache itself.
   """
 
   k: jax.Array
@@ -92,7 +92,8 @@ class KVCache:
 
 def cache_leaves(cache: KVCache) -> dict:
   """Every array field of `cache` by name, None where unset, in pytree order: the shared ones (k, v, length,
-  pos, k_scale, v_scale, k_mean) and each field of the method's state as "state.<field>" (no entry for a None state).
+  pos, k_scale, v_scale, k_mean) and each field of the method's state as "state.<field>" (no entry for a None
+  state).
   These are the names `MethodConfig.cache_shapes` uses and the checks' messages say."""
   out = {}
   for f in dataclasses.fields(cache):

@@ -300,7 +300,8 @@ class Dense(Selector):
 
   def step_read_bytes(self, config, length, *, head_dim, itemsize):
     """Every held K/V pair (and an FP8 cache's scales; ALGORITHM.md §3, §5)."""
-    return min(length, config.capacity) * 2 * head_dim * kv_itemsize(config, itemsize) + kv_scale_bytes(config, head_dim)
+    held = min(length, config.capacity) * 2 * head_dim * kv_itemsize(config, itemsize)
+    return held + kv_scale_bytes(config, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +331,8 @@ class TopK(Selector):
   def step_read_bytes(self, config, length, *, head_dim, itemsize):
     """The scoring reads (`score_read_bytes`) plus K, V and an int32 index per attended token (and an FP8
     cache's scales)."""
-    attend = min(config.topk, length) * (2 * head_dim * kv_itemsize(config, itemsize) + 4) + kv_scale_bytes(config, head_dim)
+    attend = (min(config.topk, length) * (2 * head_dim * kv_itemsize(config, itemsize) + 4)
+              + kv_scale_bytes(config, head_dim))
     return self.score_read_bytes(config, length, head_dim=head_dim, itemsize=itemsize) + attend
 
   def score_read_bytes(self, config, length: int, *, head_dim: int, itemsize: int) -> int:
