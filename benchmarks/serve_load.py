@@ -630,7 +630,9 @@ async def run_server(url: str, launch: list[str] | None, args, workloads: list[W
     runner = Runner(client, text, args, console)
     method = flag(launch, "--method", "rocketkv") if launch is not None else args.label
     budget = flag(launch, "--token-budget", "256") if launch is not None else None
-    base = dict(kind="serve_load", method=method, label=args.label or method,
+    kv_dtype = flag(launch, "--kv-cache-dtype") if launch is not None else None  # as the server spelled it
+    base = dict(kind="serve_load", method=method, label=args.label or (f"{method}[{kv_dtype}]" if kv_dtype else method),
+                kv_cache_dtype=kv_dtype,
                 token_budget=int(budget) if budget and budget.isdigit() else budget,
                 model=flag(launch, "--model", "smollm2") if launch is not None else model, served_model=model,
                 url=url, launch=shlex.join(launch) if launch is not None else None, server_version=version,
@@ -808,7 +810,8 @@ def parse_args(argv=None):
                         "servers one after the other, e.g. --method full, then --method rocketkv)")
   src.add_argument("--launch-timeout-s", type=float, default=1200.0, help="wait this long for /health (warm-up)")
   src.add_argument("--server-log", default=None, help="the launched server's log file (default: a temp file)")
-  src.add_argument("--label", default=None, help="the method / label recorded (default: --launch's --method)")
+  src.add_argument("--label", default=None, help="the method / label recorded (default: --launch's --method, "
+                   "with its --kv-cache-dtype in brackets when one is given: rocketkv[fp8])")
   src.add_argument("--model", default=None, help="the model id to request (default: the server's first)")
   src.add_argument("--api-key", default=os.environ.get("ROCKETKV_API_KEY"))
   wl = p.add_argument_group("workload")

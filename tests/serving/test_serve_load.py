@@ -15,8 +15,9 @@ from benchmarks import serve_load  # noqa: E402
 
 pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
 
+# FP8 K/V (the serving recommendation): the server, its sessions and the record's label carry it
 SERVER = ("--model smollm2 --method rocketkv --token-budget 64 --max-prompt-tokens 512 --max-slots 4 "
-          "--max-new-tokens 16 --no-warmup --log-level warning")
+          "--max-new-tokens 16 --kv-cache-dtype fp8 --no-warmup --log-level warning")
 
 
 def test_percentile_matches_linear_interpolation():
@@ -89,6 +90,7 @@ def test_tiny_load_against_a_launched_server(tmp_path, capsys):
     assert all(q["finish_reason"] == "length" for q in reqs)
     # the record says what served it
     assert r["method"] == "rocketkv" and r["token_budget"] == 64 and r["served_model"] == "smollm2"
+    assert r["kv_cache_dtype"] == "fp8" and r["label"] == "rocketkv[fp8]"
     assert r["server_version"]["version"] and r["server_models"]["data"][0]["id"] == "smollm2"
     assert r["engine_stats"]["max_slots"] == 4 and r["engine_stats"]["engine_alive"] == 1
     assert r["engine_delta"]["tokens_generated"] >= sum(q["output_tokens"] for q in reqs)
