@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax.eval import tasks
-from rocketkv_jax.kernels.kv_quant import dequantize, key_mean, kv_scale, quantize
+from rocketkv_jax.kernels.kv_quant import dequantize, fp8_max, key_mean, kv_scale, quantize
 from rocketkv_jax.models import llama, weights
 
 
@@ -39,7 +39,7 @@ def _fp8(x_KSH, dtype, per_channel: bool):
   """x as an FP8 cache of scale per KV head (or per (KV head, channel)) reads it back, float32."""
   if per_channel:
     amax = jnp.abs(x_KSH).max(axis=1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+    scale = jnp.where(amax > 0, amax / fp8_max(dtype), 1.0)
   else:
     valid = jnp.ones(x_KSH.shape[:2], bool)[None]
     scale = kv_scale(x_KSH[None], valid, dtype)[0][:, None, None]

@@ -630,9 +630,12 @@ async def run_server(url: str, launch: list[str] | None, args, workloads: list[W
     runner = Runner(client, text, args, console)
     method = flag(launch, "--method", "rocketkv") if launch is not None else args.label
     budget = flag(launch, "--token-budget", "256") if launch is not None else None
-    kv_dtype = flag(launch, "--kv-cache-dtype") if launch is not None else None  # as the server spelled it
-    base = dict(kind="serve_load", method=method, label=args.label or (f"{method}[{kv_dtype}]" if kv_dtype else method),
-                kv_cache_dtype=kv_dtype,
+    kv_dtype = flag(launch, "--kv-cache-dtype") if launch is not None else None
+    if kv_dtype is not None:  # the config's name for the server's spelling ("fp8" -> "float8_e4m3fn"; "auto": None)
+      from rocketkv_jax.serving.cli import parse_kv_dtype
+      kv_dtype = parse_kv_dtype(kv_dtype)
+    spec = f"{method}[kv_cache_dtype={kv_dtype}]" if kv_dtype else method  # the accuracy suite's method spec
+    base = dict(kind="serve_load", method=method, label=args.label or spec, kv_cache_dtype=kv_dtype,
                 token_budget=int(budget) if budget and budget.isdigit() else budget,
                 model=flag(launch, "--model", "smollm2") if launch is not None else model, served_model=model,
                 url=url, launch=shlex.join(launch) if launch is not None else None, server_version=version,
@@ -811,7 +814,7 @@ def parse_args(argv=None):
   src.add_argument("--launch-timeout-s", type=float, default=1200.0, help="wait this long for /health (warm-up)")
   src.add_argument("--server-log", default=None, help="the launched server's log file (default: a temp file)")
   src.add_argument("--label", default=None, help="the method / label recorded (default: --launch's --method, "
-                   "with its --kv-cache-dtype in brackets when one is given: rocketkv[fp8])")
+                   "with its --kv-cache-dtype as the accuracy suite spells it: rocketkv[kv_cache_dtype=float8_e4m3fn])")
   src.add_argument("--model", default=None, help="the model id to request (default: the server's first)")
   src.add_argument("--api-key", default=os.environ.get("ROCKETKV_API_KEY"))
   wl = p.add_argument_group("workload")

@@ -52,6 +52,21 @@ def _poison_cache(cache):
   return replace_leaves(cache, **fields)
 
 
+def _assert_pages_shifted(kt8, kt32, k_mean):
+  """An FP8 cache's KT pages (min / max of the centred keys) are the full-precision cache's shifted by the key
+  mean; empty pages hold 0 in both."""
+  kt8, kt32 = np.asarray(kt8), np.asarray(kt32)
+  shifted = kt8 + np.asarray(k_mean)[..., None]
+  np.testing.assert_allclose(np.where(kt8 == 0, kt32, shifted), kt32, rtol=1e-6, atol=1e-6)
+
+
+def _error_against_dense(config, t, lengths, inputs, steps):
+  """(relative error of the config's decode outputs against dense float32 attention, the config's final cache)."""
+  ours, cache = run_steps(config, *inputs, lengths, steps)
+  dense, _ = run_steps(plan_config("full", t, inputs[0].shape[1], len(steps[0])), *inputs, lengths, steps)
+  return np.linalg.norm(ours - dense) / np.linalg.norm(dense), cache
+
+
 def _on_grid(x_BKH, scale_BK, dtype):
   """x rounded to the values an FP8 cache of these scales can hold (quantizing it again is exact)."""
   return dequantize(quantize(x_BKH, scale_BK[..., None], dtype), scale_BK[..., None])
@@ -118,10 +133,8 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   assert type(cache8.state) is type(cache32.state) and set(leaves8) == set(leaves32)
   assert leaves32["k_mean"] is None and cache8.k_mean.shape == (len(lengths), k.shape[2], H)
   pages = {"state.kt_min", "state.kt_max"} & set(leaves8)
-  for name in pages:  # a page's min / max of the centred keys: the page's own, shifted by the key mean
-    kt8, kt32 = np.asarray(leaves8[name]), np.asarray(leaves32[name])
-    shifted = kt8 + np.asarray(cache8.k_mean)[..., None]
-    np.testing.assert_allclose(np.where(kt8 == 0, kt32, shifted), kt32, rtol=1e-6, atol=1e-6, err_msg=name)
+  for name in pages:
+    _assert_pages_shifted(leaves8[name], leaves32[name], cache8.k_mean)
   for name in set(leaves8) - {"k", "v", "k_scale", "v_scale", "k_mean", "state.v_sum"} - pages:
     a, b = leaves8[name], leaves32[name]
     assert (a is None) == (b is None), name
@@ -138,9 +151,7 @@ def test_fp8_is_the_step_over_the_held_values(method, t, T, lengths):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(read_keys(end8)), np.asarray(end32.k))
   if pages:
-    kt8, kt32 = np.asarray(end8.state.kt_min), np.asarray(end32.state.kt_min)
-    shifted = kt8 + np.asarray(end8.k_mean)[..., None]
-    np.testing.assert_allclose(np.where(kt8 == 0, kt32, shifted), kt32, rtol=1e-6, atol=1e-6)
+    _assert_pages_shifted(end8.state.kt_min, end32.state.kt_min, end8.k_mean)
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -150,11 +161,7 @@ def test_full_budget_fp8_is_close_to_dense(method, dtype):
   T, lengths, n_steps = 90, [90, 61], 3
   t = 2 * (T + n_steps)
   config = plan_config(method, t, T, n_steps, kv_cache_dtype=dtype)
-  q, k, v = _inputs(3, 2, T)
-  steps = _steps(3, 2, n_steps)
-  ours, cache = run_steps(config, q, k, v, lengths, steps)
-  dense, _ = run_steps(plan_config("full", t, T, n_steps), q, k, v, lengths, steps)
-  err = np.linalg.norm(ours - dense) / np.linalg.norm(dense)
+  err, cache = _error_against_dense(config, t, lengths, _inputs(3, 2, T), _steps(3, 2, n_steps))
   print(f"{method} {dtype} relative error {err:.4f}")
   assert err < FP8_TOLERANCE[dtype], (method, dtype, err)
   assert cache.k.dtype == jnp.dtype(dtype) and cache.k.nbytes == cache.k.size  # 1 byte per element
@@ -171,10 +178,8 @@ def test_key_offsets_cost_nothing(method):
   qs, ks, vs = _steps(13, 2, n_steps)
   offset = jnp.zeros(H).at[:4].set(jnp.array([60.0, -45.0, 30.0, 50.0]))
   k, ks = k + offset, ks + offset
-  steps = (qs, ks, vs)
-  ours, _ = run_steps(plan_config(method, t, T, n_steps, kv_cache_dtype=E4M3), q, k, v, lengths, steps)
-  dense, _ = run_steps(plan_config("full", t, T, n_steps), q, k, v, lengths, steps)
-  err = np.linalg.norm(ours - dense) / np.linalg.norm(dense)
+  config = plan_config(method, t, T, n_steps, kv_cache_dtype=E4M3)
+  err, _ = _error_against_dense(config, t, lengths, (q, k, v), (qs, ks, vs))
   assert err < FP8_TOLERANCE[E4M3], (method, err)
 
 

@@ -90,7 +90,7 @@ def test_tiny_load_against_a_launched_server(tmp_path, capsys):
     assert all(q["finish_reason"] == "length" for q in reqs)
     # the record says what served it
     assert r["method"] == "rocketkv" and r["token_budget"] == 64 and r["served_model"] == "smollm2"
-    assert r["kv_cache_dtype"] == "fp8" and r["label"] == "rocketkv[fp8]"
+    assert r["kv_cache_dtype"] == "float8_e4m3fn" and r["label"] == "rocketkv[kv_cache_dtype=float8_e4m3fn]"
     assert r["server_version"]["version"] and r["server_models"]["data"][0]["id"] == "smollm2"
     assert r["engine_stats"]["max_slots"] == 4 and r["engine_stats"]["engine_alive"] == 1
     assert r["engine_delta"]["tokens_generated"] >= sum(q["output_tokens"] for q in reqs)
