@@ -170,14 +170,14 @@ def timed_calls(run, caches, *, chunk: int, reps: int):
 
 def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: str | None = None):
   """Median seconds per step of `chunk`-step calls of the decode loop (`compile_decode`), after one warm-up
-  call; with profile_dir, one more call traced there and its top ops returned."""
+  call; with profile_dir, one more call traced there and its top ops and op groups (`profile_util`) returned."""
   run, compiled = compile_decode(model, config, caches, chunk)
   out = run(caches)  # warm-up
   out.tokens.block_until_ready()
   per_step, caches = timed_calls(run, out.caches, chunk=chunk, reps=reps)
   top = None
   if profile_dir:
-    from benchmarks.profile_util import top_ops
+    from benchmarks.profile_util import op_groups, top_ops
     os.makedirs(profile_dir, exist_ok=True)
     with open(os.path.join(profile_dir, "decode_chunk.hlo.txt"), "w") as f:  # names the ops of the trace
       f.write(compiled.as_text())
@@ -185,7 +185,7 @@ def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: st
       out = run(caches)
       out.tokens.block_until_ready()
       caches = out.caches
-    top = top_ops(profile_dir, 40, steps=chunk)
+    top = dict(top_ops=top_ops(profile_dir, 40, steps=chunk), op_groups=op_groups(profile_dir, steps=chunk))
   length = int(np.asarray(caches[0].length).max())
   del caches, out
   return float(np.median(per_step)), per_step, length, top
@@ -515,7 +515,7 @@ def main(argv=None):
                   var.update(ab_value=repr(ab[2][i]), ab_round_ms=round_ms[i], hlo_hash=hashes[i])
                 variants.append(var)
               if top:
-                variants[0]["top_ops"] = top
+                variants[0].update(top)
               break
             except Exception as e:  # noqa: BLE001 - every failure is reported with its point
               caches = None  # frees the failed attempt's caches before a retry allocates its own (pyflakes: unused)

@@ -45,3 +45,28 @@ def top_ops(trace_dir: str, n: int = 15, steps: int = 1) -> list[dict]:
   rows = sorted(times.items(), key=lambda kv: -kv[1][0])[:n]
   return [dict(op=name, us_per_step=round(t / steps, 2), calls_per_step=round(c / steps, 1),
                share=round(t / total, 4)) for name, (t, c) in rows]
+
+
+def op_group(name: str) -> str:
+  """The group an op of a decode trace belongs to: "matmul" (XLA's GEMM fusions and library calls), a Pallas
+  kernel's own name (`pallas_call(name="rocketkv_...")`), "copy" (memcpy / copy ops) or "other" (XLA's
+  elementwise, reduce, scatter and concatenate fusions)."""
+  low = name.lower()
+  if low.startswith("rocketkv_"):
+    return name
+  if "gemm" in low or "cublas" in low or low.startswith(("dot", "matmul")) or "_dot_" in low:
+    return "matmul"
+  if low.startswith(("memcpy", "copy")):
+    return "copy"
+  return "other"
+
+
+def op_groups(trace_dir: str, steps: int = 1) -> dict[str, float]:
+  """Device microseconds per decode step by `op_group`, largest first, with their sum under "total": where a
+  step's time goes (the weights' matmuls against each kernel), over every op of the trace, not only the top."""
+  groups: dict[str, float] = collections.defaultdict(float)
+  for name, (t, _) in device_op_times(trace_dir).items():
+    groups[op_group(name)] += t / steps
+  out = {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
+  out["total"] = round(sum(groups.values()), 1)
+  return out

@@ -46,3 +46,22 @@ def test_ab_refuses_more_steps_than_the_caches_hold_and_a_profile():
   with pytest.raises(SystemExit, match="--ab and --profile run apart"):
     decode.main(["--tiny", "--contexts", "256", "--profile", "/tmp/x",
                  "--ab", "rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,0"])
+
+
+def test_profile_groups_a_steps_ops():
+  from benchmarks.profile_util import op_group
+  names = {"gemm_fusion_dot_228": "matmul", "cublas_gemm.3": "matmul", "loop_multiply_fusion_97": "other",
+           "input_scatter_fusion_63": "other", "memcpy32_post": "copy", "copy.12": "copy",
+           "rocketkv_hsa_scores_gather": "rocketkv_hsa_scores_gather"}
+  assert {n: op_group(n) for n in names} == names
+
+
+def test_profiled_point_records_its_op_groups(tmp_path):
+  out = tmp_path / "prof.jsonl"
+  decode.main(["--tiny", "--contexts", "256", "--methods", "rocketkv", "--budgets", "64", "--batches", "1",
+               "--steps", "4", "--chunk", "2", "--profile", str(tmp_path / "trace"), "--profile-batches", "1",
+               "--out", str(out)])
+  point = [json.loads(line) for line in out.read_text().splitlines()][-1]
+  groups = point["op_groups"]
+  assert point["status"] == "ok" and point["top_ops"] and groups["total"] > 0
+  assert abs(sum(v for k, v in groups.items() if k != "total") - groups["total"]) < 0.1 * len(groups)
