@@ -192,7 +192,8 @@ def time_decode(model, config, caches, *, chunk: int, reps: int, profile_dir: st
 
 
 def parse_ab(spec: str):
-  """(module, attribute name, values) of `--ab MODULE.FLAG=V1,V2,...` (values as Python literals), checked
+  """(module, attribute name, values) of `--ab MODULE.FLAG=V1,V2,...` (values as Python literals; separated by
+  "|" instead where they hold commas, `FLAG=(2, 2)|(4, 2)`), checked
   before any work: the module imports, it has the flag, at least two distinct values."""
   name, sep, vals = spec.partition("=")
   mod_name, _, attr = name.rpartition(".")
@@ -206,7 +207,8 @@ def parse_ab(spec: str):
   if not hasattr(module, attr):
     raise SystemExit(f"--ab={spec!r}: module {mod_name!r} has no attribute {attr!r}")
   try:
-    values = [ast.literal_eval(v.strip()) for v in vals.split(",")]
+    # "|" separates values that hold commas themselves (tuples: FLAG=(2,2)|(4,2))
+    values = [ast.literal_eval(v.strip()) for v in vals.split("|" if "|" in vals else ",")]
   except (ValueError, SyntaxError):
     raise SystemExit(f"--ab={spec!r}: the values {vals!r} must be Python literals, comma-separated") from None
   if len(values) < 2 or len(set(map(repr, values))) != len(values):

@@ -48,13 +48,13 @@ def top_ops(trace_dir: str, n: int = 15, steps: int = 1) -> list[dict]:
 
 
 def op_group(name: str) -> str:
-  """The group an op of a decode trace belongs to: "matmul" (XLA's GEMM fusions and library calls), a Pallas
-  kernel's own name (`pallas_call(name="rocketkv_...")`), "copy" (memcpy / copy ops) or "other" (XLA's
-  elementwise, reduce, scatter and concatenate fusions)."""
+  """The group an op of a decode trace belongs to: "matmul" (XLA's GEMM fusions, cuBLAS's kernels: nvjet_*,
+  cublasLt's split-K reduce), a Pallas kernel's own name (`pallas_call(name="rocketkv_...")`), "copy" (memcpy /
+  copy ops) or "other" (XLA's elementwise, reduce, scatter and concatenate fusions)."""
   low = name.lower()
   if low.startswith("rocketkv_"):
     return name
-  if "gemm" in low or "cublas" in low or low.startswith(("dot", "matmul")) or "_dot_" in low:
+  if any(s in low for s in ("gemm", "cublas", "nvjet", "cutlass", "xmma", "_dot_")) or low.startswith("dot"):
     return "matmul"
   if low.startswith(("memcpy", "copy")):
     return "copy"

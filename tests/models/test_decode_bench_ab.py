@@ -50,7 +50,9 @@ def test_ab_refuses_more_steps_than_the_caches_hold_and_a_profile():
 
 def test_profile_groups_a_steps_ops():
   from benchmarks.profile_util import op_group
-  names = {"gemm_fusion_dot_228": "matmul", "cublas_gemm.3": "matmul", "loop_multiply_fusion_97": "other",
+  names = {"gemm_fusion_dot_228": "matmul", "cublas_gemm.3": "matmul",
+           "nvjet_sm90_tst_128x200_64x5_4x2_h_bz_coopA_NNT": "matmul",
+           "void cublasLt::splitKreduce_kernel<32, 16, int, float>(...)": "matmul", "loop_multiply_fusion_97": "other",
            "input_scatter_fusion_63": "other", "memcpy32_post": "copy", "copy.12": "copy",
            "rocketkv_hsa_scores_gather": "rocketkv_hsa_scores_gather"}
   assert {n: op_group(n) for n in names} == names
@@ -65,3 +67,9 @@ def test_profiled_point_records_its_op_groups(tmp_path):
   groups = point["op_groups"]
   assert point["status"] == "ok" and point["top_ops"] and groups["total"] > 0
   assert abs(sum(v for k, v in groups.items() if k != "total") - groups["total"]) < 0.1 * len(groups)
+
+
+def test_ab_values_holding_commas_are_separated_by_bars():
+  module, attr, values = decode.parse_ab("rocketkv_jax.kernels.hsa_scores.ROW_PROGRAM_WARPS_STAGES=(2, 2)|(4,2)")
+  assert attr == "ROW_PROGRAM_WARPS_STAGES" and values == [(2, 2), (4, 2)]
+  assert decode.parse_ab("rocketkv_jax.kernels.cache_append.ROWS_MAX_PAGE_SIZE=16,0")[2] == [16, 0]
