@@ -210,7 +210,8 @@ def parse_ab(spec: str):
     # "|" separates values that hold commas themselves (tuples: FLAG=(2,2)|(4,2))
     values = [ast.literal_eval(v.strip()) for v in vals.split("|" if "|" in vals else ",")]
   except (ValueError, SyntaxError):
-    raise SystemExit(f"--ab={spec!r}: the values {vals!r} must be Python literals, comma-separated") from None
+    raise SystemExit(f"--ab={spec!r}: the values {vals!r} must be Python literals, separated by ',' (or '|' where "
+                     "they hold commas)") from None
   if len(values) < 2 or len(set(map(repr, values))) != len(values):
     raise SystemExit(f"--ab={spec!r}: give at least two distinct values")
   return module, attr, values
@@ -370,7 +371,8 @@ def main(argv=None):
                        "the XLA path")
   ap.add_argument("--ab", default=None,
                   help="MODULE.FLAG=V1,V2: time each point once per value of a flag read while tracing, the "
-                       "variants alternating in rounds within this process (one record per variant)")
+                       "variants alternating in rounds within this process (one record per variant); values that "
+                       "hold commas are separated by '|': FLAG=(2,2)|(4,2)")
   ap.add_argument("--ab-rounds", type=int, default=4, help="alternating rounds of --ab (timed steps split over them)")
   ap.add_argument("--mixed", default=None,
                   help="contexts of one mixed-length batch (one row each), timed against its longest row alone; "
