@@ -56,6 +56,10 @@ SOURCES = {
   "serve_load_c": f"{RESULTS}/serve_load_h100_2026-12-06c/serve_load.jsonl",
   "admission": f"{RESULTS}/serve_load_h100_2026-12-06c/admission.jsonl",
   "admission_before": f"{RESULTS}/serve_load_h100_2026-12-06c/admission_before.jsonl",
+  # where a decode step's time goes, bf16 against FP8 K/V (run 2 of that folder), and the append's parts
+  "step_profile_bf16": f"{RESULTS}/fp8_profile_h100_2026-12-06/prof_bf16_run2.jsonl",
+  "step_profile_fp8": f"{RESULTS}/fp8_profile_h100_2026-12-06/prof_fp8_run2.jsonl",
+  "append_cost": f"{RESULTS}/fp8_profile_h100_2026-12-06/append_cost.jsonl",
 }
 
 METHOD_ORDER = ("full", "rocketkv", "rocketkv_plus", "snapkv", "quest", "sparq", "streaming_llm", "h2o", "hsa",
@@ -618,6 +622,54 @@ def h100_section() -> list[str]:
   ]
 
 
+# The step profile's columns: the op groups (`benchmarks.profile_util.op_group`) shown apart, the rest summed.
+STEP_GROUPS = (("matmuls", "matmul"), ("HSA scoring", "rocketkv_hsa_scores_gather"),
+               ("page top-k", "rocketkv_hsa_page_topk"), ("sparse attention", "rocketkv_sparse_decode"),
+               ("append + choice", "rocketkv_cache_append"))
+
+
+def step_profile_section() -> list[str]:
+  from benchmarks.profile_util import op_group
+  rels = [SOURCES["step_profile_bf16"], SOURCES["step_profile_fp8"]]
+  rows = []
+  for rel in rels:
+    for p in _jsonl(rel):
+      if p.get("kind") != "point" or not p.get("top_ops"):
+        continue
+      groups: dict[str, float] = {}
+      for op in p["top_ops"]:
+        groups[op_group(op["op"])] = groups.get(op_group(op["op"]), 0.0) + op["us_per_step"]
+      layers = 32  # the Llama-3.1-8B shape's layers (the decode benchmark's default shape)
+      shown = [groups.get(g, 0.0) for _, g in STEP_GROUPS]
+      rest = sum(groups.values()) - sum(shown)
+      rows.append([_dtype(p), str(p["batch"]), f"{p['ms_per_step']:.2f}", f"{p['tokens_per_s']:,.0f}",
+                   *[f"{x / layers:.1f}" for x in shown], f"{rest / layers:.1f}",
+                   f"{groups.get('matmul', 0.0) / p['batch']:.1f}",
+                   f"{(sum(groups.values()) - groups.get('matmul', 0.0)) / p['batch']:.1f}"])
+  rel_a = SOURCES["append_cost"]
+  cost = {(r["batch"], r["part"], r["kv_cache_dtype"], r["choice"]): r["us_per_append"]
+          for r in _jsonl(rel_a) if r.get("kind") == "point"}
+  arows = [[f"{b} ({b * 8:,})", *[f"{cost[(b, 'cache_append', dt, c)]:.1f}" for dt in ("bfloat16", "float8_e4m3fn")
+                                  for c in (False, True)], f"{cost[(b, 'row_channels', None, True)]:.1f}"]
+           for b in sorted({k[0] for k in cost}, reverse=True)]
+  return [
+    "## Where a decode step's time goes, bf16 against FP8 K/V (one H100, 2026-12-06)",
+    "",
+    f"Sources: {_link(rels[0])}, {_link(rels[1])}, {_link(rel_a)} (commands, code and reading: "
+    f"{_link(rels[0].rsplit('/', 1)[0] + '/README.md')}). RocketKV, 32k, t=256; device microseconds per layer "
+    "(a profiled step's top ops / 32) by op group, and per generated token (a step / batch):",
+    "",
+    *_table(["K/V", "batch", "ms / step", "tokens/s", *[name for name, _ in STEP_GROUPS], "rest",
+             "matmul us / token", "rest of step us / token"], rows),
+    "",
+    "The token append by part, wall-clock microseconds per append (rows = batch x 8 KV heads):",
+    "",
+    *_table(["batch (rows)", "bf16 cache", "bf16 + choice", "FP8 cache", "FP8 + choice (the decode step's)",
+             "the choice's own kernel"], arows),
+    "",
+  ]
+
+
 LOAD_PAIR = ("rocketkv", "full")  # the load section's two methods, side by side
 
 
@@ -704,7 +756,7 @@ def render() -> str:
     "",
   ]
   for section in (decode_section, engine_shapes_section, stage2_section, serve_section, fp8_section,
-                  h100_section, serve_load_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section,
+                  h100_section, step_profile_section, serve_load_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section,
                   memory_section):
     out += section()
   return "\n".join(out).rstrip() + "\n"
