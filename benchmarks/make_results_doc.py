@@ -628,24 +628,23 @@ STEP_GROUPS = (("matmuls", "matmul"), ("HSA scoring", "rocketkv_hsa_scores_gathe
                ("append + choice", "rocketkv_cache_append"))
 
 
+STEP_LAYERS = 32  # the Llama-3.1-8B shape's layers (the decode benchmark's default shape)
+
+
 def step_profile_section() -> list[str]:
-  from benchmarks.profile_util import op_group
+  from benchmarks.profile_util import group_times
   rels = [SOURCES["step_profile_bf16"], SOURCES["step_profile_fp8"]]
   rows = []
   for rel in rels:
     for p in _jsonl(rel):
       if p.get("kind") != "point" or not p.get("top_ops"):
         continue
-      groups: dict[str, float] = {}
-      for op in p["top_ops"]:
-        groups[op_group(op["op"])] = groups.get(op_group(op["op"]), 0.0) + op["us_per_step"]
-      layers = 32  # the Llama-3.1-8B shape's layers (the decode benchmark's default shape)
+      groups = group_times((op["op"], op["us_per_step"]) for op in p["top_ops"])
+      total, matmul = groups.pop("total"), groups.get("matmul", 0.0)
       shown = [groups.get(g, 0.0) for _, g in STEP_GROUPS]
-      rest = sum(groups.values()) - sum(shown)
       rows.append([_dtype(p), str(p["batch"]), f"{p['ms_per_step']:.2f}", f"{p['tokens_per_s']:,.0f}",
-                   *[f"{x / layers:.1f}" for x in shown], f"{rest / layers:.1f}",
-                   f"{groups.get('matmul', 0.0) / p['batch']:.1f}",
-                   f"{(sum(groups.values()) - groups.get('matmul', 0.0)) / p['batch']:.1f}"])
+                   *[f"{x / STEP_LAYERS:.1f}" for x in shown], f"{(total - sum(shown)) / STEP_LAYERS:.1f}",
+                   f"{matmul / p['batch']:.1f}", f"{(total - matmul) / p['batch']:.1f}"])
   rel_a = SOURCES["append_cost"]
   cost = {(r["batch"], r["part"], r["kv_cache_dtype"], r["choice"]): r["us_per_append"]
           for r in _jsonl(rel_a) if r.get("kind") == "point"}
@@ -756,8 +755,8 @@ def render() -> str:
     "",
   ]
   for section in (decode_section, engine_shapes_section, stage2_section, serve_section, fp8_section,
-                  h100_section, step_profile_section, serve_load_section, turn2_prefill_section, accuracy_section, fp8_accuracy_section,
-                  memory_section):
+                  h100_section, step_profile_section, serve_load_section, turn2_prefill_section, accuracy_section,
+                  fp8_accuracy_section, memory_section):
     out += section()
   return "\n".join(out).rstrip() + "\n"
 
