@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import kv_quant_error
+from tests.helpers.data import keys, normal
 
 
 def _layer(seed, offset):
   """One layer's (q, k, v) as `llama.prefill_dense` gives them: [1, T, N, H], [1, T, K, H] x2."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  ks = keys(seed, 3)
   T, N, K, H = 96, 4, 2, 32
-  k = jax.random.normal(ks[1], (1, T, K, H)) + jnp.zeros(H).at[:3].set(offset)
-  return jax.random.normal(ks[0], (1, T, N, H)), k, jax.random.normal(ks[2], (1, T, K, H))
+  k = normal(ks[1], (1, T, K, H)) + jnp.zeros(H).at[:3].set(offset)
+  return normal(ks[0], (1, T, N, H)), k, normal(ks[2], (1, T, K, H))
 
 
 def test_centring_removes_the_offsets_error():

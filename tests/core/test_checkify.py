@@ -10,14 +10,15 @@ from jax.experimental import checkify
 
 import rocketkv_jax as rk
 from rocketkv_jax.cache import cache_leaves
+from tests.helpers.data import keys, normal
 
 B, T, N, K, H = 2, 32, 4, 2, 16
 
 
 def _qkv(t=T, seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  return (jax.random.normal(ks[0], (B, t, N, H)), jax.random.normal(ks[1], (B, t, K, H)),
-          jax.random.normal(ks[2], (B, t, K, H)))
+  ks = keys(seed, 3)
+  return (normal(ks[0], (B, t, N, H)), normal(ks[1], (B, t, K, H)),
+          normal(ks[2], (B, t, K, H)))
 
 
 @pytest.fixture(autouse=True)

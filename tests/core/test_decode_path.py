@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import rocketkv_jax as rk
+from tests.helpers.data import keys, normal
 
 CORE = pathlib.Path(rk.__file__).resolve().parent  # rocketkv_jax/: api, methods, stage2, ops, cache, ...
 N, K, H, T = 4, 2, 16, 40
@@ -51,10 +52,10 @@ def _reentries(fn):
 @pytest.mark.parametrize("method", ["rocketkv", "hsa"])
 def test_decode_visits_each_room_once(method, impl):
   config = rk.make_config(method, token_budget=32, prompt_len=T, max_new_tokens=4, head_dim=H, impl=impl)
-  ks = jax.random.split(jax.random.PRNGKey(0), 6)
-  q, k, v = (jax.random.normal(x, (1, T, n, H)) for x, n in zip(ks[:3], (N, K, K)))
+  ks = keys(0, 6)
+  q, k, v = (normal(x, (1, T, n, H)) for x, n in zip(ks[:3], (N, K, K)))
   cache = rk.prefill_compress(q, k, v, jnp.array([T], jnp.int32), config=config)
-  q1, k1, v1 = (jax.random.normal(x, (1, n, H)) for x, n in zip(ks[3:], (N, K, K)))
+  q1, k1, v1 = (normal(x, (1, n, H)) for x, n in zip(ks[3:], (N, K, K)))
   jax.clear_caches()  # the step is traced (its Python runs) inside the profile
   paths = _reentries(lambda: jax.block_until_ready(rk.decode_step(cache, q1, k1, v1, config=config)))
   assert not paths, "core modules entered twice on one stack:\n" + "\n".join(paths)

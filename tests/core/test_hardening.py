@@ -9,14 +9,15 @@ import pytest
 
 import rocketkv_jax as rk
 from rocketkv_jax.cache import cache_leaves, replace_leaves
+from tests.helpers.data import keys, normal
 
 B, T, N, K, H = 2, 64, 4, 2, 16
 
 
 def _qkv(t=T, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.PRNGKey(0), 3)
-  return (jax.random.normal(ks[0], (B, t, N, H), dtype), jax.random.normal(ks[1], (B, t, K, H), dtype),
-          jax.random.normal(ks[2], (B, t, K, H), dtype))
+  ks = keys(0, 3)
+  return (normal(ks[0], (B, t, N, H), dtype), normal(ks[1], (B, t, K, H), dtype),
+          normal(ks[2], (B, t, K, H), dtype))
 
 
 def _mk(method, **kw):
@@ -336,9 +337,9 @@ def test_a_nan_key_among_the_attended_gives_nan_like_dot_product_attention(metho
   assert np.isfinite(out[0, :g]).all() and np.isfinite(out[1]).all()
   # the reference it follows
   if method == "full":
-    keys = jnp.concatenate([k, k_new[:, None]], axis=1)
+    ks_all = jnp.concatenate([k, k_new[:, None]], axis=1)
     vals = jnp.concatenate([v, v[:, :1]], axis=1)
-    ref = jax.nn.dot_product_attention(q[:, :1], keys, vals)[:, 0]
+    ref = jax.nn.dot_product_attention(q[:, :1], ks_all, vals)[:, 0]
     assert np.isnan(np.asarray(ref)[0, g:]).all()
     np.testing.assert_allclose(out[1], np.asarray(ref)[1], rtol=2e-5, atol=2e-5)
 

@@ -13,6 +13,7 @@ from rocketkv_jax.cache import cache_leaves, read_keys, read_values, replace_lea
 from rocketkv_jax.kernels.kv_quant import dequantize, fp8_max, quantize
 from tests.core.test_methods import CASES, H, K, N, decode_steps, plan_config, run_steps
 from tests.helpers.fp8 import one_fp8_step
+from tests.helpers.data import keys, normal
 
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
@@ -22,15 +23,15 @@ FP8_TOLERANCE = {E4M3: 0.06, E5M2: 0.12}
 
 
 def _inputs(seed, b, t, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  return (jax.random.normal(ks[0], (b, t, N, H), dtype), jax.random.normal(ks[1], (b, t, K, H), dtype),
-          jax.random.normal(ks[2], (b, t, K, H), dtype))
+  ks = keys(seed, 3)
+  return (normal(ks[0], (b, t, N, H), dtype), normal(ks[1], (b, t, K, H), dtype),
+          normal(ks[2], (b, t, K, H), dtype))
 
 
 def _steps(seed, b, n_steps):
-  ks = jax.random.split(jax.random.PRNGKey(seed + 1000), 3)
-  return (jax.random.normal(ks[0], (n_steps, b, N, H)), jax.random.normal(ks[1], (n_steps, b, K, H)),
-          jax.random.normal(ks[2], (n_steps, b, K, H)))
+  ks = keys(seed + 1000, 3)
+  return (normal(ks[0], (n_steps, b, N, H)), normal(ks[1], (n_steps, b, K, H)),
+          normal(ks[2], (n_steps, b, K, H)))
 
 
 def _poison_cache(cache):

@@ -9,22 +9,23 @@ import pytest
 import rocketkv_jax as rk
 from rocketkv_jax.cache import cache_leaves, replace_leaves
 from tests.core.reference import RefSequence
+from tests.helpers.data import keys, normal
 
 N, K, H = 8, 2, 32
 
 
 def _inputs(seed, b, t, n=N, n_kv=K, h=H, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(ks[0], (b, t, n, h), dtype)
-  k = jax.random.normal(ks[1], (b, t, n_kv, h), dtype)
-  v = jax.random.normal(ks[2], (b, t, n_kv, h), dtype)
+  ks = keys(seed, 3)
+  q = normal(ks[0], (b, t, n, h), dtype)
+  k = normal(ks[1], (b, t, n_kv, h), dtype)
+  v = normal(ks[2], (b, t, n_kv, h), dtype)
   return q, k, v
 
 
 def _steps(seed, b, n_steps, n=N, n_kv=K, h=H, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.PRNGKey(seed + 1000), 3)
-  return (jax.random.normal(ks[0], (n_steps, b, n, h), dtype), jax.random.normal(ks[1], (n_steps, b, n_kv, h), dtype),
-          jax.random.normal(ks[2], (n_steps, b, n_kv, h), dtype))
+  ks = keys(seed + 1000, 3)
+  return (normal(ks[0], (n_steps, b, n, h), dtype), normal(ks[1], (n_steps, b, n_kv, h), dtype),
+          normal(ks[2], (n_steps, b, n_kv, h), dtype))
 
 
 def decode_steps(config, cache, steps):

@@ -9,6 +9,7 @@ from rocketkv_jax import ops
 from rocketkv_jax.models import layer_ops
 from rocketkv_jax.kernels.cache_append import cache_append_reference
 from rocketkv_jax.kernels.page_topk import page_topk_reference
+from tests.helpers.data import keys, normal
 
 
 def test_every_op_has_both_paths():
@@ -46,10 +47,10 @@ def test_cache_append_scatter_equals_reference(slot_rank, with_pages):
   """The scatter variant writes what the reference's select writes (the KT fold), for slots in range, past the end and
   negative, one slot per sequence or one per KV head; fresh and partly filled pages."""
   B, K, S, H, page_size = 4, 2, 23, 16, 3
-  ks = jax.random.split(jax.random.PRNGKey(0), 6)
-  k, v = (jax.random.normal(x, (B, K, S, H)) for x in ks[:2])
-  pages = tuple(jax.random.normal(x, (B, K, H, -(-S // page_size))) for x in ks[2:4]) if with_pages else ()
-  k_new, v_new = (jax.random.normal(x, (B, K, H)) for x in ks[4:])
+  ks = keys(0, 6)
+  k, v = (normal(x, (B, K, S, H)) for x in ks[:2])
+  pages = tuple(normal(x, (B, K, H, -(-S // page_size))) for x in ks[2:4]) if with_pages else ()
+  k_new, v_new = (normal(x, (B, K, H)) for x in ks[4:])
   slot = jnp.array([0, 7, S, -1], jnp.int32)
   if slot_rank == 2:
     slot = jnp.stack([slot, jnp.array([22, 5, -3, S + 4], jnp.int32)], axis=1)

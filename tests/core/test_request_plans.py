@@ -9,6 +9,7 @@ import pytest
 
 import rocketkv_jax as rk
 from rocketkv_jax.kernels.checks import kt_num_pages
+from tests.helpers.data import keys, normal
 
 N, K, H = 4, 2, 32
 NEW = 12
@@ -17,15 +18,15 @@ LENS = [200, 40, 900, 333]
 
 
 def _inputs(seed, b, t):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  return (jax.random.normal(ks[0], (b, t, N, H)), jax.random.normal(ks[1], (b, t, K, H)),
-          jax.random.normal(ks[2], (b, t, K, H)))
+  ks = keys(seed, 3)
+  return (normal(ks[0], (b, t, N, H)), normal(ks[1], (b, t, K, H)),
+          normal(ks[2], (b, t, K, H)))
 
 
 def _steps(seed, b, n):
-  ks = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
-  return (jax.random.normal(ks[0], (n, b, N, H)), jax.random.normal(ks[1], (n, b, K, H)),
-          jax.random.normal(ks[2], (n, b, K, H)))
+  ks = keys(seed + 1, 3)
+  return (normal(ks[0], (n, b, N, H)), normal(ks[1], (n, b, K, H)),
+          normal(ks[2], (n, b, K, H)))
 
 
 def _decode(config, cache, steps):

@@ -11,14 +11,15 @@ import rocketkv_jax as rk
 from rocketkv_jax import ops
 from rocketkv_jax.budget import plan_budget, stage2_replan
 from rocketkv_jax.select import attention_probs, topk_tokens
+from tests.helpers.data import key, keys, normal
 
 N, K, H = 6, 2, 32
 
 
 def _qkv(seed, b, t):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return (jax.random.normal(ks[0], (b, t, N, H)), jax.random.normal(ks[1], (b, t, K, H)),
-          jax.random.normal(ks[2], (b, t, K, H)), jax.random.normal(ks[3], (b, K, N // K, H)))
+  ks = keys(seed, 4)
+  return (normal(ks[0], (b, t, N, H)), normal(ks[1], (b, t, K, H)),
+          normal(ks[2], (b, t, K, H)), normal(ks[3], (b, K, N // K, H)))
 
 
 def _cache(config, q, k, v, lengths):
@@ -108,7 +109,7 @@ def test_forced_pages_always_selected(impl, page_size, sink, recent):
 def test_forced_pages_decode_jit_xla_equals_interpret():
   cfg = _rocket(hsa_sink_tokens=2, hsa_recent_tokens=4)
   q, k, v, _ = _qkv(2, 2, 64)
-  steps = jax.random.normal(jax.random.PRNGKey(7), (3, 2, N + 2 * K, H))
+  steps = normal(key(7), (3, 2, N + 2 * K, H))
   outs = {}
   for impl in ("xla", "interpret"):
     c = dataclasses.replace(cfg, impl=impl)

@@ -10,6 +10,7 @@ import rocketkv_jax as rk
 from rocketkv_jax.cache import cache_leaves, replace_leaves
 from rocketkv_jax.methods.h2o import H2OState
 from rocketkv_jax.kernels.checks import kt_num_pages
+from tests.helpers.data import key, keys, normal
 
 B, T, N, K, H = 2, 64, 4, 2, 16
 
@@ -19,8 +20,8 @@ def _cfg(method="rocketkv", **kw):
 
 
 def _qkv(t=T, n=N, n_kv=K, h=H, dtype=jnp.float32):
-  x = jax.random.normal(jax.random.PRNGKey(0), (B, t, n, h), dtype)
-  y = jax.random.normal(jax.random.PRNGKey(1), (B, t, n_kv, h), dtype)
+  x = normal(key(0), (B, t, n, h), dtype)
+  y = normal(key(1), (B, t, n_kv, h), dtype)
   return x, y, y
 
 
@@ -188,13 +189,13 @@ def test_append_outside_the_cache_changes_nothing_on_either_path(bad):
   XLA path folds the new key into it: equal on such pages); the out-of-range row's pages are random junk."""
   from rocketkv_jax import ops
   from rocketkv_jax.cache import build_kt_pages
-  ks = jax.random.split(jax.random.PRNGKey(3), 6)
-  k, v = (jax.random.normal(x, (B, K, T, H)) for x in ks[:2])
+  ks = keys(3, 6)
+  k, v = (normal(x, (B, K, T, H)) for x in ks[:2])
   slot = jnp.array([bad, 7], jnp.int32)
-  junk = (jax.random.normal(x, (B, K, H, kt_num_pages(T, 3))) for x in ks[2:4])
+  junk = (normal(x, (B, K, H, kt_num_pages(T, 3))) for x in ks[2:4])
   kt_min, kt_max = (jnp.where((slot >= 0)[:, None, None, None], built, j)
                     for built, j in zip(build_kt_pages(k, jnp.clip(slot, 0, T), 3, k.dtype), junk))
-  k_new, v_new = (jax.random.normal(x, (B, K, H)) for x in ks[4:])
+  k_new, v_new = (normal(x, (B, K, H)) for x in ks[4:])
   outs = {impl: ops.cache_append(k, v, k_new, v_new, slot, kt_min, kt_max, page_size=3, impl=impl)
           for impl in ("xla", "interpret")}
   for name, before, x, p in zip(("k", "v", "kt_min", "kt_max"), (k, v, kt_min, kt_max), outs["xla"],

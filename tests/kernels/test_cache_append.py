@@ -9,6 +9,7 @@ import pytest
 from conftest import lower_for_h200, needs_gpu
 from rocketkv_jax.kernels.cache_append import cache_append, cache_append_reference
 from rocketkv_jax.kernels.checks import kt_num_pages
+from tests.helpers.data import key, keys, normal
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
 
@@ -16,19 +17,19 @@ KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
 def make_inputs(B, K, S, H, page_size, dtype, kt_dtype, slot_BK, seed=0):
   """A cache whose slots past each (b, k)'s slot are NaN junk (a slot out of range poisons nothing), its KT
   pages, and fresh keys/values. With kt_dtype None, no KT pages."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-  k = jax.random.normal(ks[0], (B, K, S, H), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[1], (B, K, S, H), jnp.float32).astype(dtype)
+  ks = keys(seed, 6)
+  k = normal(ks[0], (B, K, S, H), dtype)
+  v = normal(ks[1], (B, K, S, H), dtype)
   junk = (jnp.arange(S)[None, None, :] > slot_BK[..., None]) & (slot_BK < S)[..., None]
   k = jnp.where(junk[..., None], jnp.nan, k)
   v = jnp.where(junk[..., None], jnp.nan, v)
-  k_new = jax.random.normal(ks[2], (B, K, H), jnp.float32).astype(dtype)
-  v_new = jax.random.normal(ks[3], (B, K, H), jnp.float32).astype(dtype)
+  k_new = normal(ks[2], (B, K, H), dtype)
+  v_new = normal(ks[3], (B, K, H), dtype)
   if kt_dtype is None:
     return (k, v, k_new, v_new, slot_BK)
   P = kt_num_pages(S, page_size)
-  a = jax.random.normal(ks[4], (B, K, H, P))
-  b = jax.random.normal(ks[5], (B, K, H, P))
+  a = normal(ks[4], (B, K, H, P))
+  b = normal(ks[5], (B, K, H, P))
   return (k, v, k_new, v_new, slot_BK, jnp.minimum(a, b).astype(kt_dtype), jnp.maximum(a, b).astype(kt_dtype))
 
 
@@ -52,7 +53,7 @@ def check_choose(args, H, kw, interpret, num_warps=None, G=4, topr=21):
   """With choose_q: the same cache outputs, then the channel choice of `row_channels_reference`
   (inv_tau up to float32 summation order); ties of |q| sums (twin channels) and a zero group included."""
   B, K = args[0].shape[:2]
-  q = jax.random.normal(jax.random.PRNGKey(B + H), (B, K, G, H), jnp.float32)
+  q = normal(key(B + H), (B, K, G, H), jnp.float32)
   q = q.at[0, 0].set(q[0, 0].at[:, 1::2].set(q[0, 0][:, 0::2]))  # ties
   if K > 1:
     q = q.at[0, 1].set(0.0)
@@ -132,9 +133,9 @@ def test_kt_from_rows_equals_the_fold_on_a_consistent_cache(kt_dtype):
   updates give the same pages: fresh pages, partly filled ones, the last slot."""
   from rocketkv_jax.cache import build_kt_pages
   B, K, S, H, page_size = 4, 2, 31, 64, 3
-  ks = jax.random.split(jax.random.PRNGKey(5), 4)
-  k, v = (jax.random.normal(x, (B, K, S, H), jnp.bfloat16) for x in ks[:2])
-  k_new, v_new = (jax.random.normal(x, (B, K, H), jnp.bfloat16) for x in ks[2:])
+  ks = keys(5, 4)
+  k, v = (normal(x, (B, K, S, H), jnp.bfloat16) for x in ks[:2])
+  k_new, v_new = (normal(x, (B, K, H), jnp.bfloat16) for x in ks[2:])
   slot = jnp.array([0, 7, 11, S - 1], jnp.int32)
   kt = build_kt_pages(k, slot, page_size, kt_dtype)
   fold = cache_append_reference(k, v, k_new, v_new, slot, *kt, page_size=page_size, kt_update="fold")
@@ -152,9 +153,9 @@ def test_appends_in_a_row_keep_every_page_its_rows_min_max_interpret(page_size, 
   `build_kt_pages` of the rows the cache then holds, exactly."""
   from rocketkv_jax.cache import build_kt_pages
   B, K, S, H, steps = 2, 2, 23, 64, 9
-  ks = jax.random.split(jax.random.PRNGKey(page_size), 3)
-  k, v = (jax.random.normal(x, (B, K, S, H), jnp.bfloat16) for x in ks[:2])
-  new = jax.random.normal(ks[2], (steps, B, K, H), jnp.bfloat16)
+  ks = keys(page_size, 3)
+  k, v = (normal(x, (B, K, S, H), jnp.bfloat16) for x in ks[:2])
+  new = normal(ks[2], (steps, B, K, H), jnp.bfloat16)
   new = new.at[1::2].set(new[0::2][:new[1::2].shape[0]])  # every other key repeats the one before it
   length = jnp.array([5, 12], jnp.int32)
   kt = build_kt_pages(k, length, page_size, kt_dtype)
@@ -189,8 +190,8 @@ def test_per_head_slots_with_kt_pages_interpret():
 def test_casts_new_rows_to_the_cache_dtype_interpret():
   slot = jnp.array([[2, 5]], jnp.int32)
   k, v, _, _, _, kt_min, kt_max = make_inputs(1, 2, 9, 64, 3, jnp.bfloat16, jnp.float32, slot)
-  k_new = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 64), jnp.float32)
-  v_new = jax.random.normal(jax.random.PRNGKey(8), (1, 2, 64), jnp.float32)
+  k_new = normal(key(7), (1, 2, 64), jnp.float32)
+  v_new = normal(key(8), (1, 2, 64), jnp.float32)
   args = (k, v, k_new, v_new, slot, kt_min, kt_max)
   assert_same(cache_append(*args, page_size=3, interpret=True), cache_append_reference(*args, page_size=3))
 

@@ -9,15 +9,16 @@ import pytest
 from conftest import (CASES, GPU_CASES, lower_for_h200, needs_gpu, poison_past_length,
                       ragged_lengths, rel_err, tol)
 from rocketkv_jax.kernels.dense_decode import Tuning, dense_decode_attention, dense_decode_attention_reference
+from tests.helpers.data import keys, normal
 
 
 def make_inputs(c, seed):
   rng = np.random.default_rng(seed)
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  ks = keys(seed, 3)
   B, K, G, H, S, dt = c["B"], c["K"], c["G"], c["H"], c["S"], c["dtype"]
-  q = jax.random.normal(ks[0], (B, K, G, H), jnp.float32).astype(dt)
-  k = jax.random.normal(ks[1], (B, K, S, H), jnp.float32).astype(dt)
-  v = jax.random.normal(ks[2], (B, K, S, H), jnp.float32).astype(dt)
+  q = normal(ks[0], (B, K, G, H), dt)
+  k = normal(ks[1], (B, K, S, H), dt)
+  v = normal(ks[2], (B, K, S, H), dt)
   length = ragged_lengths(rng, B, S)
   return q, poison_past_length(k, length), poison_past_length(v, length), length
 

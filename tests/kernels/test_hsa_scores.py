@@ -12,18 +12,19 @@ from rocketkv_jax.kernels.hsa_scores import (GATHER_ROW_PROGRAMS_MIN_ROWS, Tunin
                                              hsa_page_scores_reference, pick_tuning, row_channels,
                                              row_channels_reference)
 from rocketkv_jax.kernels.triton_util import pow2_pieces
+from tests.helpers.data import key, keys, normal
 
 KT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e5m2]
 
 
 def make_inputs(c, seed, page_size, R, kt_dtype, aligned=False):
   rng = np.random.default_rng(seed)
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  ks = keys(seed, 3)
   B, K, G, H, S, dt = c["B"], c["K"], c["G"], c["H"], c["S"], c["dtype"]
   P = kt_num_pages(S, page_size) if aligned else -(-S // page_size)  # aligned: as a cache holds them
-  q = jax.random.normal(ks[0], (B, K, G, H), jnp.float32).astype(dt)
-  a = jax.random.normal(ks[1], (B, K, H, P))
-  b = jax.random.normal(ks[2], (B, K, H, P))
+  q = normal(ks[0], (B, K, G, H), dt)
+  a = normal(ks[1], (B, K, H, P))
+  b = normal(ks[2], (B, K, H, P))
   kt_min, kt_max = jnp.minimum(a, b), jnp.maximum(a, b)
   length = ragged_lengths(rng, B, S)
   n = jnp.clip(length[:, None] - jnp.arange(P) * page_size, 0, page_size)
@@ -118,7 +119,7 @@ def test_row_channels_kernel_matches_reference_interpret(G, H, topr, dtype, dot_
   """The row_channels kernel gives lax.top_k's channels in its order, their signs (pads -1) and the group's
   query on them exactly; ties of |q| sums (every channel with a twin) go to the lower channel; a zero query
   row (tau 1) and a zero group (every channel tied at 0, summed sign 0: kt_min) too."""
-  q = jax.random.normal(jax.random.PRNGKey(G + topr), (3, 2, G, H), jnp.float32)
+  q = normal(key(G + topr), (3, 2, G, H), jnp.float32)
   q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2]))  # ties
   q = q.at[2, 0].set(0.0).at[2, 1, 0].set(0.0)
   check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=True)
@@ -238,13 +239,13 @@ def test_matches_reference_gpu(c, kt_dtype):
 @pytest.mark.gpu
 def test_row_channels_kernel_matches_reference_gpu():
   needs_gpu()
-  q = jax.random.normal(jax.random.PRNGKey(0), (5, 8, 4, 128), jnp.float32)
+  q = normal(key(0), (5, 8, 4, 128), jnp.float32)
   q = q.at[1].set(q[1].at[..., 1::2].set(q[1][..., 0::2])).at[2, 0].set(0.0)
   for dtype, topr, dot_dtype in ((jnp.bfloat16, 60, jnp.bfloat16), (jnp.float32, 61, jnp.float32),
                                  (jnp.bfloat16, 128, jnp.float32)):
     for warps in (2, 4):  # num_warps None picks one of these by rows
       check_row_channels(q.astype(dtype), topr, dot_dtype, interpret=False, num_warps=warps)
-  q7 = jax.random.normal(jax.random.PRNGKey(1), (3, 4, 7, 128), jnp.bfloat16)  # a group of 7 (Qwen2.5)
+  q7 = normal(key(1), (3, 4, 7, 128), jnp.bfloat16)  # a group of 7 (Qwen2.5)
   check_row_channels(q7, 60, jnp.bfloat16, interpret=False)
 
 

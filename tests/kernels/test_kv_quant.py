@@ -16,6 +16,7 @@ from rocketkv_jax.kernels.kv_quant import dequantize, fp8_max, kv_scale, quantiz
 from rocketkv_jax.kernels.sparse_decode import Tuning as SparseTuning
 from rocketkv_jax.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
 from tests.helpers.fp8 import one_fp8_step
+from tests.helpers.data import keys, normal
 
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 
@@ -23,11 +24,11 @@ FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 def fp8_cache(c, seed, kv_dtype):
   """q [B, K, G, H] in c's dtype, an FP8 cache k/v [B, K, S, H] with NaN past each length, scales, lengths."""
   rng = np.random.default_rng(seed)
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  ks = keys(seed, 3)
   B, K, G, H, S = c["B"], c["K"], c["G"], c["H"], c["S"]
-  q = jax.random.normal(ks[0], (B, K, G, H), jnp.float32).astype(c["dtype"])
-  k = 3 * jax.random.normal(ks[1], (B, K, S, H), jnp.float32)
-  v = 0.1 * jax.random.normal(ks[2], (B, K, S, H), jnp.float32)
+  q = normal(ks[0], (B, K, G, H), c["dtype"])
+  k = 3 * normal(ks[1], (B, K, S, H), jnp.float32)
+  v = 0.1 * normal(ks[2], (B, K, S, H), jnp.float32)
   length = ragged_lengths(rng, B, S)
   valid = jnp.broadcast_to((jnp.arange(S)[None, :] < length[:, None])[:, None], (B, K, S))
   k_scale, v_scale = kv_scale(k, valid, kv_dtype), kv_scale(v, valid, kv_dtype)
@@ -72,16 +73,16 @@ def test_sparse_fp8_matches_reference_interpret(c, kv_dtype):
 
 
 def append_inputs(kv_dtype, page_size=3, B=2, K=2, S=37, H=64, seed=3, dtype=jnp.bfloat16):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  k = jax.random.normal(ks[0], (B, K, S, H), jnp.float32)
-  v = jax.random.normal(ks[1], (B, K, S, H), jnp.float32)
+  ks = keys(seed, 4)
+  k = normal(ks[0], (B, K, S, H), jnp.float32)
+  v = normal(ks[1], (B, K, S, H), jnp.float32)
   valid = jnp.ones((B, K, S), bool)
   k_scale, v_scale = kv_scale(k, valid, kv_dtype), kv_scale(v, valid, kv_dtype)
   k8, v8 = quantize(k, k_scale[:, :, None, None], kv_dtype), quantize(v, v_scale[:, :, None, None], kv_dtype)
   P = kt_num_pages(S, page_size)
-  kt_min = jax.random.normal(ks[2], (B, K, H, P), jnp.float32).astype(dtype)
+  kt_min = normal(ks[2], (B, K, H, P), dtype)
   kt_max = kt_min + 1
-  k_new = (4 * jax.random.normal(ks[3], (B, K, H))).astype(dtype)  # past the prompt's range: some saturate
+  k_new = (4 * normal(ks[3], (B, K, H))).astype(dtype)  # past the prompt's range: some saturate
   v_new = (-k_new).astype(dtype)
   return k8, v8, k_new, v_new, jnp.array([S - 1, 7], jnp.int32), kt_min, kt_max, k_scale, v_scale
 

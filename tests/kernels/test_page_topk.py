@@ -8,6 +8,7 @@ import pytest
 
 from conftest import assert_near_ties_only, lower_for_h200, needs_gpu, ragged_lengths
 from rocketkv_jax.kernels.page_topk import MAX_PAGES, page_topk, page_topk_reference
+from tests.helpers.data import keys, normal
 
 
 def make_inputs(seed, B, K, num_slots, page_size, ties: bool):
@@ -113,10 +114,10 @@ def hsa_partials(seed, B, K, G, H, num_slots, page_size, topr, block_p=None):
   """Real partials of the HSA kernel (interpret mode) on random queries and KT pages, junk on empty pages."""
   from rocketkv_jax.kernels.hsa_scores import Tuning, hsa_page_partials
   rng = np.random.default_rng(seed)
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  ks = keys(seed, 3)
   P = -(-num_slots // page_size)
-  q = jax.random.normal(ks[0], (B, K, G, H))
-  a, b = jax.random.normal(ks[1], (B, K, H, P)), jax.random.normal(ks[2], (B, K, H, P))
+  q = normal(ks[0], (B, K, G, H))
+  a, b = normal(ks[1], (B, K, H, P)), normal(ks[2], (B, K, H, P))
   length = ragged_lengths(rng, B, num_slots)
   empty = (jnp.arange(P)[None, :] * page_size >= length[:, None])[:, None, None, :]
   kt_min = jnp.where(empty, jnp.nan, jnp.minimum(a, b))

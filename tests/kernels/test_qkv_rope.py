@@ -9,6 +9,7 @@ import pytest
 from conftest import lower_for_h200, needs_gpu, rel_err
 from rocketkv_jax.kernels import qkv_rope as qkv_rope_module
 from rocketkv_jax.kernels.qkv_rope import heads_per_program, qkv_rope, qkv_rope_reference
+from tests.helpers.data import key, normal
 
 # N = 9, K = 3 (SmolLM2's heads) are not powers of two; H = 16 is the tiny test model's head dim.
 CASES = [
@@ -43,7 +44,7 @@ def positions(B, seed=0):
 
 
 def make_inputs(B, N, K, H, dtype, seed=0):
-  qkv = jax.random.normal(jax.random.PRNGKey(seed), (B, (N + 2 * K) * H)).astype(dtype)
+  qkv = normal(key(seed), (B, (N + 2 * K) * H)).astype(dtype)
   return qkv, positions(B, seed), inv_freq(H)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import lower_for_h200, needs_gpu, rel_err
 from rocketkv_jax.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
+from tests.helpers.data import keys, normal
 
 EPS = 1e-5
 
@@ -32,11 +33,11 @@ TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 5e-3}
 
 def make_inputs(B, D, dtype, w_dtype=None, seed=0):
   """A residual stream of varying scale per row, a delta and weights around 1."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  scale = jnp.exp(jax.random.normal(ks[3], (B, 1)))
-  x = (jax.random.normal(ks[0], (B, D)) * scale).astype(dtype)
-  delta = (jax.random.normal(ks[1], (B, D)) * 0.5).astype(dtype)
-  w = (1 + 0.2 * jax.random.normal(ks[2], (D,))).astype(w_dtype or dtype)
+  ks = keys(seed, 4)
+  scale = jnp.exp(normal(ks[3], (B, 1)))
+  x = (normal(ks[0], (B, D)) * scale).astype(dtype)
+  delta = (normal(ks[1], (B, D)) * 0.5).astype(dtype)
+  w = (1 + 0.2 * normal(ks[2], (D,))).astype(w_dtype or dtype)
   return x, delta, w
 
 

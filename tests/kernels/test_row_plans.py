@@ -58,7 +58,7 @@ def alone_pages(x_BKHP, b, num_pages, value):
 
 def normal(rng, shape, dtype=jnp.float32):
   """Fresh random values (NumPy's generator: no compile per shape, as jax.random's)."""
-  return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+  return jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
 
 
 def hsa_inputs(seed, B, K, G, H, P, length, ps, dtype=jnp.float32, kt_dtype=jnp.float32):

@@ -10,16 +10,17 @@ from conftest import CASES, GPU_CASES, lower_for_h200, needs_gpu, rel_err, tol
 from rocketkv_jax.kernels.dense_decode import dense_decode_attention_reference
 from rocketkv_jax.kernels.sparse_decode import (Tuning, sparse_decode_attention,
                                                 sparse_decode_attention_reference)
+from tests.helpers.data import keys, normal, randint, uniform
 
 
 def make_inputs(c, seed, M):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  ks = keys(seed, 5)
   B, K, G, H, S, dt = c["B"], c["K"], c["G"], c["H"], c["S"], c["dtype"]
-  q = jax.random.normal(ks[0], (B, K, G, H), jnp.float32).astype(dt)
-  k = jax.random.normal(ks[1], (B, K, S, H), jnp.float32).astype(dt)
-  v = jax.random.normal(ks[2], (B, K, S, H), jnp.float32).astype(dt)
-  idx = jax.random.randint(ks[3], (B, K, M), 0, S, jnp.int32)
-  valid = jax.random.uniform(ks[4], (B, K, M)) < 0.7
+  q = normal(ks[0], (B, K, G, H), dt)
+  k = normal(ks[1], (B, K, S, H), dt)
+  v = normal(ks[2], (B, K, S, H), dt)
+  idx = randint(ks[3], (B, K, M), 0, S, jnp.int32)
+  valid = uniform(ks[4], (B, K, M)) < 0.7
   valid = valid.at[-1, -1].set(False)  # one group with nothing valid: output 0
   # Poison every slot that no valid entry selects (invalid entries point at NaN).
   used = jax.vmap(jax.vmap(lambda i, ok: jnp.zeros((S,), bool).at[i].max(ok)))(idx, valid)
@@ -45,10 +46,10 @@ def test_matches_reference_interpret(c, num_splits):
 
 def test_full_selection_equals_dense():
   B, K, G, H, S = 2, 2, 4, 64, 40
-  ks = jax.random.split(jax.random.PRNGKey(5), 3)
-  q = jax.random.normal(ks[0], (B, K, G, H))
-  k = jax.random.normal(ks[1], (B, K, S, H))
-  v = jax.random.normal(ks[2], (B, K, S, H))
+  ks = keys(5, 3)
+  q = normal(ks[0], (B, K, G, H))
+  k = normal(ks[1], (B, K, S, H))
+  v = normal(ks[2], (B, K, S, H))
   length = jnp.array([40, 23], jnp.int32)
   idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, K, S))
   valid = idx < length[:, None, None]

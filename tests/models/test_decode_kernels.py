@@ -18,6 +18,7 @@ from rocketkv_jax.models.llama import add_norm, rms_norm, rope_heads, rope_inv_f
 from rocketkv_jax.models.params import from_params
 
 from .conftest import tiny_config, tiny_params
+from tests.helpers.data import keys, normal
 
 
 def _model_add_norm(x, delta, w, eps):
@@ -30,10 +31,10 @@ def _model_add_norm(x, delta, w, eps):
 def test_kernel_references_are_the_model_expressions(dtype, jit):
   cfg = tiny_config(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                                   ("original_max_position_embeddings", 64), ("rope_type", "llama3")))
-  ks = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(ks[0], (3, cfg.dim)).astype(dtype)
-  delta = jax.random.normal(ks[1], (3, cfg.dim)).astype(dtype)
-  w = (1 + 0.1 * jax.random.normal(ks[2], (cfg.dim,))).astype(dtype)
+  ks = keys(0, 4)
+  x = normal(ks[0], (3, cfg.dim)).astype(dtype)
+  delta = normal(ks[1], (3, cfg.dim)).astype(dtype)
+  w = (1 + 0.1 * normal(ks[2], (cfg.dim,))).astype(dtype)
   maybe_jit = jax.jit if jit else (lambda f: f)
   eps = cfg.norm_eps
   want = maybe_jit(lambda x, d, w: _model_add_norm(x, d, w, eps))(x, delta, w)
@@ -43,7 +44,7 @@ def test_kernel_references_are_the_model_expressions(dtype, jit):
     for g, wt in zip(got, want):
       np.testing.assert_array_equal(np.asarray(g, np.float32).reshape(wt.shape), np.asarray(wt, np.float32))
   N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  qkv = jax.random.normal(ks[3], (3, (N + 2 * K) * H)).astype(dtype)
+  qkv = normal(ks[3], (3, (N + 2 * K) * H)).astype(dtype)
   pos = jnp.array([0, 17, 5000], jnp.int32)
   inv = jnp.asarray(rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
   got = maybe_jit(lambda a, p: qkv_rope_reference(a, p, inv, n_heads=N, n_kv_heads=K, head_dim=H))(qkv, pos)

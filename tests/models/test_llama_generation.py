@@ -11,6 +11,7 @@ from rocketkv_jax.models import decode, forward_full, generate, prefill
 from rocketkv_jax import make_config
 from rocketkv_jax.models.llama import blocked_causal_attention, causal_attention
 from rocketkv_jax.models.tokenizer import TextTokenizer
+from tests.helpers.data import keys, normal
 
 
 class IdTokenizer(TextTokenizer):
@@ -31,10 +32,10 @@ def prompts(lengths, seed=0):
 @pytest.mark.parametrize("impl_T", [(8, 37), (128, 300)])
 def test_blocked_attention_equals_dense(impl_T):
   block, T = impl_T
-  ks = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(ks[0], (2, T, 4, 16))
-  k = jax.random.normal(ks[1], (2, T, 2, 16))
-  v = jax.random.normal(ks[2], (2, T, 2, 16))
+  ks = keys(0, 3)
+  q = normal(ks[0], (2, T, 4, 16))
+  k = normal(ks[1], (2, T, 2, 16))
+  v = normal(ks[2], (2, T, 2, 16))
   want = causal_attention(q, k, v, impl="dense")
   got = blocked_causal_attention(q, k, v, block)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
