@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import rocketkv_jax as rk
 from tests.core.reference import RefSequence
+from tests.helpers.data import normal
 
 FLOATS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPES = [*FLOATS, "int32"]
@@ -60,7 +61,7 @@ def _named(err: ValueError) -> None:
 def _arrays(rng, shape, dtype):
   if dtype == "int32":
     return jnp.asarray(rng.integers(-3, 4, shape), jnp.int32)
-  return jnp.asarray(rng.standard_normal(shape), FLOATS[dtype])
+  return normal(rng, shape, FLOATS[dtype])
 
 
 @settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -28,6 +28,7 @@ from rocketkv_jax.kernels.hsa_scores import (Tuning, chosen_slots, hsa_page_part
                                              row_channels_reference)
 from rocketkv_jax.kernels.page_topk import (force_pages, hsa_page_topk, hsa_page_topk_reference, page_topk,
                                             page_topk_reference)
+from tests.helpers.data import normal
 
 # One batch of plans: page sizes 1, 2, 3, 5 (static 5) and top-r 40, 7, 17, 1 (static 40: the gather layout's
 # pieces 32 + 16), S = 37 slots, P = kt_num_pages(37, 5) = 16 KT pages shared by the rows. Lengths: a row of
@@ -54,11 +55,6 @@ def alone_pages(x_BKHP, b, num_pages, value):
   """Row b's KT array [1, K, H, num_pages]: its P pages, padded with `value` junk to num_pages."""
   x = x_BKHP[b:b + 1]
   return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, num_pages - x.shape[-1])), constant_values=value)
-
-
-def normal(rng, shape, dtype=jnp.float32):
-  """Fresh random values (NumPy's generator: no compile per shape, as jax.random's)."""
-  return jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
 
 
 def hsa_inputs(seed, B, K, G, H, P, length, ps, dtype=jnp.float32, kt_dtype=jnp.float32):
