@@ -1,10 +1,9 @@
 """Renders benchmarks/decode.py JSON lines into a markdown table and plots.
 
-  python -m benchmarks.render_decode benchmarks/results/decode_h200_2026-12-01.jsonl
+  python -m benchmarks.render_decode benchmarks/results/decode_h200_2026-12-02.jsonl
 writes <stem>.md and <stem>_latency.png, <stem>_throughput.png, <stem>_memory.png beside the input (run from
-the repository root: benchmarks are not installed). The committed plots come from
-  python -m benchmarks.render_decode benchmarks/results/decode_h200_2026-11-29.jsonl \
-      benchmarks/results/decode_h200_2026-11-29_run3.jsonl benchmarks/results/decode_h200_2026-12-01.jsonl
+the repository root: benchmarks are not installed); several inputs are merged, later points replacing earlier
+ones. That command made the committed table and plots (benchmarks/results/grid_h200_2026-12-03/README.md).
 Colours are benchmarks/plot_style.py's method -> colour map (shared with the accuracy plots); line style and
 marker tell the budgets apart; the latency plot draws each series' bandwidth floor (the points' floor_ms).
 """
