@@ -3,6 +3,38 @@
 prefill -> `prefill_compress` (stage 1, per layer) -> `decode_step` (stage 2, per token per layer).
 Each method is one module of `rocketkv_jax.methods`; each op's semantics and kernel meet in `ops`.
 """
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+
+class _CheckoutLayout(importlib.abc.MetaPathFinder):
+  """`rocketkv_jax.kernels` and `rocketkv_jax.models` from a checkout that is not installed.
+
+  The repository keeps the kernels and the model at its top level (`kernels/`, `models/`); an install maps them
+  into this package (pyproject.toml's package-dir). With only the checkout on sys.path, this finder maps the two
+  names to those folders, the same files an install uses, and nothing else."""
+
+  def __init__(self, root: str):
+    self.root = root
+
+  def find_spec(self, fullname, path=None, target=None):
+    prefix, _, name = fullname.rpartition(".")
+    if prefix != __name__ or name not in ("kernels", "models"):
+      return None
+    folder = os.path.join(self.root, name)
+    return importlib.util.spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+
+
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if (not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels"))
+    and os.path.isfile(os.path.join(_CHECKOUT, "kernels", "__init__.py"))
+    and not any(isinstance(f, _CheckoutLayout) for f in sys.meta_path)):
+  sys.meta_path.insert(0, _CheckoutLayout(_CHECKOUT))
+
+# The package's names, after the finder (api imports the kernels).
 from rocketkv_jax.api import decode_step, in_jit_checks, prefill_compress
 from rocketkv_jax.budget import BudgetPlan, plan_budget
 from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, cache_nbytes, concat_caches
