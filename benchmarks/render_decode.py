@@ -2,8 +2,8 @@
 
   python -m benchmarks.render_decode benchmarks/results/decode_h200_2026-12-02.jsonl
 writes <stem>.md and <stem>_latency.png, <stem>_throughput.png, <stem>_memory.png beside the input (run from
-the repository root: benchmarks are not installed); several inputs are merged, later points replacing earlier
-ones. That command made the committed table and plots (benchmarks/results/grid_h200_2026-12-03/README.md).
+the repository root: benchmarks are not installed); each input given is rendered on its own. That command made
+the committed table and plots (benchmarks/results/grid_h200_2026-12-03/README.md).
 Colours are benchmarks/plot_style.py's method -> colour map (shared with the accuracy plots); line style and
 marker tell the budgets apart; the latency plot draws each series' bandwidth floor (the points' floor_ms).
 """

@@ -28,10 +28,10 @@ class _CheckoutLayout(importlib.abc.MetaPathFinder):
                                                   submodule_search_locations=[folder])
 
 
-_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if (not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels"))
-    and os.path.isfile(os.path.join(_CHECKOUT, "kernels", "__init__.py"))
-    and not any(isinstance(f, _CheckoutLayout) for f in sys.meta_path)):
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CHECKOUT = os.path.dirname(_HERE)
+if (not os.path.isdir(os.path.join(_HERE, "kernels"))
+    and os.path.isfile(os.path.join(_CHECKOUT, "kernels", "__init__.py"))):
   sys.meta_path.insert(0, _CheckoutLayout(_CHECKOUT))
 
 # The package's names, after the finder (api imports the kernels).

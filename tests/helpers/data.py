@@ -17,7 +17,7 @@ def key(seed: int) -> np.random.Generator:
 
 def normal(rng: np.random.Generator, shape, dtype=jnp.float32) -> jnp.ndarray:
   """Standard normal values of `dtype` (drawn in float32, then rounded), on the default device."""
-  return jnp.asarray(np.asarray(rng.standard_normal(shape, np.float32)).astype(dtype))
+  return jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
 
 
 def uniform(rng: np.random.Generator, shape, dtype=jnp.float32) -> jnp.ndarray:
