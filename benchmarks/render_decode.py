@@ -10,7 +10,6 @@ marker tell the budgets apart; the latency plot draws each series' bandwidth flo
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import rocketkv_jax as rk
@@ -184,6 +183,14 @@ def _plots(points, peaks, stem, header=None):
   plt.close("all")
 
 
-if __name__ == "__main__":
-  for p in sys.argv[1:]:
+def main(argv=None):
+  import argparse
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.render_decode", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("jsonl", nargs="+", help="benchmarks/decode.py output files, each rendered on its own")
+  for p in ap.parse_args(argv).jsonl:
     print(render(p))
+
+
+if __name__ == "__main__":
+  main()

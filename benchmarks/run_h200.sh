@@ -101,7 +101,7 @@ for part in "$@"; do
       for f in /tmp/p391/*/decode_chunk.hlo.txt; do gzip -c "$f" > "$out/hlo_$(basename "$(dirname "$f")").txt.gz"; done ;;
     serve_load_*)  # issue 37: the HTTP load benchmark (benchmarks/serve_load.py) against `rocketkv serve`, one
       # (workload, method) per part: serve_load_long-gen_full, serve_load_long-gen_rocketkv, serve_load_doc-qa_full,
-      # ..._chat_..., ..._prefill-heavy_...; then serve_load_table (the side-by-side goodput table and the plot).
+      # ..._chat_..., ..._prefill-heavy_...; then serve_load_table (the side-by-side goodput table).
       # The model is SERVE_LOAD_MODEL, labelled in every record: by default random:llama-3.1-8b (random bf16 weights
       # of the Llama-3.1-8B shape and a byte-level tokenizer: the decode and serving benchmarks' shape; speed does
       # not depend on the values, and every answer has its full length: ignore_eos); or a real checkpoint
@@ -110,13 +110,14 @@ for part in "$@"; do
       # imports it): carry their wheels in
       # .carry/wheels (`benchmarks/device_wheels.sh`), installed here into /tmp/site. Knobs: SL_RATES, SL_REQUESTS,
       # SL_SLOTS, SL_CHUNK (--prefill-chunk-tokens), SL_ARGS (more serve flags; later flags win), SL_LOAD_ARGS (more
-      # serve_load flags, e.g. --scale 0.25).
+      # serve_load flags, e.g. --scale 0.25). serve_load drives guidellm (the bench extra: it needs torch and
+      # transformers on the device; --guidellm CMD in SL_LOAD_ARGS names another install); its reports: $out/guidellm.
       if [ -d .carry/wheels ] && [ ! -d /tmp/site ]; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/wheels/*.whl >>"$out/log.txt" 2>&1
       fi
       [ -d /tmp/site ] && export PYTHONPATH="${PYTHONPATH:-$PWD}:/tmp/site"
       if [ "$part" = serve_load_table ]; then
-        python3 -m benchmarks.serve_load --table "$out/serve_load.jsonl" --plot "$out/serve_load.png" \
+        python3 -m benchmarks.serve_load --table "$out/serve_load.jsonl" \
           >"$out/serve_load_table.txt" 2>>"$out/log.txt"; cat "$out/serve_load_table.txt" >>"$out/log.txt"
       else
         m=${part##*_}; wl=${part#serve_load_}; wl=${wl%_*}
@@ -145,7 +146,7 @@ for part in "$@"; do
         esac
         timeout "${SL_TIMEOUT:-580}" python3 -m benchmarks.serve_load --workload "$wl" --rates "${SL_RATES:-$rates}" \
           --requests "${SL_REQUESTS:-$n}" --slo-ttft 5 --slo-tpot 0.05 --out "$out/serve_load.jsonl" ${SL_LOAD_ARGS:-} \
-          --server-log "$out/serve_load_server.log" --launch-timeout-s 400 \
+          --server-log "$out/serve_load_server.log" --reports "$out/guidellm" --launch-timeout-s 400 \
           --launch "--model ${SERVE_LOAD_MODEL:-random:llama-3.1-8b} --dtype bfloat16 --method $m --token-budget 256 \
                     --max-prompt-tokens $mp --max-new-tokens $mn --max-slots ${SL_SLOTS:-auto} --slot-reserve-gb 6 \
                     --max-queue 256 --history-gb 48 --history-device-gb $hd --prefill-buckets $buckets \

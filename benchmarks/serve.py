@@ -3,9 +3,9 @@
 
 For each method and slot count: an Engine (one method config, `prefill_buckets=(prompt,)`), warmed up (prefill,
 insert and one decode call compiled and run), then `--requests` requests of random-token prompts of exactly
-`--prompt` tokens, all submitted at once, and `engine.step()` until every one has finished. Random weights never
-emit a meaningful stop: the stand-in tokenizer has no stop ids and every request asks for `--max-new-tokens`
-tokens, so every request runs its full length. Reported per point:
+`--prompt` tokens, all submitted at once, and `engine.step()` until every one has finished. Every request sets
+`ignore_eos` and asks for `--max-new-tokens` tokens, so every request runs its full length (random weights' stand-in
+tokenizer has no stop ids anyway; `--model` serves a real checkpoint with its tokenizer). Reported per point:
 
 - tokens/s over the run (first submit to last event) and steady-state tokens/s (steps that began with every
   slot busy: no admission, the step is one generate() call);
@@ -25,6 +25,8 @@ in minutes; its TTFT then excludes prefill. `auto` (default) is `step` unless th
 
   python -m benchmarks.serve --out benchmarks/results/serve_h200.jsonl                      # 32k, slots 1,8,32,max
   python -m benchmarks.serve --tiny --prompt 256 --slots 1,2 --requests 4 --max-new-tokens 8  # CPU smoke test
+  python -m benchmarks.serve --model smollm2 --methods rocketkv --prompt 256 --slots 8 --requests 16 \
+      --max-new-tokens 64 --decode-reps 0 --steps-per-call 1   # the CPU streaming figure (and --steps-per-call 4)
 """
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ def warm_up(engine: Engine, prompt_ids: list[int], steps_per_call: int) -> dict:
   and returns it for reuse: dict(compile_*_s (first call, compile included), prefill_s, compiles, prefilled)."""
   timings = {}
   n = min(steps_per_call, engine.config.max_new_tokens)
-  req = Request("warm-up", prompt_ids, SamplingParams(max_tokens=n))
+  req = Request("warm-up", prompt_ids, SamplingParams(max_tokens=n, ignore_eos=True))
   t = time.perf_counter()
   p = engine.prefill(req)
   jax.block_until_ready(tuple(p))
@@ -304,8 +306,7 @@ def run_point(model, tokenizer, args, method: str, slots: int, facts: dict) -> d
   rng = np.random.default_rng(slots * 7919 + len(method))
   n_req = args.requests_for(slots)
   engine = Engine(model, tokenizer, engine_config(args, method, slots))
-  if engine.stop_ids:
-    raise RuntimeError(f"the engine stops at {engine.stop_ids}: requests might not run their full length")
+  # every request sets ignore_eos: a real checkpoint's (--model) EOS and end-of-turn never end one early
   config = engine.method_config
   rec = dict(capacity=config.capacity, cache_bytes_per_slot=engine.stats()["kv_bytes_device"] // slots,
              kv_bytes_device=engine.stats()["kv_bytes_device"])
@@ -319,11 +320,11 @@ def run_point(model, tokenizer, args, method: str, slots: int, facts: dict) -> d
     admission = "shared" if n_req * warm["prefill_s"] > args.prefill_budget_s else "step"
   rec["admission"] = admission
   if admission == "shared":  # every request is the warm-up prompt, whose prefill each insert reuses
-    reqs = [Request(f"r{i}", warm_ids, SamplingParams(max_tokens=args.max_new_tokens, seed=i))
+    reqs = [Request(f"r{i}", warm_ids, SamplingParams(max_tokens=args.max_new_tokens, seed=i, ignore_eos=True))
             for i in range(n_req)]
   else:
     reqs = [Request(f"r{i}", random_prompt(rng, cfg.vocab_size, args.prompt),
-                    SamplingParams(max_tokens=args.max_new_tokens, seed=i)) for i in range(n_req)]
+                    SamplingParams(max_tokens=args.max_new_tokens, seed=i, ignore_eos=True)) for i in range(n_req)]
   rec.update(measure_turn1(engine, reqs, shared_p if admission == "shared" else None,
                            args.arrival_s if admission == "step" else 0.0))
   rec["compiles_after_run"] = engine.stats()["compiles"]
@@ -388,7 +389,9 @@ def parse_args(argv):
   ap.add_argument("--token-budget", type=int, default=256)
   ap.add_argument("--prompt", default="32k", help="prompt tokens of every request (e.g. 32k, 256)")
   ap.add_argument("--slots", default="1,8,32,max", help="comma list; 'max' = the most slots that fit")
-  ap.add_argument("--steps-per-call", type=int, default=4, help="tokens per slot per decode call")
+  ap.add_argument("--steps-per-call", type=int, default=EngineConfig().steps_per_call,
+                  help="tokens per slot per decode call (default: the engine's, one token per stream chunk; the "
+                       "server's --steps-per-call)")
   ap.add_argument("--arrival-s", type=float, default=0.0,
                   help="with admission step: request i arrives at i * this many seconds (0: all at once)")
   ap.add_argument("--prefill-chunk-tokens", type=int, default=0,
@@ -415,6 +418,9 @@ def parse_args(argv):
   ap.add_argument("--history-device-gb", type=float, default=0.0,
                   help="device tier of the --turn2 engine's history (recent sessions' K/V kept on the device)")
   ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke test)")
+  ap.add_argument("--model", default=None,
+                  help="a checkpoint `rocketkv_jax.models.load` reads (e.g. smollm2) instead of random weights: its "
+                       "real tokenizer detokenizes every event, as the server's engine does (requests ignore EOS)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
   args.prompt = parse_tokens(args.prompt)
@@ -429,17 +435,22 @@ def main(argv=None):
   if args.compile_cache:
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  cfg = TINY if args.tiny else LLAMA_31_8B
+  if args.model:  # a real checkpoint and its tokenizer (detokenization included in the host work measured)
+    from rocketkv_jax.models import load
+    model, tokenizer = load(args.model)
+    cfg = model.config
+  else:
+    cfg = TINY if args.tiny else LLAMA_31_8B
   if args.prompt + args.max_new_tokens > cfg.max_len:
     raise SystemExit(f"--prompt {args.prompt} + --max-new-tokens {args.max_new_tokens} exceeds max_len={cfg.max_len}")
   dev = jax.devices()[0]
-  bw, _ = copy_bandwidth(1 << 26 if args.tiny else 4 << 30)
-  model = build_model(cfg)
-  tokenizer = BenchTokenizer()
+  bw, _ = copy_bandwidth(1 << 26 if args.tiny or dev.platform == "cpu" else 4 << 30)
+  if not args.model:
+    model, tokenizer = build_model(cfg), BenchTokenizer()
   facts = dict(weight_bytes=weight_bytes(model), copy_bandwidth=bw)
   base = dict(kind="serve", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               device=dev.device_kind, commit=git_commit(), argv=["python", "-m", "benchmarks.serve"] + argv,
-              jax=jax.__version__, model="tiny" if args.tiny else "llama-3.1-8b-shape",
+              jax=jax.__version__, model=args.model or ("tiny" if args.tiny else "llama-3.1-8b-shape"),
               xla_flags=os.environ.get("XLA_FLAGS", ""), copy_bandwidth_GBps=round(bw / 1e9, 1),
               weight_bytes=facts["weight_bytes"], token_budget=args.token_budget, prompt=args.prompt,
               max_new_tokens=args.max_new_tokens, steps_per_call=args.steps_per_call, admission=args.admission,

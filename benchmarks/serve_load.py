@@ -1,200 +1,123 @@
-"""Load benchmark of `rocketkv serve` as its clients see it: an asynchronous HTTP client (aiohttp, from the
-`bench` / `test` extras' lm-eval[api]) sends streamed OpenAI requests with Poisson or burst arrivals and reports
-TTFT / TPOT / end-to-end latency percentiles, request and token throughput, and goodput at an SLO (requests/s
-that met both the TTFT and the TPOT bound), as `vllm bench serve` and JetStream's `benchmark_serving` do.
+"""Load benchmark of `rocketkv serve` as its clients see it, with guidellm (the `bench` extra) driving the traffic:
+its client, arrivals (`--profile` synchronous, concurrent, constant, poisson, throughput), synthetic prompts of
+exact token counts, TTFT / ITL / end-to-end percentiles and throughput. This script adds what guidellm lacks: it
+starts a server per method (`--launch`, repeatable: each started on a free port, waited for, always stopped), hands
+guidellm a Hugging Face tokenizer folder written from the project's own tokenizer of the served model
+(`TextTokenizer.save_hf`; no hub), gives each point its own `cache_salt`, records the server's /metrics before and
+after each point (`engine_delta`), counts goodput at an SLO from guidellm's per-request results, and prints the
+methods side by side against `full` (`--table`).
 
-Workloads (`--workload`, comma-separated; lengths times `--scale`, or tiny ones with `--tiny`):
+Workloads (`--workload`, comma-separated; lengths times `--scale`, or tiny ones with `--tiny`), as guidellm's
+synthetic_text data (`--data KEY=VALUE,...` adds or overrides any of its fields):
 
   long-gen       8k-token prompt, 2k-token answer: decode-bound, where a compressed cache pays.
-  doc-qa         many different questions over one 32k-token document (prompt = document + question): the
-                 server's prefix reuse (`cached_tokens`) serves the document from its history after a priming
-                 request (the document alone, 1 token, untimed; `--no-prime` leaves it to the first question).
-  chat           multi-turn sessions through /v1/chat/completions: each turn's messages are the whole
-                 conversation so far (the earlier answers included) and a new user message (a passage and a
-                 question), 8 turns of 4k new tokens growing past 32k. `--rate` is sessions/s here; a session
-                 sends its next turn when the previous answer has arrived (`--think-s` later).
-  prefill-heavy  32k-token prompt, 128-token answer: prefill-bound, the honest case where compression cannot
-                 help much.
+  doc-qa         questions (40 tokens) over one shared 32k-token document (guidellm's prefix_tokens with
+                 prefix_count=1): the server's prefix reuse (`cached_tokens`) serves the document from its history
+                 after a priming request (one untimed request at the point's salt; `--no-prime` skips it).
+  chat           8-turn conversations through /v1/chat/completions: each turn sends the conversation so far (the
+                 earlier answers included) and 4k new tokens, growing past 32k. guidellm's rate counts
+                 conversations; a turn is sent when the previous answer has arrived.
+  prefill-heavy  32k-token prompt, 128-token answer: prefill-bound, where compression cannot help much.
 
-Prompts are real text: Chapter I of "Alice's Adventures in Wonderland" (public domain, the demo's document,
-models/data/alice_chapter1.txt), repeated with part markers to the length needed, tokenized by the server's
-`/tokenize`, so completions prompts are token ids of exactly the wanted length (chat prompts are text; their
-counts come from `usage`). Every request sets `ignore_eos` (vLLM's: the model's end tokens do not stop
-it), so every answer has exactly the wanted length (`--no-ignore-eos` lets answers stop early), and
-`temperature: 0`. long-gen and prefill-heavy send a distinct `cache_salt` per request, so no prompt is served
-from another's history; doc-qa and chat share one salt per (workload, rate), so each point starts cold.
+Every request sets `ignore_eos` (guidellm does, for a known answer length) and `temperature: 0`. cache_salt:
+guidellm sends the same extra body fields with every request, so the salt is per (method, workload, point), not
+per request; each synthetic prompt starts with a marker of its own (guidellm's), so no two requests share more
+than a token or two of prefix, and each point starts cold. A warm-up pass (one request; doc-qa two, chat one
+conversation; at its own salt) runs before each workload's first point, so compiles of new prompt shapes land
+outside the measurement (`--no-warmup-pass` skips it).
 
-Per request (streamed, `stream_options.include_usage`): TTFT (send to the first chunk with text), TPOT
-((last chunk - first text chunk) / (output tokens - 1)), end-to-end latency, the longest gap between two text
-chunks (`max_gap_s`: a decode stalled by another request's prefill shows here), prompt / output / cached tokens
-from `usage`. Per (workload, rate): p50 / p90 / p99 and mean of each, request throughput, output tokens/s,
-goodput (`--slo-ttft` s, `--slo-tpot` s), the server's engine stats from /metrics (and their change over the
-point), /version and /v1/models, and the method (from `--launch`'s flags, else `--label`): one JSON line each to
-`--out`. A warm-up pass (one request, or one session / the priming and two questions, at another salt) runs
-before each workload's first point so compiles of new prompt shapes (the history's extend prefill is not
-compiled at start-up) do not land in the measurement (`--no-warmup-pass` skips it).
+TPOT here is guidellm's inter-token latency (the first token excluded: vLLM's TPOT, the SLO's bound); goodput is
+requests/s over the point's duration that met TTFT <= --slo-ttft and TPOT <= --slo-tpot (a one-token answer: its
+TTFT alone). One JSON line per (server, workload, point) goes to `--out`, with guidellm's own report beside it
+(`--reports DIR`, default a temp folder; `guidellm`'s own tools read it).
 
-Methods are compared by serving each in turn: `--launch` (repeatable) starts `rocketkv serve ARGS` on a free
-port, waits for /health, runs every workload and rate, and stops it (always). `--table FILE.jsonl` prints the
-records of a file side by side (goodput of each method and rocketkv's ratio to full per workload and rate);
-`--plot FILE.png` draws latency percentiles and goodput against offered load (from `--out`'s whole file, so
-both methods' lines meet in one figure).
-
-  # CPU smoke run (under a minute): the embedded SmolLM2
-  python -m benchmarks.serve_load --tiny --workload doc-qa,chat --requests 3 --rate 4 \\
+  # CPU smoke run (a few minutes): the embedded SmolLM2, three requests one after the other
+  python -m benchmarks.serve_load --tiny --workload long-gen --profile synchronous --requests 3 \\
       --launch "--model smollm2 --max-prompt-tokens 512 --max-slots 4 --max-new-tokens 16 --token-budget 64"
-  # full against rocketkv on a GPU, one file, then the side-by-side table and the plot
+  # full against rocketkv on a GPU, one file, then the side-by-side table
   for m in full rocketkv; do python -m benchmarks.serve_load --workload long-gen,doc-qa,chat,prefill-heavy \\
       --rates 0.25,0.5,1 --requests 16 --out load.jsonl --launch "--model M --method $m --max-prompt-tokens 36864"
-  done; python -m benchmarks.serve_load --table load.jsonl --plot load.png
+  done; python -m benchmarks.serve_load --table load.jsonl
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
+import collections
 import dataclasses
 import datetime
 import json
-import math
 import os
-import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCUMENT = os.path.join(ROOT, "models", "data", "alice_chapter1.txt")
-
-QUESTIONS = (
-    "Why did Alice follow the White Rabbit?", "What did the Rabbit take out of its waistcoat-pocket?",
-    "What was written on the jar Alice took from a shelf?", "What did Alice think about falling down stairs?",
-    "What did Alice find on the little three-legged table?", "How tall was the little door Alice found?",
-    "What was written on the little bottle?", "Why did Alice check the bottle for the word 'poison'?",
-    "What did the bottle taste like?", "How tall did Alice become after drinking from the bottle?",
-    "What did Alice find in the little glass box?", "What was written on the cake?",
-    "What happened when Alice ate the cake?", "Who is Dinah?", "What did Alice wonder about cats and bats?",
-    "Describe the hall with the long row of lamps.", "What did Alice see through the little door?",
-    "Why could Alice not get through the door?", "What did Alice say about the Antipodes?",
-    "What was the long passage like?", "How does the chapter describe the well?",
-    "What does Alice do when she is too small to reach the key?", "Summarise the chapter in three sentences.",
-    "What is the tone of the chapter?", "List every object Alice finds in the hall.",
-    "What does the chapter say about Alice's sister?", "Why was Alice bored at the start?",
-    "What does 'Curiouser and curiouser' mean here?", "Which animals are mentioned in the chapter?",
-    "What would you ask the White Rabbit?", "How long did Alice fall?", "What did Alice do with the empty jar?",
-)
-CHAT_ASKS = ("Summarise this passage.", "Who appears in this passage, and what do they do?",
-             "What is the most surprising thing in this passage?", "Continue the story for a few sentences.",
-             "What does Alice feel here, and why?", "Rewrite the first sentence of this passage plainly.",
-             "What question would you ask the author about this passage?", "List the objects named in it.")
+PROFILES = ("synchronous", "concurrent", "constant", "poisson", "throughput")  # guidellm's; rates: --rates
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
-  """A named workload's lengths (tokens). kind: 'single' (independent completions: prompt_tokens, output_tokens),
-  'doc' (a doc_tokens document + a question), 'chat' (turns: a first user message of first_tokens, then
-  turn_tokens per turn, output_tokens per answer)."""
+  """One workload as guidellm's synthetic_text data, lengths in the served model's tokens: prompts of
+  prompt_tokens after a shared prefix of prefix_tokens (one document every request asks about), answers of
+  output_tokens, `turns` per conversation (a turn's prompt: the conversation so far and prompt_tokens new, the
+  first turn first_prompt_tokens), sent to /v1/chat/completions if chat, else /v1/completions."""
 
   name: str
-  kind: str
+  prompt_tokens: int
   output_tokens: int
-  prompt_tokens: int = 0
-  doc_tokens: int = 0
-  turns: int = 0
-  first_tokens: int = 0
-  turn_tokens: int = 0
+  prefix_tokens: int = 0
+  turns: int = 1
+  first_prompt_tokens: int = 0
+  chat: bool = False
+
+  @property
+  def endpoint(self) -> str:
+    return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+  def data(self, extra: dict | None = None) -> dict:
+    """guidellm's data spec (synthetic_text), extra's fields over it."""
+    d = dict(kind="synthetic_text", prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens)
+    if self.prefix_tokens:
+      d |= dict(prefix_tokens=self.prefix_tokens, prefix_count=1)
+    if self.turns > 1:
+      d["turns"] = self.turns
+    if self.first_prompt_tokens:
+      d["first_prompt_tokens"] = self.first_prompt_tokens
+    return d | (extra or {})
 
   def scaled(self, scale: float) -> "Workload":
-    s = lambda n: max(1, int(round(n * scale))) if n else 0  # noqa: E731
-    return dataclasses.replace(self, output_tokens=s(self.output_tokens), prompt_tokens=s(self.prompt_tokens),
-                               doc_tokens=s(self.doc_tokens), first_tokens=s(self.first_tokens),
-                               turn_tokens=s(self.turn_tokens))
+    s = lambda n: max(1, round(n * scale)) if n else 0  # noqa: E731
+    return dataclasses.replace(self, prompt_tokens=s(self.prompt_tokens), output_tokens=s(self.output_tokens),
+                               prefix_tokens=s(self.prefix_tokens), first_prompt_tokens=s(self.first_prompt_tokens))
 
   def max_prompt(self) -> int:
-    """The longest prompt this workload sends (chat: an estimate, with 32 tokens of template per turn)."""
-    if self.kind == "single":
-      return self.prompt_tokens
-    if self.kind == "doc":
-      return self.doc_tokens + 64
-    return self.first_tokens + (self.turns - 1) * (self.turn_tokens + self.output_tokens) + 32 * self.turns + 64
-
-  def spec(self) -> dict:
-    return {k: v for k, v in dataclasses.asdict(self).items() if v}
+    """The longest prompt this workload sends (chat: an estimate, 32 tokens of template per turn)."""
+    first = self.first_prompt_tokens or self.prompt_tokens
+    return (self.prefix_tokens + first + (self.turns - 1) * (self.prompt_tokens + self.output_tokens)
+            + (32 * self.turns if self.chat else 0))
 
 
 WORKLOADS = {
-    "long-gen": Workload("long-gen", "single", prompt_tokens=8192, output_tokens=2048),
-    "doc-qa": Workload("doc-qa", "doc", doc_tokens=32768, output_tokens=128),
-    "chat": Workload("chat", "chat", turns=8, first_tokens=4096, turn_tokens=4096, output_tokens=256),
-    "prefill-heavy": Workload("prefill-heavy", "single", prompt_tokens=32768, output_tokens=128),
+    "long-gen": Workload(name="long-gen", prompt_tokens=8192, output_tokens=2048),
+    "doc-qa": Workload(name="doc-qa", prefix_tokens=32768, prompt_tokens=40, output_tokens=128),
+    "chat": Workload(name="chat", turns=8, first_prompt_tokens=4096, prompt_tokens=4096, output_tokens=256,
+                     chat=True),
+    "prefill-heavy": Workload(name="prefill-heavy", prompt_tokens=32768, output_tokens=128),
 }
 TINY = {
-    "long-gen": Workload("long-gen", "single", prompt_tokens=256, output_tokens=16),
-    "doc-qa": Workload("doc-qa", "doc", doc_tokens=320, output_tokens=8),
-    "chat": Workload("chat", "chat", turns=3, first_tokens=96, turn_tokens=48, output_tokens=8),
-    "prefill-heavy": Workload("prefill-heavy", "single", prompt_tokens=384, output_tokens=8),
+    "long-gen": Workload(name="long-gen", prompt_tokens=256, output_tokens=16),
+    "doc-qa": Workload(name="doc-qa", prefix_tokens=320, prompt_tokens=16, output_tokens=8),
+    "chat": Workload(name="chat", turns=3, first_prompt_tokens=96, prompt_tokens=48, output_tokens=8, chat=True),
+    "prefill-heavy": Workload(name="prefill-heavy", prompt_tokens=384, output_tokens=8),
 }
-
-
-# --- statistics ------------------------------------------------------------------------------------------------
-
-
-def percentile(values, q: float) -> float | None:
-  """The q-th percentile (0..100) by linear interpolation (numpy's default); None for no values."""
-  v = sorted(values)
-  if not v:
-    return None
-  k = (len(v) - 1) * q / 100.0
-  lo, hi = math.floor(k), math.ceil(k)
-  return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def _stats(prefix: str, values, scale: float = 1.0, digits: int = 4) -> dict:
-  out = {}
-  for q in (50, 90, 99):
-    p = percentile(values, q)
-    out[f"{prefix}_p{q}"] = None if p is None else round(p * scale, digits)
-  out[f"{prefix}_mean"] = round(sum(values) / len(values) * scale, digits) if values else None
-  return out
-
-
-def summarize(results: list[dict], wall_s: float, slo_ttft: float, slo_tpot: float) -> dict:
-  """The point's aggregate figures from its per-request results."""
-  ok = [r for r in results if r["ok"]]
-  ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-  tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
-  e2e = [r["e2e_s"] for r in ok]
-  out_tokens = sum(r["output_tokens"] or 0 for r in ok)
-  good = [r for r in ok if r["ttft_s"] is not None and r["ttft_s"] <= slo_ttft
-          and (r["tpot_s"] is None or r["tpot_s"] <= slo_tpot)]
-  wall = max(wall_s, 1e-9)
-  errors = {}
-  for r in results:
-    if not r["ok"]:
-      errors[r["error"]] = errors.get(r["error"], 0) + 1
-  expected = [r for r in ok if r.get("expected_tokens")]
-  rec = dict(requests=len(results), requests_ok=len(ok), requests_failed=len(results) - len(ok),
-             errors=dict(list(errors.items())[:8]), wall_s=round(wall_s, 3),
-             request_throughput=round(len(ok) / wall, 4), output_tokens_per_s=round(out_tokens / wall, 2),
-             total_tokens_per_s=round((out_tokens + sum(r["prompt_tokens"] or 0 for r in ok)) / wall, 2),
-             goodput=round(len(good) / wall, 4), good_requests=len(good),
-             good_fraction=round(len(good) / len(results), 4) if results else None,
-             prompt_tokens_mean=round(sum(r["prompt_tokens"] or 0 for r in ok) / len(ok), 1) if ok else None,
-             prompt_tokens_max=max((r["prompt_tokens"] or 0 for r in ok), default=None),
-             output_tokens_total=out_tokens,
-             output_tokens_exact=all(r["output_tokens"] == r["expected_tokens"] for r in expected) if expected
-             else None,
-             cached_tokens_mean=round(sum(r["cached_tokens"] or 0 for r in ok) / len(ok), 1) if ok else None,
-             cached_fraction=(round(sum(r["cached_tokens"] or 0 for r in ok)
-                                    / max(1, sum(r["prompt_tokens"] or 0 for r in ok)), 4) if ok else None))
-  rec |= _stats("ttft_s", ttft) | _stats("tpot_ms", tpot, 1e3, 3) | _stats("e2e_s", e2e)
-  rec |= _stats("max_gap_s", [r["max_gap_s"] for r in ok if r.get("max_gap_s") is not None])
-  rec["tpot_p99_over_p50"] = (round(rec["tpot_ms_p99"] / rec["tpot_ms_p50"], 3) if rec["tpot_ms_p50"] else None)
-  return rec
 
 
 # --- the server ------------------------------------------------------------------------------------------------
@@ -206,27 +129,32 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-LAUNCH_PREFIX = ("rocketkv", "serve")
-
-
 def launch_args(text: str) -> list[str]:
   """`rocketkv serve`'s flags from --launch's string ('rocketkv serve' / 'serve' in front are dropped)."""
   args = shlex.split(text)
-  for word in LAUNCH_PREFIX:  # the CLI's name, then the subcommand
+  for word in ("rocketkv", "serve"):  # the CLI's name, then the subcommand
     if args[:1] == [word]:
       args = args[1:]
   return args
 
 
-def flag(args: list[str], name: str, default=None):
+def flag(args: list[str] | None, name: str, default=None):
   """The value of `--name V` or `--name=V` in args (the last one), else default."""
   value = default
-  for i, a in enumerate(args):
+  for i, a in enumerate(args or ()):
     if a == name and i + 1 < len(args):
       value = args[i + 1]
     elif a.startswith(name + "="):
       value = a.split("=", 1)[1]
   return value
+
+
+def http_get(url: str, path: str, api_key: str | None = None, timeout_s: float = 60.0):
+  """GET url+path: the JSON body (/metrics: the text)."""
+  headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+  with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=timeout_s) as r:
+    body = r.read().decode()
+  return body if path == "/metrics" else json.loads(body)
 
 
 class Launched:
@@ -239,15 +167,13 @@ class Launched:
       self.args += ["--port", str(free_port())]
     if flag(self.args, "--host") is None:
       self.args += ["--host", "127.0.0.1"]
-    self.port = int(flag(self.args, "--port"))
-    self.url = f"http://127.0.0.1:{self.port}"
+    self.url = f"http://127.0.0.1:{flag(self.args, '--port')}"
     self.log_path = log_path or tempfile.NamedTemporaryFile(prefix="serve_load_", suffix=".log", delete=False).name
-    self.cmd = [sys.executable, "-m", "rocketkv_jax.serving.cli", "serve", *self.args]
     console.log(f"launching: rocketkv serve {shlex.join(self.args)} (log: {self.log_path})")
     self.log = open(self.log_path, "ab")
-    env = dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1")
-    self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                 stdin=subprocess.DEVNULL)
+    self.proc = subprocess.Popen([sys.executable, "-m", "rocketkv_jax.serving.cli", "serve", *self.args],
+                                 stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1"))
 
   def tail(self, n: int = 30) -> str:
     try:
@@ -256,23 +182,20 @@ class Launched:
     except OSError:
       return ""
 
-  async def wait_ready(self, timeout_s: float) -> None:
-    import aiohttp
+  def wait_ready(self, timeout_s: float) -> None:
     t0 = time.monotonic()
-    async with aiohttp.ClientSession() as s:
-      while True:
-        if self.proc.poll() is not None:
-          raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready:\n"
-                             + self.tail())
-        try:
-          async with s.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-            if r.status == 200:
-              return
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-          pass
-        if time.monotonic() - t0 > timeout_s:
-          raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n" + self.tail())
-        await asyncio.sleep(0.25)
+    while True:
+      if self.proc.poll() is not None:
+        raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready:\n"
+                           + self.tail())
+      try:
+        http_get(self.url, "/health", timeout_s=5)
+        return
+      except (urllib.error.URLError, OSError, ValueError):
+        pass
+      if time.monotonic() - t0 > timeout_s:
+        raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n" + self.tail())
+      time.sleep(0.25)
 
   def stop(self, grace_s: float = 60.0) -> int | None:
     if self.proc.poll() is None:
@@ -296,8 +219,7 @@ def parse_metrics(text: str) -> dict:
     name, _, value = line.rpartition(" ")
     if not name.startswith("rocketkv_") or name.endswith("_created"):
       continue
-    name = name[len("rocketkv_"):]
-    name = name[:-len("_total")] if name.endswith("_total") else name
+    name = name[len("rocketkv_"):].removesuffix("_total")
     try:
       v = float(value)
     except ValueError:
@@ -306,286 +228,146 @@ def parse_metrics(text: str) -> dict:
   return out
 
 
-class Client:
-  """The HTTP side: JSON calls, the server's info, and one streamed request timed."""
-
-  def __init__(self, session, url: str, model: str, api_key: str | None, timeout_s: float):
-    url = url.rstrip("/")
-    url = url[:-3] if url.endswith("/v1") else url  # the server's root: /health, /tokenize and /v1/... below it
-    self.s, self.url, self.model, self.timeout_s = session, url, model, timeout_s
-    self.headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
-
-  async def get(self, path: str):
-    import aiohttp
-    async with self.s.get(self.url + path, headers=self.headers, timeout=aiohttp.ClientTimeout(total=60)) as r:
-      if r.status != 200:
-        raise RuntimeError(f"GET {path}: HTTP {r.status}: {(await r.text())[:300]}")
-      return await (r.json() if path != "/metrics" else r.text())
-
-  async def post(self, path: str, body: dict) -> dict:
-    import aiohttp
-    async with self.s.post(self.url + path, json=body, headers=self.headers,
-                           timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-      if r.status != 200:
-        raise RuntimeError(f"POST {path}: HTTP {r.status}: {(await r.text())[:300]}")
-      return await r.json()
-
-  async def metrics(self) -> dict:
-    try:
-      return parse_metrics(await self.get("/metrics"))
-    except Exception:  # noqa: BLE001 - metrics are optional (another server)
-      return {}
-
-  async def tokenize(self, text: str, special: bool = True) -> list[int]:
-    body = {"model": self.model, "prompt": text, "add_special_tokens": special}
-    return (await self.post("/tokenize", body))["tokens"]
-
-  async def detokenize(self, ids: list[int]) -> str:
-    return (await self.post("/detokenize", {"model": self.model, "tokens": list(ids)}))["prompt"]
-
-  async def stream(self, path: str, body: dict, chat: bool) -> dict:
-    """Sends a streamed request; returns its timings, token counts and text (ok False with `error` on failure)."""
-    import aiohttp
-    body = dict(body, model=self.model, stream=True, stream_options={"include_usage": True})
-    res = dict(ok=False, error=None, ttft_s=None, tpot_s=None, e2e_s=None, max_gap_s=None, prompt_tokens=None,
-               output_tokens=None, cached_tokens=None, finish_reason=None, text="")
-    t0 = time.perf_counter()
-    first = last = None
-    parts, usage, gap = [], None, 0.0
-    try:
-      async with self.s.post(self.url + path, json=body, headers=self.headers,
-                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-        if r.status != 200:
-          text = await r.text()
-          try:
-            err = json.loads(text)["error"]
-            res["error"] = f"HTTP {r.status} {err.get('code') or err.get('type')}: {err.get('message', '')[:200]}"
-          except (ValueError, KeyError, TypeError):
-            res["error"] = f"HTTP {r.status}: {text[:200]}"
-          return res
-        buf = b""
-        async for chunk in r.content.iter_any():
-          buf += chunk
-          while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-              if not line.startswith(b"data:"):
-                continue
-              data = line[5:].strip()
-              if data == b"[DONE]":
-                continue
-              obj = json.loads(data)
-              if "error" in obj:
-                e = obj["error"]
-                res["error"] = f"stream error {e.get('code') or e.get('type')}: {str(e.get('message'))[:200]}"
-                return res
-              now = time.perf_counter()
-              for c in obj.get("choices") or ():
-                text = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                if text:
-                  parts.append(text)
-                  if first is None:
-                    first = now
-                  else:
-                    gap = max(gap, now - last)
-                  last = now
-                if c.get("finish_reason"):
-                  res["finish_reason"] = c["finish_reason"]
-                  last = now
-              if obj.get("usage"):
-                usage = obj["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-      res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-      return res
-    end = time.perf_counter()
-    res["text"] = "".join(parts)
-    if usage is None:
-      res["error"] = "no usage in the stream"
-      return res
-    res["prompt_tokens"] = usage.get("prompt_tokens")
-    res["output_tokens"] = n = usage.get("completion_tokens")
-    res["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    res["e2e_s"] = round(end - t0, 6)
-    res["max_gap_s"] = round(gap, 6)
-    if first is not None:
-      res["ttft_s"] = round(first - t0, 6)
-      if n and n > 1:
-        res["tpot_s"] = round((last - first) / (n - 1), 6)
-    elif n:  # tokens without any text (all special / held back): the first token came with the end
-      res["ttft_s"] = res["e2e_s"]
-    res["ok"] = True
-    return res
+def engine_stats(url: str, api_key: str | None) -> dict:
+  try:
+    return parse_metrics(http_get(url, "/metrics", api_key))
+  except (urllib.error.URLError, OSError, ValueError):  # metrics are optional (another server)
+    return {}
 
 
-# --- prompts ---------------------------------------------------------------------------------------------------
+DELTA_KEYS = ("tokens_generated", "prompt_tokens_reused", "prompt_tokens_prefilled", "compiles",
+              "history_store_seconds")
 
 
-class Text:
-  """The document as token ids (tokenized once by the server), long enough for every workload: the chapter
-  repeated, each copy headed by a part number."""
-
-  def __init__(self, ids: list[int], bos: list[int]):
-    self.ids, self.bos = ids, bos
-
-  @classmethod
-  async def build(cls, client: Client, need: int) -> "Text":
-    with open(DOCUMENT, encoding="utf-8") as f:
-      chapter = f.read()
-    probe = await client.tokenize(chapter, special=False)
-    copies = max(1, math.ceil((need + 64) / max(1, len(probe))) + 1)
-    text = "".join(f"\n\n[Part {k + 1}]\n\n{chapter}" for k in range(copies))
-    ids = await client.tokenize(text, special=False)
-    with_special, plain = await client.tokenize("a", special=True), await client.tokenize("a", special=False)
-    bos = with_special[:len(with_special) - len(plain)]  # the BOS the tokenizer adds, if any
-    return cls(ids, bos)
-
-  def slice(self, start: int, n: int) -> list[int]:
-    start = start % max(1, len(self.ids) - n)
-    return self.ids[start:start + n]
+def _delta(before: dict, after: dict) -> dict:
+  return {k: after[k] - before[k] for k in DELTA_KEYS if k in before and k in after}
 
 
-def _salt(*parts) -> str:
-  return "serve_load-" + "-".join(str(p) for p in parts)
+# --- guidellm --------------------------------------------------------------------------------------------------
 
 
-class Runner:
-  """Builds a workload's requests and runs one (workload, rate) point."""
+def guidellm_command(given: str | None) -> list[str]:
+  """guidellm's CLI: --guidellm's command, else the one beside this Python, else the one on PATH."""
+  if given:
+    return shlex.split(given)
+  beside = os.path.join(os.path.dirname(sys.executable), "guidellm")
+  found = beside if os.path.exists(beside) else shutil.which("guidellm")
+  if found is None:
+    raise RuntimeError("guidellm not found: pip install -c constraints.txt -e '.[bench]' (or --guidellm CMD)")
+  return [found]
 
-  def __init__(self, client: Client, text: Text, args, console):
-    self.client, self.text, self.args, self.console = client, text, args, console
-    self.run_id = uuid.uuid4().hex[:8]
-    self.qcache: dict[str, list[int]] = {}
 
-  def sampling(self, out: int) -> dict:
-    body = {"max_tokens": out, "temperature": 0.0}
-    if not self.args.no_ignore_eos:
-      body["ignore_eos"] = True
-    return body
+def processor_dir(source: str, dest: str) -> str:
+  """A tokenizer folder transformers loads offline: `source` itself where it holds tokenizer.json (a HF
+  checkpoint), else one written to dest from the project's tokenizer of model source `source`
+  (`weights.load_tokenizer`: "smollm2", "random:<shape>", a .gguf, a catalog alias, a hub id)."""
+  if os.path.isfile(os.path.join(os.path.expanduser(source), "tokenizer.json")):
+    return os.path.expanduser(source)
+  from rocketkv_jax.models.weights import load_tokenizer
+  return load_tokenizer(source).save_hf(dest)
 
-  async def q_ids(self, text: str) -> list[int]:
-    if text not in self.qcache:
-      self.qcache[text] = await self.client.tokenize(text, special=False)
-    return self.qcache[text]
 
-  def single_prompt(self, w: Workload, i: int) -> list[int]:
-    n = w.prompt_tokens - len(self.text.bos)
-    return self.text.bos + self.text.slice(1009 * i, n)
+def scenario(w: Workload, *, url: str, model: str, processor: str, profile: str, rate: float | None,
+             requests: int | None, duration: float | None, salt: str, seed: int, report: str, args) -> dict:
+  """guidellm's run config (`guidellm run --scenario FILE`) for one point."""
+  prof = {"kind": profile}
+  if profile == "concurrent":
+    prof["streams"] = [int(rate)]
+  elif profile in ("constant", "poisson"):
+    prof["rate"] = [rate]
+  if args.max_concurrency and profile in ("constant", "poisson", "throughput"):
+    prof["max_concurrency"] = args.max_concurrency
+  constraints = []
+  if requests:
+    constraints.append({"kind": "max_requests", "count": requests * w.turns})  # guidellm counts turns
+  if duration:
+    constraints.append({"kind": "max_duration", "seconds": duration})
+  backend = {"kind": "openai_http", "target": url, "model": model, "request_format": w.endpoint,
+             "timeout": args.request_timeout_s, "extras": {"body": {"cache_salt": salt, "temperature": 0.0}}}
+  if args.api_key:
+    backend["api_key"] = args.api_key
+  return {"spec": {
+      "backend": backend, "profile": prof, "constraints": constraints,
+      "tokenizer": {"kind": "huggingface_auto", "model": processor}, "data": [w.data(args.data)],
+      "seed": {"kind": "static", "value": seed}, "outputs": [{"kind": "json", "path": report}],
+      # sample_size 0: every request's timings and counts, not its prompt (32k-token prompts add up to GBs)
+      "metrics": {"kind": "generative", "sample_size": 0,
+                  "slo": {"ttft_ms": args.slo_ttft * 1e3, "tpot_ms": args.slo_tpot * 1e3}}}}
 
-  def doc_prompt(self, w: Workload) -> list[int]:
-    return self.text.bos + self.text.ids[:w.doc_tokens - len(self.text.bos)]
 
-  async def question(self, w: Workload, i: int) -> list[int]:
-    q = QUESTIONS[i % len(QUESTIONS)] + (f" (Question {i + 1}.)" if i >= len(QUESTIONS) else "")
-    return self.doc_prompt(w) + await self.q_ids(f"\n\nQuestion: {q}\nAnswer:")
+def run_guidellm(cmd: list[str], config: dict, stem: str) -> dict:
+  """Runs guidellm on config (written to stem.scenario.json, its output to stem.log); its one benchmark."""
+  with open(stem + ".scenario.json", "w") as f:
+    json.dump(config, f, indent=1)
+  env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # the tokenizer folder is local
+  with open(stem + ".log", "w") as log:
+    rc = subprocess.run([*cmd, "run", "--scenario", stem + ".scenario.json", "--disable-console-interactive"],
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
+  report = config["spec"]["outputs"][0]["path"]
+  if rc != 0 or not os.path.exists(report):
+    with open(stem + ".log", errors="replace") as f:
+      raise RuntimeError(f"guidellm exited {rc} ({stem}.log):\n" + "".join(f.readlines()[-20:]))
+  with open(report) as f:
+    return json.load(f)["benchmarks"][0]
 
-  async def one(self, w: Workload, i: int, salt: str, sem, progress, record: list, *, session=None, turn=None,
-                messages=None, prompt=None, t_sched=None) -> dict:
-    body = self.sampling(w.output_tokens) | {"cache_salt": salt}
-    async with sem:
-      if messages is not None:
-        res = await self.client.stream("/v1/chat/completions", body | {"messages": messages}, chat=True)
-      else:
-        res = await self.client.stream("/v1/completions", body | {"prompt": prompt}, chat=False)
-    res |= dict(index=i, session=session, turn=turn, sent_s=None if t_sched is None else round(t_sched, 4),
-                expected_tokens=None if self.args.no_ignore_eos else w.output_tokens)
-    if record is not None:
-      record.append(res)
-    if progress is not None:
-      progress()
-    return res
 
-  async def chat_session(self, w: Workload, s: int, salt: str, sem, progress, record, t_sched=None):
-    stride = w.first_tokens + w.turns * w.turn_tokens
-    offset = 7919 * s + s * stride
-    passage = await self.client.detokenize(self.text.slice(offset, w.first_tokens))
-    messages = [{"role": "user", "content": f"Session {s + 1}. Read this passage.\n\n{passage}\n\n{CHAT_ASKS[0]}"}]
-    pos = offset + w.first_tokens
-    for t in range(w.turns):
-      res = await self.one(w, s * w.turns + t, salt, sem, progress, record, session=s, turn=t, messages=messages,
-                           t_sched=t_sched if t == 0 else None)
-      if not res["ok"]:
-        for u in range(t + 1, w.turns):  # the rest of the session was never sent
-          if record is not None:
-            record.append(dict(ok=False, error="session ended by an earlier failure", ttft_s=None, tpot_s=None,
-                               e2e_s=None, prompt_tokens=None, output_tokens=None, cached_tokens=None,
-                               index=s * w.turns + u, session=s, turn=u, expected_tokens=None))
-          if progress is not None:
-            progress()
-        return
-      if t + 1 < w.turns:
-        if self.args.think_s:
-          await asyncio.sleep(self.args.think_s)
-        more = await self.client.detokenize(self.text.slice(pos, w.turn_tokens))
-        pos += w.turn_tokens
-        messages = messages + [{"role": "assistant", "content": res["text"]},
-                               {"role": "user", "content": f"{more}\n\n{CHAT_ASKS[(t + 1) % len(CHAT_ASKS)]}"}]
+def _dist(metrics: dict, key: str, scale: float, digits: int, name: str) -> dict:
+  """guidellm's p50 / p90 / p99 / mean of a metric over the successful requests, scaled; None without any."""
+  d = (metrics.get(key) or {}).get("successful") or {}
+  have = bool(d.get("count"))
+  out = {f"{name}_p{q}": round(d["percentiles"][f"p{q}"] * scale, digits) if have else None for q in (50, 90, 99)}
+  return out | {f"{name}_mean": round(d["mean"] * scale, digits) if have else None}
 
-  async def warm(self, w: Workload) -> float:
-    """Untimed: one request (doc-qa: the priming and two questions; chat: one session) at its own salt, so
-    the shapes this workload reaches are compiled before the measurement."""
-    t0 = time.perf_counter()
-    sem = asyncio.Semaphore(1 << 30)
-    salt = _salt(self.run_id, w.name, "warmup")
-    warm_w = dataclasses.replace(w, output_tokens=min(w.output_tokens, 16))
-    out = []
-    if w.kind == "single":
-      out.append(await self.one(warm_w, 0, salt, sem, None, None, prompt=self.single_prompt(w, 99991)))
-    elif w.kind == "doc":
-      out.append(await self.one(dataclasses.replace(w, output_tokens=1), -1, salt, sem, None, None,
-                                prompt=self.doc_prompt(w)))
-      for i in range(2):
-        out.append(await self.one(warm_w, i, salt, sem, None, None, prompt=await self.question(w, 1000 + i)))
-    else:
-      await self.chat_session(warm_w, 9973, salt, sem, None, out)
-    bad = [r["error"] for r in out if not r["ok"]]
-    if bad:
-      raise RuntimeError(f"{w.name}: the warm-up request failed: {bad[0]}")
-    return time.perf_counter() - t0
 
-  async def point(self, w: Workload, rate: float | None, n: int | None, duration: float | None, progress_cb,
-                  seed: int) -> tuple[list[dict], float, dict]:
-    """Runs one point: arrivals at `rate` (None: all at once) until n requests (chat: sessions) were sent or
-    `duration` s passed; returns (results, wall seconds, extra fields)."""
-    rng = random.Random(seed)
-    salt_shared = _salt(self.run_id, w.name, rate, seed)
-    sem = asyncio.Semaphore(self.args.max_concurrency or (1 << 30))
-    results: list[dict] = []
-    extra = {}
-    if w.kind == "doc" and not self.args.no_prime:
-      prime = await self.one(dataclasses.replace(w, output_tokens=1), -1, salt_shared, sem, None, None,
-                             prompt=self.doc_prompt(w))
-      extra["prime"] = {k: prime[k] for k in ("ok", "error", "e2e_s", "prompt_tokens", "cached_tokens")}
-      if not prime["ok"]:
-        raise RuntimeError(f"{w.name}: the priming request failed: {prime['error']}")
-    questions = [await self.question(w, i) for i in range(n or 0)] if w.kind == "doc" and n else None
-    tasks = []
-    t0 = time.perf_counter()
-    t_next = 0.0
-    i = 0
-    while True:
-      if n is not None and i >= n:
-        break
-      if duration is not None and t_next > duration:
-        break
-      delay = t0 + t_next - time.perf_counter()
-      if delay > 0:
-        await asyncio.sleep(delay)
-      if w.kind == "chat":
-        coro = self.chat_session(w, i, salt_shared, sem, progress_cb, results, t_sched=t_next)
-      elif w.kind == "doc":
-        prompt = questions[i] if questions else await self.question(w, i)
-        coro = self.one(w, i, salt_shared, sem, progress_cb, results, prompt=prompt, t_sched=t_next)
-      else:
-        coro = self.one(w, i, _salt(self.run_id, w.name, rate, seed, i), sem, progress_cb, results,
-                        prompt=self.single_prompt(w, i), t_sched=t_next)
-      tasks.append(asyncio.create_task(coro))
-      i += 1
-      if rate is not None:
-        t_next += rng.expovariate(rate)
-    await asyncio.gather(*tasks)
-    wall = time.perf_counter() - t0
-    extra["sent"] = i
-    return sorted(results, key=lambda r: r["index"]), wall, extra
+def summarize(bench: dict, slo_ttft: float, slo_tpot: float, expected_tokens: int | None) -> dict:
+  """One point's figures from guidellm's benchmark: its percentiles and throughput, and goodput (requests/s
+  over its duration that met both bounds) counted from its per-request results."""
+  per = []
+  for status, key in (("ok", "successful"), ("errored", "errored"), ("incomplete", "incomplete")):
+    for q in bench["requests"].get(key) or ():  # incomplete: cut off by --duration's end
+      info, itl = q["info"], q.get("inter_token_latency_ms")
+      per.append(dict(ok=status == "ok", status=status, error=info.get("error"),
+                      conversation=info["conversation_id"][:8], turn=info.get("turn_index"),
+                      ttft_s=_s(q.get("time_to_first_token_ms"), 1e-3),
+                      tpot_s=_s(itl, 1e-3), e2e_s=_s(q.get("request_latency"), 1.0),
+                      prompt_tokens=q.get("prompt_tokens"), output_tokens=q.get("output_tokens"),
+                      cached_tokens=q.get("cached_tokens"), start_s=_s(q.get("request_start_time"), 1.0)))
+  t0 = min((q["start_s"] for q in per if q["start_s"] is not None), default=0.0)
+  for q in per:
+    q["start_s"] = None if q["start_s"] is None else round(q["start_s"] - t0, 4)
+  good = [q for q in per if q["ok"] and q["ttft_s"] is not None and q["ttft_s"] <= slo_ttft
+          and (q["tpot_s"] is None or q["tpot_s"] <= slo_tpot)]
+  duration = max(bench["duration"], 1e-9)
+  errors = collections.Counter(str(q["error"])[:200] for q in per if q["status"] == "errored")
+  m = bench["metrics"]
+  rate = lambda k: round(((m.get(k) or {}).get("successful") or {}).get("mean") or 0.0, 4)  # noqa: E731
+  okq = [q for q in per if q["ok"]]
+  prompt = sum(q["prompt_tokens"] or 0 for q in okq)
+  failed = sum(q["status"] == "errored" for q in per)
+  rec = dict(requests=len(per), requests_ok=len(okq), requests_failed=failed,
+             requests_incomplete=len(per) - len(okq) - failed,
+             errors=dict(errors.most_common(8)), wall_s=round(duration, 3),
+             request_throughput=rate("requests_per_second"), output_tokens_per_s=rate("output_tokens_per_second"),
+             goodput=round(len(good) / duration, 4), good_requests=len(good),
+             good_fraction=round(len(good) / len(per), 4) if per else None,
+             guidellm_slo_attainment=m.get("slo_attainment"),
+             prompt_tokens_mean=round(prompt / len(okq), 1) if okq else None,
+             prompt_tokens_max=max((q["prompt_tokens"] or 0 for q in okq), default=None),
+             output_tokens_total=sum(q["output_tokens"] or 0 for q in okq),
+             output_tokens_exact=(all(q["output_tokens"] == expected_tokens for q in okq)
+                                  if okq and expected_tokens else None),
+             cached_fraction=round(sum(q["cached_tokens"] or 0 for q in okq) / max(1, prompt), 4) if okq else None)
+  # guidellm 0.8.1 at times leaves the last request out of its report (created 3, the server served 3, reported
+  # 2: seen on the CPU, 1 point of 8): its own count of the requests it made says so
+  rec["requests_created"] = (bench.get("scheduler_state") or {}).get("created_requests")
+  rec |= (_dist(m, "time_to_first_token_ms", 1e-3, 4, "ttft_s") | _dist(m, "inter_token_latency_ms", 1.0, 3, "tpot_ms")
+          | _dist(m, "request_latency", 1.0, 4, "e2e_s"))
+  rec["tpot_p99_over_p50"] = round(rec["tpot_ms_p99"] / rec["tpot_ms_p50"], 3) if rec["tpot_ms_p50"] else None
+  return rec | dict(per_request=per)
+
+
+def _s(v, scale: float):
+  return None if v is None else round(v * scale, 6)
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -599,73 +381,79 @@ def _git_commit() -> str | None:
     return None
 
 
-def _delta(before: dict, after: dict) -> dict:
-  keys = ("tokens_generated", "prompt_tokens_reused", "prompt_tokens_prefilled", "compiles",
-          "history_store_seconds")
-  return {k: after[k] - before[k] for k in keys if k in before and k in after}
+def run_server(url: str, launch: list[str] | None, args, workloads: list[Workload], rates, console, emit) -> None:
+  """Every workload and point against one server."""
+  models = http_get(url, "/v1/models", args.api_key)
+  model = args.model or models["data"][0]["id"]
+  try:
+    version = http_get(url, "/version", args.api_key)
+  except (urllib.error.URLError, OSError, ValueError):
+    version = None
+  card = next((m for m in models["data"] if m["id"] == model), models["data"][0])
+  for w in workloads:
+    if card.get("max_model_len") and w.max_prompt() + w.output_tokens > card["max_model_len"]:
+      console.log(f"[yellow]warning: {w.name} needs prompts up to ~{w.max_prompt()} tokens + {w.output_tokens} "
+                  f"new; the server's max_model_len is {card['max_model_len']} (raise --max-prompt-tokens)")
+  cmd = guidellm_command(args.guidellm)
+  reports = args.reports or tempfile.mkdtemp(prefix="serve_load_reports_")
+  os.makedirs(reports, exist_ok=True)
+  source = args.processor or (flag(launch, "--model", "smollm2") if launch is not None else model)
+  processor = processor_dir(source, os.path.join(reports, "tokenizer"))
+  run_id = uuid.uuid4().hex[:8]
+  method = flag(launch, "--method", "rocketkv") if launch is not None else args.label
+  budget = flag(launch, "--token-budget", "256") if launch is not None else None
+  kv_dtype = flag(launch, "--kv-cache-dtype")
+  if kv_dtype is not None:  # the config's name for the server's spelling ("fp8" -> "float8_e4m3fn"; "auto": None)
+    from rocketkv_jax.serving.cli import parse_kv_dtype
+    kv_dtype = parse_kv_dtype(kv_dtype)
+  spec = f"{method}[kv_cache_dtype={kv_dtype}]" if kv_dtype else method  # the accuracy suite's method spec
+  base = dict(kind="serve_load", driver="guidellm", method=method, label=args.label or spec, kv_cache_dtype=kv_dtype,
+              token_budget=int(budget) if budget and budget.isdigit() else budget,
+              model=flag(launch, "--model", "smollm2") if launch is not None else model, served_model=model,
+              url=url, launch=shlex.join(launch) if launch is not None else None, server_version=version,
+              server_models=models, git_commit=_git_commit(), processor=processor,
+              command=shlex.join([os.path.basename(sys.executable), "-m", "benchmarks.serve_load", *sys.argv[1:]]),
+              tiny=args.tiny, scale=args.scale, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+              max_concurrency=args.max_concurrency, seed=args.seed)
+
+  def guide(w, profile, rate, requests, duration, salt, name):
+    stem = os.path.join(reports, f"{run_id}_{method}_{w.name}_{name}")
+    cfg = scenario(w, url=url, model=model, processor=processor, profile=profile, rate=rate, requests=requests,
+                   duration=duration, salt=salt, seed=args.seed, report=stem + ".json", args=args)
+    return run_guidellm(cmd, cfg, stem), stem + ".json"
+
+  for w in workloads:
+    if not args.no_warmup_pass:  # compiles outside the measurement, at a salt of its own
+      t0 = time.perf_counter()
+      guide(dataclasses.replace(w, output_tokens=min(w.output_tokens, 16)), "synchronous", None,
+            2 if w.prefix_tokens else 1, None, f"serve_load-{run_id}-{w.name}-warmup", "warmup")
+      console.log(f"{w.name}: warm-up pass {time.perf_counter() - t0:.1f} s")
+    for rate in rates:
+      point = args.profile if rate is None else f"{args.profile}@{rate:g}"
+      salt = f"serve_load-{run_id}-{w.name}-{point}-{args.seed}"
+      prime = None
+      if w.prefix_tokens and not args.no_prime:  # the document, stored under this point's salt
+        bench, _ = guide(dataclasses.replace(w, output_tokens=1), "synchronous", None, 1, None, salt,
+                         point.replace("@", "_") + "_prime")
+        prime = summarize(bench, args.slo_ttft, args.slo_tpot, None)["per_request"]
+      before = engine_stats(url, args.api_key)
+      bench, report = guide(w, args.profile, rate, args.requests, args.duration, salt, point.replace("@", "_"))
+      after = engine_stats(url, args.api_key)
+      rec = dict(base, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 workload=w.name, workload_spec=w.data(args.data), endpoint=w.endpoint, profile=args.profile,
+                 arrival=args.profile, rate=rate, rate_unit=("streams" if args.profile == "concurrent" else
+                                                             "sessions/s" if w.turns > 1 else "requests/s"),
+                 planned=args.requests, duration_limit_s=args.duration, cache_salt=salt, guidellm_report=report,
+                 prime=prime[0] if prime else None)
+      rec |= summarize(bench, args.slo_ttft, args.slo_tpot, (args.data or {}).get("output_tokens", w.output_tokens))
+      emit(rec | dict(engine_stats=after, engine_delta=_delta(before, after)))
 
 
-async def run_server(url: str, launch: list[str] | None, args, workloads: list[Workload], rates, console,
-                     emit) -> None:
-  import aiohttp
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-  connector = aiohttp.TCPConnector(limit=0, force_close=False)
-  async with aiohttp.ClientSession(connector=connector) as session:
-    probe = Client(session, url, "", args.api_key, args.request_timeout_s)
-    models = await probe.get("/v1/models")
-    model = args.model or models["data"][0]["id"]
-    client = Client(session, url, model, args.api_key, args.request_timeout_s)
-    try:
-      version = await client.get("/version")
-    except Exception:  # noqa: BLE001
-      version = None
-    card = next((m for m in models["data"] if m["id"] == model), models["data"][0])
-    max_len = card.get("max_model_len")
-    for w in workloads:
-      if max_len and w.max_prompt() + w.output_tokens > max_len:
-        console.log(f"[yellow]warning: {w.name} needs prompts up to ~{w.max_prompt()} tokens + {w.output_tokens} "
-                    f"new; the server's max_model_len is {max_len} (raise --max-prompt-tokens)")
-    need = max(max(w.prompt_tokens, w.doc_tokens, w.first_tokens + w.turns * w.turn_tokens) for w in workloads)
-    text = await Text.build(client, need)
-    runner = Runner(client, text, args, console)
-    method = flag(launch, "--method", "rocketkv") if launch is not None else args.label
-    budget = flag(launch, "--token-budget", "256") if launch is not None else None
-    kv_dtype = flag(launch, "--kv-cache-dtype") if launch is not None else None
-    if kv_dtype is not None:  # the config's name for the server's spelling ("fp8" -> "float8_e4m3fn"; "auto": None)
-      from rocketkv_jax.serving.cli import parse_kv_dtype
-      kv_dtype = parse_kv_dtype(kv_dtype)
-    spec = f"{method}[kv_cache_dtype={kv_dtype}]" if kv_dtype else method  # the accuracy suite's method spec
-    base = dict(kind="serve_load", method=method, label=args.label or spec, kv_cache_dtype=kv_dtype,
-                token_budget=int(budget) if budget and budget.isdigit() else budget,
-                model=flag(launch, "--model", "smollm2") if launch is not None else model, served_model=model,
-                url=url, launch=shlex.join(launch) if launch is not None else None, server_version=version,
-                server_models=models, git_commit=_git_commit(),
-                command=shlex.join([os.path.basename(sys.executable), "-m", "benchmarks.serve_load", *sys.argv[1:]]),
-                tiny=args.tiny, scale=args.scale, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                ignore_eos=not args.no_ignore_eos, max_concurrency=args.max_concurrency)
-    for w in workloads:
-      if not args.no_warmup_pass:
-        s = await runner.warm(w)
-        console.log(f"{w.name}: warm-up pass {s:.1f} s")
-      for rate in rates:
-        before = await client.metrics()
-        per = w.turns if w.kind == "chat" else 1
-        total = (args.requests * per) if args.requests else None
-        label = f"{method or '?'} {w.name} " + ("burst" if rate is None else f"{rate:g}/s")
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=not console.is_terminal) as progress:
-          task = progress.add_task(label, total=total)
-          results, wall, extra = await runner.point(
-              w, rate, args.requests, args.duration, lambda: progress.advance(task), args.seed)
-        after = await client.metrics()
-        rec = dict(base, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   workload=w.name, workload_spec=w.spec(), arrival="burst" if rate is None else "poisson",
-                   rate=rate, rate_unit="sessions/s" if w.kind == "chat" else "requests/s",
-                   planned=args.requests, duration_limit_s=args.duration)
-        rec |= summarize(results, wall, args.slo_ttft, args.slo_tpot) | extra
-        rec |= dict(engine_stats=after, engine_delta=_delta(before, after),
-                    per_request=[{k: v for k, v in r.items() if k != "text"} for r in results])
-        emit(rec)
+def _rate(r: dict) -> str:
+  """A point's offered load as the tables show it: the rate, N streams, or the profile (old files: burst)."""
+  if r.get("rate") is None:
+    return r.get("profile") or "burst"
+  return f"{r['rate']:g} streams" if r.get("profile") == "concurrent" else f"{r['rate']:g}"
 
 
 def print_table(records: list[dict], console, title: str = "serve_load") -> None:
@@ -676,37 +464,32 @@ def print_table(records: list[dict], console, title: str = "serve_load") -> None
     t.add_column(col, justify="left" if col in ("method", "workload") else "right")
   f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
   for r in records:
-    rate = "burst" if r.get("rate") is None else f"{r['rate']:g}"
     slots = (r.get("engine_stats") or {}).get("max_slots")
-    t.add_row(str(r.get("label") or r.get("method")), "-" if slots is None else f"{slots:g}", r["workload"], rate, f"{r['requests_ok']}/{r['requests']}",
-              f(r["request_throughput"], 3), f(r["goodput"], 3), f(r["output_tokens_per_s"], 1),
-              f"{f(r['ttft_s_p50'])}/{f(r['ttft_s_p99'])}", f"{f(r['tpot_ms_p50'], 1)}/{f(r['tpot_ms_p99'], 1)}",
-              f"{f(r['e2e_s_p50'])}/{f(r['e2e_s_p99'])}", f(r.get("cached_fraction"), 2),
-              f(r.get("prompt_tokens_mean"), 0))
+    t.add_row(str(r.get("label") or r.get("method")), "-" if slots is None else f"{slots:g}", r["workload"],
+              _rate(r), f"{r['requests_ok']}/{r['requests']}", f(r["request_throughput"], 3), f(r["goodput"], 3),
+              f(r["output_tokens_per_s"], 1), f"{f(r['ttft_s_p50'])}/{f(r['ttft_s_p99'])}",
+              f"{f(r['tpot_ms_p50'], 1)}/{f(r['tpot_ms_p99'], 1)}", f"{f(r['e2e_s_p50'])}/{f(r['e2e_s_p99'])}",
+              f(r.get("cached_fraction"), 2), f(r.get("prompt_tokens_mean"), 0))
   console.print(t)
 
 
 def read_records(path: str) -> list[dict]:
-  out = []
   with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if line:
-        r = json.loads(line)
-        if r.get("kind") == "serve_load":
-          out.append(r)
-  return out
+    return [r for r in (json.loads(line) for line in f if line.strip()) if r.get("kind") == "serve_load"]
+
+
+def _ratio(a: float, b: float) -> str:
+  return f"{a / b:.2f}x" if b > 0 else ("inf" if a > 0 else "-")
 
 
 def compare_table(records: list[dict], console, base: str = "full", target: str = "rocketkv") -> None:
-  """Every record side by side per (workload, rate): each method's goodput, TTFT / TPOT p99 and output tokens/s,
-  and target's goodput over base's (the latest record of each method wins)."""
+  """Every method side by side per (workload, point): goodput, TTFT / TPOT p99 and output tokens/s, and target's
+  goodput over base's (the latest record of each wins); then each method's best goodput per workload."""
   from rich.table import Table
-  methods = list(dict.fromkeys(r.get("label") or r.get("method") or "?" for r in records))
-  cells: dict = {}
-  for r in records:
-    cells[(r["workload"], r.get("rate"), r.get("label") or r.get("method") or "?")] = r
-  points = list(dict.fromkeys((r["workload"], r.get("rate")) for r in records))
+  name = lambda r: r.get("label") or r.get("method") or "?"  # noqa: E731
+  methods = list(dict.fromkeys(map(name, records)))
+  cells = {(r["workload"], _rate(r), name(r)): r for r in records}
+  points = list(dict.fromkeys((r["workload"], _rate(r)) for r in records))
   t = Table(title=f"goodput (requests/s meeting the SLO) and latency per method; ratio = {target} / {base}")
   t.add_column("workload")
   t.add_column("rate", justify="right")
@@ -716,22 +499,15 @@ def compare_table(records: list[dict], console, base: str = "full", target: str 
   t.add_column(f"{target}/{base}", justify="right")
   f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
   for wl, rate in points:
-    row = [wl, "burst" if rate is None else f"{rate:g}"]
+    row = [wl, rate]
     for m in methods:
       r = cells.get((wl, rate, m))
-      row += ["" , ""] if r is None else [f"{f(r['goodput'], 3)} ({r['good_requests']}/{r['requests']})",
+      row += ["", ""] if r is None else [f"{f(r['goodput'], 3)} ({r['good_requests']}/{r['requests']})",
                                          f"{f(r['ttft_s_p99'])} / {f(r['tpot_ms_p99'], 1)} / "
                                          f"{f(r['output_tokens_per_s'], 0)}"]
     a, b = cells.get((wl, rate, target)), cells.get((wl, rate, base))
-    if a is None or b is None:
-      row.append("-")
-    elif b["goodput"] > 0:
-      row.append(f"{a['goodput'] / b['goodput']:.2f}x")
-    else:
-      row.append("inf" if a["goodput"] > 0 else "-")
-    t.add_row(*row)
+    t.add_row(*row, "-" if a is None or b is None else _ratio(a["goodput"], b["goodput"]))
   console.print(t)
-  # per workload: each method's best goodput over the offered loads it was run at
   best = Table(title=f"best goodput over the offered loads, per workload; ratio = {target} / {base}")
   best.add_column("workload")
   for m in methods:
@@ -741,66 +517,24 @@ def compare_table(records: list[dict], console, base: str = "full", target: str 
     row, got = [wl], {}
     for m in methods:
       rs = [r for (w, _, mm), r in cells.items() if w == wl and mm == m]
-      if not rs:
-        row.append("")
-        continue
-      r = max(rs, key=lambda r: r["goodput"])
-      got[m] = r["goodput"]
-      row.append(f"{r['goodput']:.3f} ({'burst' if r.get('rate') is None else format(r['rate'], 'g')})")
-    if target in got and base in got:
-      row.append(f"{got[target] / got[base]:.2f}x" if got[base] > 0 else ("inf" if got[target] > 0 else "-"))
-    else:
-      row.append("-")
-    best.add_row(*row)
+      r = max(rs, key=lambda r: r["goodput"]) if rs else None
+      row.append("" if r is None else f"{r['goodput']:.3f} ({_rate(r)})")
+      if r is not None:
+        got[m] = r["goodput"]
+    best.add_row(*row, _ratio(got[target], got[base]) if target in got and base in got else "-")
   console.print(best)
 
 
-def plot(records: list[dict], path: str) -> None:
-  """Per workload (rows): TTFT p50/p99, TPOT p50/p99 and goodput (with throughput dashed) against offered load,
-  one colour per method."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  try:
-    from benchmarks.plot_style import method_color
-  except ImportError:  # pragma: no cover
-    method_color = lambda m: None  # noqa: E731
-  workloads = list(dict.fromkeys(r["workload"] for r in records))
-  fig, axes = plt.subplots(len(workloads), 3, figsize=(14, 3.6 * len(workloads)), squeeze=False)
-  for row, wl in zip(axes, workloads):
-    rs = [r for r in records if r["workload"] == wl]
-    rates = sorted({r["rate"] for r in rs if r.get("rate") is not None})
-    burst_x = (max(rates) * 2 if rates else 1.0)
-    for m in dict.fromkeys(r.get("label") or r.get("method") or "?" for r in rs):
-      pts = sorted((((burst_x if r.get("rate") is None else r["rate"]), r) for r in rs
-                    if (r.get("label") or r.get("method") or "?") == m), key=lambda p: p[0])  # repeats: run order
-      x = [p for p, _ in pts]
-      c = method_color(str(m).split("[")[0])
-      for ax, key, unit in ((row[0], "ttft_s", "s"), (row[1], "tpot_ms", "ms")):
-        ax.plot(x, [r[f"{key}_p50"] for _, r in pts], "-o", color=c, label=f"{m} p50")
-        ax.plot(x, [r[f"{key}_p99"] for _, r in pts], "--^", color=c, label=f"{m} p99")
-        ax.set_ylabel(f"{key.split('_')[0].upper()} ({unit})")
-      row[2].plot(x, [r["goodput"] for _, r in pts], "-o", color=c, label=f"{m} goodput")
-      row[2].plot(x, [r["request_throughput"] for _, r in pts], ":x", color=c, label=f"{m} throughput")
-      row[2].set_ylabel("requests/s")
-    slo = rs[0]
-    row[0].axhline(slo["slo_ttft_s"], color="gray", lw=0.8, ls=":")
-    row[1].axhline(slo["slo_tpot_s"] * 1e3, color="gray", lw=0.8, ls=":")
-    unit = rs[0].get("rate_unit", "requests/s")
-    for ax in row:
-      ax.set_ylim(bottom=0)
-      if rates and max(rates) / min(rates) > 4:
-        ax.set_xscale("log")
-      ax.set_xlabel(f"offered load ({unit}{'; burst at the right' if any(r.get('rate') is None for r in rs) else ''})")
-      ax.grid(alpha=0.3)
-      ax.legend(fontsize=7)
-    row[0].set_title(f"{wl}: time to first token")
-    row[1].set_title(f"{wl}: time per output token")
-    row[2].set_title(f"{wl}: goodput (TTFT<={slo['slo_ttft_s']:g}s, TPOT<={slo['slo_tpot_s'] * 1e3:g}ms)",
-                     fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+def _kv(text: str) -> dict:
+  """KEY=VALUE,... with JSON values where they parse (numbers, true), else strings."""
+  out = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    k, _, v = part.partition("=")
+    try:
+      out[k.strip()] = json.loads(v)
+    except ValueError:
+      out[k.strip()] = v
+  return out
 
 
 def parse_args(argv=None):
@@ -817,44 +551,63 @@ def parse_args(argv=None):
                    "with its --kv-cache-dtype as the accuracy suite spells it: rocketkv[kv_cache_dtype=float8_e4m3fn])")
   src.add_argument("--model", default=None, help="the model id to request (default: the server's first)")
   src.add_argument("--api-key", default=os.environ.get("ROCKETKV_API_KEY"))
+  gl = p.add_argument_group("guidellm")
+  gl.add_argument("--guidellm", default=None, metavar="CMD", help="guidellm's command (default: beside this "
+                  "Python, else on PATH; another venv's works: it runs as a child process)")
+  gl.add_argument("--processor", default=None, help="guidellm's tokenizer: a folder with tokenizer.json, or a "
+                  "model source whose tokenizer is written as one (default: --launch's --model, else the served id)")
+  gl.add_argument("--reports", default=None, metavar="DIR", help="guidellm's configs, logs and reports (default: a "
+                  "temp folder)")
   wl = p.add_argument_group("workload")
   wl.add_argument("--workload", default="doc-qa", help=f"comma-separated: {', '.join(WORKLOADS)} or all")
   wl.add_argument("--tiny", action="store_true", help="tiny lengths for a CPU run against the embedded SmolLM2")
   wl.add_argument("--scale", type=float, default=1.0, help="multiply every length (prompts and answers)")
-  arr = wl.add_mutually_exclusive_group()
-  arr.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (chat: sessions)")
-  arr.add_argument("--rates", default=None, help="comma-separated rates to sweep, e.g. 0.5,1,2,4 ('burst' allowed)")
-  arr.add_argument("--burst", action="store_true", help="everything at once (the default)")
+  wl.add_argument("--data", type=_kv, default=None, metavar="KEY=VALUE,...",
+                  help="guidellm synthetic_text fields over the workload's, e.g. prompt_tokens_stdev=64")
+  wl.add_argument("--profile", choices=PROFILES, default="poisson",
+                  help="guidellm's arrivals: one request at a time, N streams, constant or Poisson rates, or all "
+                       "at once (throughput)")
+  wl.add_argument("--rate", type=float, default=None, help="one rate: requests/s (chat: sessions/s); concurrent: "
+                  "streams")
+  wl.add_argument("--rates", default=None, help="comma-separated rates, one point each, e.g. 0.5,1,2,4")
   wl.add_argument("--requests", type=int, default=None, help="requests per point (chat: sessions); default 16, "
                   "tiny 4")
-  wl.add_argument("--duration", type=float, default=None, help="send arrivals for this many seconds instead")
+  wl.add_argument("--duration", type=float, default=None, help="stop a point after this many seconds")
   wl.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-  wl.add_argument("--think-s", type=float, default=0.0, help="chat: pause between an answer and the next turn")
-  wl.add_argument("--no-ignore-eos", action="store_true", help="let answers stop at EOS (no ignore_eos)")
   wl.add_argument("--no-prime", action="store_true", help="doc-qa: no untimed priming request for the document")
   wl.add_argument("--no-warmup-pass", action="store_true", help="no untimed warm-up pass per workload")
-  wl.add_argument("--seed", type=int, default=0)
+  wl.add_argument("--seed", type=int, default=0, help="guidellm's data seed")
   wl.add_argument("--request-timeout-s", type=float, default=3600.0)
   rep = p.add_argument_group("report")
   rep.add_argument("--slo-ttft", type=float, default=None,
                    help="goodput's TTFT bound in seconds (default 5; --tiny: 30, for a CPU)")
   rep.add_argument("--slo-tpot", type=float, default=None,
                    help="goodput's TPOT bound in seconds (default 0.05; --tiny: 1, for a CPU)")
-  rep.add_argument("--out", default=None, help="append one JSON line per (server, workload, rate) here")
-  rep.add_argument("--plot", default=None, help="PNG: latency and goodput vs offered load (--out's whole file)")
+  rep.add_argument("--out", default=None, help="append one JSON line per (server, workload, point) here")
   rep.add_argument("--table", default=None, metavar="FILE.jsonl",
-                   help="print FILE's records side by side per method (and --plot them), run nothing")
+                   help="print FILE's records side by side per method, run nothing")
   rep.add_argument("--base", default="full", help="--table's ratio denominator method (default full)")
   rep.add_argument("--target", default="rocketkv", help="--table's ratio numerator method (default rocketkv)")
   args = p.parse_args(argv)
-  if args.table is None and (args.url is None) == (args.launch is None):
+  if args.table is not None:
+    return args
+  if (args.url is None) == (args.launch is None):
     p.error("give --url or --launch (or --table FILE)")
+  if args.rate is not None and args.rates:
+    p.error("give --rate or --rates, not both")
+  rates = [float(r) for r in args.rates.split(",") if r.strip()] if args.rates else (
+      [args.rate] if args.rate is not None else [])
+  if args.profile in ("synchronous", "throughput"):
+    if rates:
+      p.error(f"--profile {args.profile} takes no rate")
+    rates = [None]
+  elif not rates:
+    p.error(f"--profile {args.profile} needs --rate or --rates")
+  args.rates = rates
   if args.duration is None and args.requests is None:
     args.requests = 4 if args.tiny else 16
-  if args.slo_ttft is None:
-    args.slo_ttft = 30.0 if args.tiny else 5.0
-  if args.slo_tpot is None:
-    args.slo_tpot = 1.0 if args.tiny else 0.05
+  args.slo_ttft = args.slo_ttft if args.slo_ttft is not None else (30.0 if args.tiny else 5.0)
+  args.slo_tpot = args.slo_tpot if args.slo_tpot is not None else (1.0 if args.tiny else 0.05)
   return args
 
 
@@ -862,31 +615,18 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   from rich.console import Console
   console = Console(stderr=True)
-  out = Console()
-  if not out.is_terminal:  # a log file: the tables whole
-    out = Console(width=200)
+  out = Console() if Console().is_terminal else Console(width=200)  # a log file: the tables whole
   if args.table is not None:
     records = read_records(args.table)
     print_table(records, out)
     compare_table(records, out, args.base, args.target)
-    if args.plot:
-      plot(records, args.plot)
     return 0
   names = list(WORKLOADS) if args.workload == "all" else [w.strip() for w in args.workload.split(",") if w.strip()]
   unknown = [w for w in names if w not in WORKLOADS]
   if unknown:
     console.print(f"unknown workload(s) {unknown}: choose from {', '.join(WORKLOADS)}")
     return 2
-  workloads = [(TINY if args.tiny else WORKLOADS)[w] for w in names]
-  if args.scale != 1.0:
-    workloads = [w.scaled(args.scale) for w in workloads]
-  if args.rates:
-    rates = [None if r.strip() == "burst" else float(r) for r in args.rates.split(",") if r.strip()]
-  else:
-    rates = [None if args.burst or args.rate is None else args.rate]
-  if args.duration is not None and None in rates:
-    console.print("--duration needs a rate (burst sends everything at once: give --requests)")
-    return 2
+  workloads = [(TINY if args.tiny else WORKLOADS)[w].scaled(args.scale) for w in names]
   records: list[dict] = []
 
   def emit(rec: dict) -> None:
@@ -894,23 +634,27 @@ def main(argv=None) -> int:
     if args.out:
       with open(args.out, "a") as f:
         f.write(json.dumps(rec) + "\n")
-    console.log(f"{rec['label']} {rec['workload']} rate={rec['rate']}: {rec['requests_ok']}/{rec['requests']} ok, "
+    console.log(f"{rec['label']} {rec['workload']} {_rate(rec)}: {rec['requests_ok']}/{rec['requests']} ok, "
                 f"goodput {rec['goodput']:.3f}/s, TTFT p50 {rec['ttft_s_p50']} s, TPOT p50 {rec['tpot_ms_p50']} ms")
+    if (rec["requests_created"] or 0) > rec["requests"]:
+      console.log(f"[yellow]warning: guidellm made {rec['requests_created']} requests and reported "
+                  f"{rec['requests']} ({rec['guidellm_report']}); the server's count: {rec['engine_delta']}")
 
   def terminated(signum, frame):  # `timeout` and job control: unwind, so the launched server is stopped
     raise KeyboardInterrupt(f"signal {signum}")
 
   signal.signal(signal.SIGTERM, terminated)
-  servers = [(args.url, None)] if args.launch is None else [(None, launch_args(a)) for a in args.launch]
+  servers = [(args.url.rstrip("/").removesuffix("/v1"), None)] if args.launch is None else [
+      (None, launch_args(a)) for a in args.launch]
   status = 0
   for url, launch in servers:
     launched = None
     try:
       if launch is not None:
         launched = Launched(launch, args.server_log, console)
-        asyncio.run(launched.wait_ready(args.launch_timeout_s))
+        launched.wait_ready(args.launch_timeout_s)
         url = launched.url
-      asyncio.run(run_server(url, launch, args, workloads, rates, console, emit))
+      run_server(url, launch, args, workloads, args.rates, console, emit)
     except KeyboardInterrupt:
       status = 130
       break
@@ -919,13 +663,9 @@ def main(argv=None) -> int:
       status = 1
     finally:
       if launched is not None:
-        rc = launched.stop()
-        console.log(f"server stopped (exit status {rc})")
+        console.log(f"server stopped (exit status {launched.stop()})")
   if records:
     print_table(records, out)
-  if args.plot and records:
-    plot(read_records(args.out) if args.out else records, args.plot)
-    console.log(f"plot: {args.plot}")
   if any(r["requests_failed"] for r in records):
     status = status or 1
   return status

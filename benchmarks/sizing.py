@@ -87,7 +87,7 @@ def sequence_caches(name: str, context: int, method: str, budget: int | None, *,
   traced = cfg if every_layer else dataclasses.replace(cfg, n_layers=1)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: llama.Llama(traced, dtype=DTYPE, rngs=nnx.Rngs(0))))
   plan = plan_batch(method, [context], token_budget=budget or 256, max_new_tokens=NEW_TOKENS, head_dim=cfg.head_dim,
-                    max_len=cfg.max_len)
+                    n_kv_heads=cfg.n_kv_heads, model_dtype=DTYPE, max_len=cfg.max_len)
   _, caches = jax.eval_shape(
       lambda s, t, n: llama.prefill_jit(graphdef, s, t, n, plan.rows, config=plan.config), state,
       jax.ShapeDtypeStruct((1, context), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))

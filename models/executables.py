@@ -53,6 +53,11 @@ class Executables:
   def __len__(self) -> int:
     return len(self._exes)
 
+  def __contains__(self, key) -> bool:
+    """Whether `get(key, ...)` would find an executable without compiling."""
+    with self._lock:
+      return key in self._exes
+
   def get(self, key, lower: Callable[[], Any]):
     """The executable cached under `key`, else `lower()` (a `jax.stages.Lowered`) compiled and cached."""
     with self._lock:

@@ -1,7 +1,8 @@
 """GGUF checkpoints: the embedded SmolLM2 GGUF (`smollm2_path`) and any Llama or Qwen2 GGUF (`read_gguf`),
 dequantized into a flat dict {"embed", "norm", "lm_head"?, "layers/<i>/<name>"} of numpy arrays (projection
 kernels [in, out], separate wq/wk/wv and w_gate/w_up, which params.from_params fuses into the module's wqkv and
-w_gate_up); llama.cpp's Q/K row permutation (`gguf_permute`, `gguf_unpermute`).
+w_gate_up); its tokenizer alone from the metadata (`read_gguf_tokenizer`); llama.cpp's Q/K row permutation
+(`gguf_permute`, `gguf_unpermute`).
 """
 
 from __future__ import annotations
@@ -72,14 +73,8 @@ DEQUANT_THREADS = 4
 def read_gguf(path: str, log=None):
   """(LlamaConfig, params, TextTokenizer) from a Llama or Qwen2 GGUF file (any tensor type gguf can
   dequantize: F32/F16/BF16, Q4_0..Q8_0, the K-quants Q2_K..Q6_K)."""
-  import gguf
   log = log or (lambda msg: None)
-  if not os.path.isfile(path):
-    raise CheckpointError(f"GGUF file not found: {path}")
-  try:
-    reader = gguf.GGUFReader(path, "r")
-  except Exception as e:
-    raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
+  reader = _reader(path)
   arch = _field(reader, "general.architecture")
   if arch not in GGUF_ARCHITECTURES:
     raise CheckpointError(f"{path}: general.architecture={arch!r} is not supported: one of "
@@ -100,7 +95,6 @@ def read_gguf(path: str, log=None):
     n_heads = int(need("attention.head_count"))
     n_kv = int(_field(reader, key("attention.head_count_kv"), n_heads))
     head_dim = int(_field(reader, key("attention.key_length"), dim // n_heads))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
     if "token_embd.weight" not in tensors:
       raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
     vocab = int(_field(reader, key("vocab_size"), 0) or tensors["token_embd.weight"].shape[-1])
@@ -157,6 +151,26 @@ def read_gguf(path: str, log=None):
   log(f"dequantized {len(params)} tensors ({sum(w.size for w in params.values()) / 1e9:.2f}B values) in "
       f"{time.perf_counter() - t0:.1f}s")
 
+  return cfg, params, _tokenizer(reader, path)
+
+
+def _reader(path: str):
+  import gguf
+  if not os.path.isfile(path):
+    raise CheckpointError(f"GGUF file not found: {path}")
+  try:
+    return gguf.GGUFReader(path, "r")
+  except Exception as e:
+    raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
+
+
+def read_gguf_tokenizer(path: str) -> TextTokenizer:
+  """The TextTokenizer of a GGUF file, from its metadata alone (no tensor is read): what `read_gguf` returns."""
+  return _tokenizer(_reader(path), path)
+
+
+def _tokenizer(reader, path: str) -> TextTokenizer:
+  tokens = _field(reader, "tokenizer.ggml.tokens")
   if tokens is None:
     raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.tokens is missing (no tokenizer)")
   model_kind = _field(reader, "tokenizer.ggml.model")
@@ -170,10 +184,13 @@ def read_gguf(path: str, log=None):
     tok = tokenizer_from_gguf_metadata(tokens, types, merges, _field(reader, "tokenizer.ggml.pre"))
   except ValueError as e:
     raise CheckpointError(f"{path}: {e}") from None
-  text_tok = TextTokenizer(tokenizer=tok, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
-                           add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-                           chat_template=_field(reader, "tokenizer.chat_template"))
-  return cfg, params, text_tok
+  try:
+    bos, eos = (_maybe_int(_field(reader, f"tokenizer.ggml.{k}_token_id")) for k in ("bos", "eos"))
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f"{path}: bad GGUF metadata: {e}") from e
+  return TextTokenizer(tokenizer=tok, bos_id=bos, eos_id=eos,
+                       add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+                       chat_template=_field(reader, "tokenizer.chat_template"))
 
 
 def _f32(v) -> float:

@@ -179,6 +179,25 @@ class TextTokenizer:
     with open(os.path.join(directory, "tokenizer_meta.json"), "w") as f:
       json.dump(meta, f)
 
+  def save_hf(self, directory: str, *, model_max_length: int | None = None) -> str:
+    """A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json with the chat template), which
+    `transformers.AutoTokenizer.from_pretrained(directory)` loads offline, as load generators such as guidellm
+    ask for a `processor`. The text round trip is the same; what transformers adds on its own differs: this
+    tokenizer adds BOS in `encode`, not in tokenizer.json, so `add_bos_token` says it. Returns directory."""
+    os.makedirs(directory, exist_ok=True)
+    self.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    name = lambda i: None if i is None else self.tokenizer.id_to_token(i)  # noqa: E731
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(self.bos_id),
+           "eos_token": name(self.eos_id), "add_bos_token": bool(self.add_bos and self.bos_id is not None),
+           "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    if self.chat_template:
+      cfg["chat_template"] = self.chat_template
+    if model_max_length:
+      cfg["model_max_length"] = int(model_max_length)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+      json.dump({k: v for k, v in cfg.items() if v is not None}, f, indent=1)
+    return directory
+
   @classmethod
   def load(cls, directory: str) -> "TextTokenizer":
     tok = tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))

@@ -8,8 +8,8 @@ Where each part lives:
 - `weight_cache.py`: the orbax cache of a GGUF's converted weights, checked against its manifest on each load
   and rebuilt when it fails; temp folders of killed saves are removed;
 - `checkpoint.py`: `CheckpointError` (re-exported here) and the per-layer tensor table both formats share;
-- this module: `load` (picks the source and the format, uses the cache, places the model on a mesh) and
-  `checkpoint_dtype`.
+- this module: `load` (picks the source and the format, uses the cache, places the model on a mesh),
+  `load_tokenizer` (the same sources, the tokenizer alone) and `checkpoint_dtype`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import numpy as np
 
 from . import catalog, hub, shapes
 from .checkpoint import CheckpointError
-from .gguf import read_gguf, smollm2_path
+from .gguf import read_gguf, read_gguf_tokenizer, smollm2_path
 from .params import from_params, fuse_params
 from .safetensors_hf import stream_hf_dir
+from .tokenizer import TextTokenizer, tokenizer_from_hf_dir
 from .weight_cache import (CacheIntegrityWarning, cache_key, default_cache_dir, load_cache, remove_stale_temps,
                            save_cache, verify_cache)
 
-__all__ = ["CheckpointError", "checkpoint_dtype", "load"]
+__all__ = ["CheckpointError", "checkpoint_dtype", "load", "load_tokenizer"]
 
 
 def _placed(model, mesh):
@@ -86,25 +87,7 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
     log(f"{source}: random {jnp.dtype(model.dtype).name} weights of the {source[len(shapes.PREFIX):]} shape "
         f"(speed measurements only: its text is noise)")
     return model, tok
-  if source == "smollm2":
-    path = smollm2_path()
-  elif catalog.is_alias(source):  # a model `rocketkv fetch` assembled from the package index
-    try:
-      path = catalog.resolve(source, os.path.join(cache_dir, "models") if cache_dir else None, log=log)
-    except catalog.ModelNotFetched as e:
-      raise CheckpointError(str(e)) from None
-    log(f"{source}: {path}")
-  elif hub.is_hub_id(source):
-    try:
-      path = hub.resolve(source)
-    except hub.HubCheckpointMissing as e:
-      raise CheckpointError(str(e)) from None
-    log(f"{source}: {path}")
-  else:
-    path = os.path.expanduser(source)
-    if not os.path.exists(path):
-      raise CheckpointError(f"model source {source!r} not found: expected 'smollm2', a .gguf file, a HF "
-                            f"checkpoint directory or a hub id org/name (looked at {os.path.abspath(path)})")
+  path = _source_path(source, cache_dir, log)
   dtype = jnp.dtype(checkpoint_dtype(path) if dtype == "auto" else (dtype or jnp.float32))
   is_gguf = os.path.isfile(path)
   if not is_gguf and not os.path.isdir(path):
@@ -163,3 +146,45 @@ def load(source: str = "smollm2", *, dtype=None, cache_dir: str | None = None, u
     params[k] = jnp.asarray(params.pop(k), dtype)
   model = from_params(cfg, params, dtype)
   return _placed(model, mesh), tok
+
+
+def _source_path(source: str, cache_dir: str | None, log) -> str:
+  """The file or folder a (non-random) model source names (`load`'s sources)."""
+  if source == "smollm2":
+    return smollm2_path()
+  if catalog.is_alias(source):  # a model `rocketkv fetch` assembled from the package index
+    try:
+      path = catalog.resolve(source, os.path.join(cache_dir, "models") if cache_dir else None, log=log)
+    except catalog.ModelNotFetched as e:
+      raise CheckpointError(str(e)) from None
+    log(f"{source}: {path}")
+    return path
+  if hub.is_hub_id(source):
+    try:
+      path = hub.resolve(source)
+    except hub.HubCheckpointMissing as e:
+      raise CheckpointError(str(e)) from None
+    log(f"{source}: {path}")
+    return path
+  path = os.path.expanduser(source)
+  if not os.path.exists(path):
+    raise CheckpointError(f"model source {source!r} not found: expected 'smollm2', a .gguf file, a HF "
+                          f"checkpoint directory or a hub id org/name (looked at {os.path.abspath(path)})")
+  return path
+
+
+def load_tokenizer(source: str = "smollm2", *, cache_dir: str | None = None, log=None) -> TextTokenizer:
+  """The tokenizer `load(source)` would return, without reading any weight: a GGUF's from its metadata, a HF
+  folder's from its tokenizer files, a random shape's byte-level stand-in."""
+  log = log or (lambda msg: None)
+  if shapes.is_random(source):
+    shapes.shape(source)  # an unknown shape is a ValueError naming the shapes
+    return shapes.ByteTokenizer()
+  path = _source_path(source, cache_dir, log)
+  if os.path.isfile(path):
+    return read_gguf_tokenizer(path)
+  config = {}
+  if os.path.isfile(os.path.join(path, "config.json")):
+    with open(os.path.join(path, "config.json")) as f:
+      config = json.load(f)
+  return tokenizer_from_hf_dir(path, config)

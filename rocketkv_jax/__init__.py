@@ -40,7 +40,8 @@ from rocketkv_jax.budget import BudgetPlan, plan_budget
 from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, cache_nbytes, concat_caches
 from rocketkv_jax.methods import (METHODS, REGISTRY, BatchPlan, ExactTopKConfig, FullConfig, H2OConfig, HSAConfig,
                                   MethodConfig, QuestConfig, RocketKVConfig, RocketKVPlusConfig, SnapKVConfig,
-                                  SparQConfig, StreamingLLMConfig, get_method, make_config, plan_limits, plan_rows)
+                                  SparQConfig, StreamingLLMConfig, get_method, make_config, plan_limits, plan_rows,
+                                  plan_static)
 
 CONFIGS = REGISTRY  # name -> config class (the method)
 
@@ -48,5 +49,5 @@ __all__ = [
     "BatchPlan", "BudgetPlan", "CONFIGS", "CacheSpec", "ExactTopKConfig", "FullConfig", "H2OConfig", "HSAConfig", "KVCache",
     "METHODS", "MethodConfig", "QuestConfig", "REGISTRY", "RocketKVConfig", "RocketKVPlusConfig", "SnapKVConfig",
     "SparQConfig", "StreamingLLMConfig", "cache_nbytes", "concat_caches", "decode_step", "get_method", "in_jit_checks",
-    "make_config", "plan_budget", "plan_limits", "plan_rows", "prefill_compress", "RowPlan",
+    "make_config", "plan_budget", "plan_limits", "plan_rows", "plan_static", "prefill_compress", "RowPlan",
 ]

@@ -119,7 +119,7 @@ def _check_state_class(cache, config) -> None:
     raise ValueError(f"cache.state is {type(got).__name__}, but {config.method} keeps {want.__name__}")
 
 
-def _check_leaves(cache, config, model_dtype) -> tuple[int, int, int, int]:
+def _check_leaves(cache, config, model_dtype, n_heads: int | None = None) -> tuple[int, int, int, int]:
   """The method's state is of its class, and every leaf the method keeps (`config.cache_shapes`, named as
   `cache_leaves` names them: "state.kt_min"...) is there, alive, with its shape and dtype (K/V
   `config.kv_dtype(model_dtype)`), and no other leaf is set. Returns the cache's (B, K, S, H)."""
@@ -130,7 +130,7 @@ def _check_leaves(cache, config, model_dtype) -> tuple[int, int, int, int]:
       raise ValueError(f"cache.{name} is {got}, but {config.method} needs cache.{name} [B, K, S, H]: build the "
                        "cache with prefill_compress")
   b, n_kv, s, h = cache.k.shape
-  shapes = config.cache_shapes(b, n_kv, h)
+  shapes = config.cache_shapes(b, n_kv, h, n_heads)
   _check_state_class(cache, config)
   leaves = cache_leaves(cache)
   for name, x in leaves.items():
@@ -188,7 +188,8 @@ def _validate_decode(cache, q, k_new, v_new, config) -> None:
     raise ValueError(f"the cache was built by {cache.spec} but config is {config.cache_spec()}: decode a cache "
                      "with the config that built it")
   # the model's dtype: q's with an FP8 cache, else the cache's (a missing cache.k is reported by _check_leaves)
-  b, n_kv, s, h = _check_leaves(cache, config, q.dtype if config.kv_scaled else getattr(cache.k, "dtype", q.dtype))
+  b, n_kv, s, h = _check_leaves(cache, config, q.dtype if config.kv_scaled else getattr(cache.k, "dtype", q.dtype),
+                                q.shape[1] if q.ndim == 3 else None)
   if s != config.capacity:
     raise ValueError(f"cache capacity S={s} does not match config.capacity={config.capacity} "
                      f"({config.method}); was the cache built with this config?")

@@ -146,6 +146,20 @@ def plan_budget(token_budget: int, prompt_len: int, max_new_tokens: int, head_di
                     top_r=top_r, top_k=top_k)
 
 
+def decode_budget_plan(token_budget: int, prompt_len: int, max_new_tokens: int, head_dim: int, *, region: int,
+                       max_len: int | None = None, window_size: int = 32) -> BudgetPlan:
+  """The plan with a decode budget (docs/ALGORITHM.md §4b): stage 1 is planned for the prompt alone (S = prompt_len:
+  the output no longer counts in the prompt's compression, since the cache holds at most `region` =
+  decode_budget + decode_buffer generated tokens whatever max_new_tokens is), and stage 2 for the cache that holds,
+  prompt_budget + min(max_new_tokens, region) slots."""
+  base = plan_budget(token_budget, prompt_len, 0, head_dim, max_len=max_len, window_size=window_size)
+  capacity = base.prompt_budget + min(max_new_tokens, region)
+  c2 = max(1.0, capacity / token_budget)
+  page_size, top_r = stage2_pages(c2, head_dim)
+  return dataclasses.replace(base, max_new_tokens=max_new_tokens, capacity=capacity, stage2_ratio=c2,
+                             page_size=page_size, top_r=top_r)
+
+
 def stage2_step_bytes(capacity: int, page_size: int, top_r: int, top_k: int, head_dim: int, *,
                       itemsize: int = 2) -> int:
   """Bytes HSA's decode step reads per KV head at a full cache (`capacity` slots): one row of `top_r` KT values

@@ -68,10 +68,13 @@ class KVCache:
     page selectors: quest, hsa, rocketkv, rocketkv_plus), `SparQState` (`methods/sparq.py`), `H2OState`
     (`methods/h2o.py`); None for the methods that keep nothing more (full,
     snapkv, streaming_llm, exact_topk). `cache_leaves` names its leaves "state.<field>".
+  decode_start: [B] int32, where a row's decode region starts (its kept prompt tokens), and
+  q_recent: [B, α, N, H], the ring of its last `decode_window` decode queries: a config with a decode budget only
+    (`rocketkv_jax/decode_region.py`); None otherwise.
   spec: static (not a leaf): the method and config fields that built the cache; `decode_step` refuses a
     config whose spec differs.
 
-  The fields are in the order k, v, length, pos, state, k_scale, v_scale, k_mean, so the flattened leaves keep
+  The fields are in the order k, v, length, pos, state, k_scale, v_scale, k_mean (then the decode region's), so the flattened leaves keep
   the order they had when every method's leaves were fields of KVCache itself.
   """
 
@@ -83,6 +86,8 @@ class KVCache:
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
   k_mean: jax.Array | None = None
+  decode_start: jax.Array | None = None
+  q_recent: jax.Array | None = None
   spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
 
   @property

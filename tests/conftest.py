@@ -112,3 +112,16 @@ def _drop_compiled_executables():
   import jax
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _restore_the_serving_log():
+  """`rocketkv serve` run in-process (tests/serving/test_cli.py, ...) gives logger "rocketkv_jax.serving" a rich
+  handler and stops it propagating (cli.serving_log_to); undone after each test, so that a later test's caplog, which
+  listens on the root logger, still hears it."""
+  import logging
+  log = logging.getLogger("rocketkv_jax.serving")
+  state = (list(log.handlers), log.propagate, log.level)
+  yield
+  log.handlers[:], log.propagate = state[:2]
+  log.setLevel(state[2])

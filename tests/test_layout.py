@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,14 +51,20 @@ def test_a_built_wheel_carries_the_package_and_runs_eval(tmp_path):
   src, wheels, target = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
   # a copy of what the wheel is built from, so that setuptools' build/ and egg-info stay out of the checkout
   src.mkdir()
-  for name in ("pyproject.toml", "README.md"):
+  for name in ("pyproject.toml", "README.md", "LICENSE"):
     shutil.copy2(ROOT / name, src / name)
   for name in ("rocketkv_jax", "kernels", "models"):
     shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
   build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                           str(wheels), str(src)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert build.returncode == 0, build.stderr[-3000:]
+  # the data folders are packages of their own in pyproject.toml, so setuptools has no "Package would be ignored"
+  assert "would be ignored" not in build.stdout + build.stderr, (build.stdout + build.stderr)[-3000:]
   (wheel,) = wheels.glob("rocketkv_jax-*.whl")
+  with zipfile.ZipFile(wheel) as z:
+    names = set(z.namelist())
+  assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(n for n in names if "dist-info" in n)
+  assert "rocketkv_jax/models/data/alice_chapter1.txt" in names and "rocketkv_jax/eval/data/SOURCES.txt" in names
   inst = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                          str(wheel)], capture_output=True, text=True, timeout=300)
   assert inst.returncode == 0, inst.stderr[-3000:]

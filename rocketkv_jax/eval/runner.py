@@ -681,7 +681,9 @@ def evaluate(args, out: str, *, command: str, cells_path: str | None = None, loa
   for p in write_outputs(res, out):
     log(f"wrote {p}")
   if not can_plot():
-    log("no plots: matplotlib is not installed (pip install 'rocketkv-jax[eval]')")
+    # rocketkv-jax is not on a package index, so `rocketkv-jax[eval]` cannot be installed by name: say what works.
+    log("no plots: matplotlib is not installed (pip install 'matplotlib>=3.8,<4'; "
+        "from a checkout: pip install -e '.[eval]')")
   return res
 
 

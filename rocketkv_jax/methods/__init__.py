@@ -121,6 +121,37 @@ def plan_limits(method: str, *, token_budget: int, max_prompt_len: int, max_new_
                  tuple(sorted(overrides.items())))
 
 
+# Overrides every method takes: they carry over when a request is kept whole (`plan_static`).
+COMMON_FIELDS = ("impl", "kv_cache_dtype")
+
+
+def plan_static(method: str, *, token_budget: int, max_prompt_len: int, max_new_tokens: int, head_dim: int,
+                n_kv_heads: int, model_dtype, max_len: int | None = None, whole_prompt_len: int | None = None,
+                **overrides) -> MethodConfig:
+  """The static config a batch or an engine's slots run under: `plan_limits`, unless the method's cache would hold
+  at least the bytes of `full`'s (short sequences: the KT pages and per-row plan leaves cost more than the tokens
+  evicted save; when the budget covers the whole sequence nothing is evicted at all). Then it is `full`'s config for
+  `whole_prompt_len` prompt tokens (default max_prompt_len; `generate` gives its batch's longest prompt, since its
+  method plans for a length bucket), with the method's impl and kv_cache_dtype: every token is kept and attended
+  densely, exactly. So a method never holds more than `full` (docs/ALGORITHM.md, "Kept whole"). The caller plans
+  rows with the returned config's method (`config.method`)."""
+  static = plan_limits(method, token_budget=token_budget, max_prompt_len=max_prompt_len,
+                       max_new_tokens=max_new_tokens, head_dim=head_dim, max_len=max_len, **overrides)
+  if not static.budgeted:
+    return static
+  full = plan_limits("full", token_budget=token_budget, max_prompt_len=whole_prompt_len or max_prompt_len,
+                     max_new_tokens=max_new_tokens, head_dim=head_dim, max_len=max_len, **whole_overrides(overrides))
+  if static.cache_bytes(1, n_kv_heads, head_dim, model_dtype) >= full.cache_bytes(1, n_kv_heads, head_dim,
+                                                                                  model_dtype):
+    return full
+  return static
+
+
+def whole_overrides(overrides: dict) -> dict:
+  """The overrides of a method's config that `full`'s takes when a sequence is kept whole (`plan_static`)."""
+  return {k: v for k, v in overrides.items() if k in COMMON_FIELDS}
+
+
 @functools.lru_cache(maxsize=256)
 def _limits(method: str, token_budget: int, max_prompt_len: int, max_new_tokens: int, head_dim: int, max_len,
             overrides) -> MethodConfig:
@@ -139,6 +170,6 @@ def _limits(method: str, token_budget: int, max_prompt_len: int, max_new_tokens:
 
 
 __all__ = ["REGISTRY", "METHODS", "BatchPlan", "MethodConfig", "get_method", "make_config", "plan_limits",
-           "plan_rows", "ExactTopKConfig", "FullConfig",
+           "plan_rows", "plan_static", "whole_overrides", "ExactTopKConfig", "FullConfig",
            "H2OConfig", "HSAConfig", "QuestConfig", "RocketKVConfig", "RocketKVPlusConfig", "SnapKVConfig",
            "SparQConfig", "StreamingLLMConfig"]

@@ -35,13 +35,14 @@ snapkv.py, `HSASelector` in hsa.py, ...); rocketkv composes snapkv's stage 1 wit
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rocketkv_jax import ops
+from rocketkv_jax import decode_region, ops
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int, check_seq_len, check_tokens
 from rocketkv_jax.cache import CacheSpec, KVCache, RowPlan, append_at, check_alive, kept_cache, kv_scales, slot_valid
 from rocketkv_jax.kernels.checks import kt_num_pages
@@ -122,11 +123,14 @@ class Policy:
       capacity has no slot, `MethodConfig.check_room`).
     budgeted: the token budget changes what it keeps (False: it keeps every token).
     state_class: the class of the cache state it keeps (KVCache.state), or None.
+    bounds_decode: it takes a decode budget (`MethodConfig.decode_budget`): its generated tokens live in a region
+      compacted when full (`rocketkv_jax/decode_region.py`).
   """
 
   evicts: ClassVar[bool] = False
   budgeted: ClassVar[bool] = True
   state_class: ClassVar[type | None] = None
+  bounds_decode: ClassVar[bool] = False  # it takes a decode budget (`decode_region.py`): the region after its prompt set
 
   def check(self, config) -> None:
     """Checks its knobs (config fields) in the config's `__post_init__`: ValueError naming the value."""
@@ -352,7 +356,12 @@ class MethodConfig:
   kv_cache_dtype: how the cache stores K and V (`KV_CACHE_DTYPES`): None (the model's dtype), "bfloat16" (the
   same, asserted: a model of another dtype is refused), "float8_e4m3fn" or "float8_e5m2" (quantized with one
   float32 scale per sequence, KV head and K or V, from the full-precision prompt; `kernels/kv_quant.py`). Stage-1
-  selection and the KT pages are computed from the full-precision keys either way."""
+  selection and the KT pages are computed from the full-precision keys either way.
+
+  decode_budget, decode_buffer, decode_window (this project's extension, methods whose policy `bounds_decode`;
+  None: off, the paper's method): generated tokens live in a region of decode_budget kept + decode_buffer fresh
+  slots, compacted when full to its decode_budget best tokens by the attention of the last decode_window queries
+  (`rocketkv_jax/decode_region.py`), so the capacity no longer grows with max_new_tokens."""
 
   method: ClassVar[str]
   policy: ClassVar[Policy]  # stage 1: what the cache keeps (every config class names one)
@@ -376,6 +385,9 @@ class MethodConfig:
   size_fields: ClassVar[tuple[str, ...]] = ()
   impl: str = "auto"
   kv_cache_dtype: str | None = None
+  decode_budget: int | None = None
+  decode_buffer: int = 128
+  decode_window: int = 8
 
   def __init_subclass__(cls, **kw):
     """Derives the class's capabilities from its two parts (a class without both fails here, when it is made)."""
@@ -402,6 +414,19 @@ class MethodConfig:
                        "dtype)")
     self.policy.check(self)
     self.selector.check(self)
+    self._check_decode_budget()
+
+  def _check_decode_budget(self) -> None:
+    """ValueError naming the value unless the decode budget is off (None) or this method's policy takes one, with
+    decode_window <= decode_budget and decode_buffer >= 1."""
+    check_int("decode_buffer", self.decode_buffer)
+    check_int("decode_window", self.decode_window)
+    if self.decode_budget is None:
+      return
+    if not self.policy.bounds_decode:
+      raise ValueError(f"decode_budget={self.decode_budget!r}: {self.method} takes no decode budget (methods whose "
+                       "stage 1 keeps a prompt set and every generated token do: snapkv, rocketkv, rocketkv_plus)")
+    check_tokens("decode_budget", self.decode_budget, self.decode_window)
 
   @property
   def kv_scaled(self) -> bool:
@@ -529,12 +554,17 @@ class MethodConfig:
     owner = self.selector if self.policy.state_class is None else self.policy
     return owner.init_state(self, cache, **leaves)
 
-  def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+  def cache_shapes(self, batch: int, n_kv_heads: int, head_dim: int,
+                   n_heads: int | None = None) -> dict[str, tuple[int, ...]]:
     """The shape of every array leaf this method's cache holds, named as `cache.cache_leaves` names them (the
-    state's as "state.<field>"; leaves not named here are None)."""
+    state's as "state.<field>"; leaves not named here are None). With a decode budget, the query ring's shape
+    needs the model's query heads (n_heads; default n_kv_heads, a lower bound of its bytes)."""
     s = self.capacity
     shapes = dict(k=(batch, n_kv_heads, s, head_dim), v=(batch, n_kv_heads, s, head_dim), length=(batch,),
                   pos=(batch,))
+    if self.decode_budget is not None:
+      shapes["decode_start"] = (batch,)
+      shapes["q_recent"] = (batch, self.decode_window, n_heads or n_kv_heads, head_dim)
     if self.uses_kt_pages:
       shapes["state.kt_min"] = shapes["state.kt_max"] = (batch, n_kv_heads, head_dim, self.num_kt_pages)
     for name in self.row_leaves(batch, None):
@@ -545,6 +575,16 @@ class MethodConfig:
     shapes.update(self.policy.state_shapes(self, batch, n_kv_heads, head_dim))
     shapes.update(self.selector.state_shapes(self, batch, n_kv_heads, head_dim))
     return shapes
+
+  def cache_bytes(self, batch: int, n_kv_heads: int, head_dim: int, model_dtype) -> int:
+    """Bytes this method's cache of `batch` rows holds in one layer, from `cache_shapes` (nothing is allocated):
+    K and V in `kv_dtype`, KT pages in `kt_dtype`, every other leaf (lengths, indices, scales, scores) 4 bytes."""
+    kv, total = self.kv_dtype(model_dtype), 0
+    for name, shape in self.cache_shapes(batch, n_kv_heads, head_dim).items():
+      size = (kv.itemsize if name in ("k", "v") else self.kt_dtype(model_dtype).itemsize if name.startswith("state.kt_")
+              else 4)
+      total += math.prod(shape) * size
+    return total
 
   @property
   def prompt_queries(self) -> int | None:
@@ -589,7 +629,7 @@ class MethodConfig:
     step (its arrays deleted) is named as such first: every decode entry point (decode_step, the models' decode
     loops) checks its room here."""
     check_alive("cache", cache)
-    if self.evicts or isinstance(cache.length, jax.core.Tracer):
+    if self.evicts or self.decode_budget is not None or isinstance(cache.length, jax.core.Tracer):
       return
     length = np.asarray(cache.length)
     if (length + steps > self.capacity).any():
@@ -599,8 +639,10 @@ class MethodConfig:
   # ------------------------------------------------------------------ prefill (the policy)
 
   def prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows: RowPlan | None = None) -> KVCache:
-    """What the method keeps of a layer's prompt. rows: each sequence's own plan (`RowPlan`)."""
-    return self.policy.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
+    """What the method keeps of a layer's prompt. rows: each sequence's own plan (`RowPlan`). With a decode budget,
+    the cache also holds the decode region's leaves (`decode_region.init_leaves`)."""
+    cache = self.policy.prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, rows)
+    return cache if self.decode_budget is None else decode_region.init_leaves(self, cache, q_BTNH)
 
   def kept_positions(self, cache: KVCache, q_BTNH, k_BTKH, lengths_B, rows: RowPlan | None = None):
     """[B, K, S] int32: the absolute position each slot holds right after `prefill` (junk past length)."""
@@ -625,7 +667,10 @@ class MethodConfig:
     return self.selector.attend(self, cache, q_BKGH)
 
   def decode(self, cache: KVCache, q_BKGH, k_new_BKH, v_new_BKH):
-    """Append, select, attend: (out [B, K, G, H], cache)."""
+    """Append, select, attend: (out [B, K, G, H], cache). With a decode budget, rows whose region is full are
+    compacted first (`decode_region.before_append`)."""
+    if self.decode_budget is not None:
+      cache = decode_region.before_append(self, cache, q_BKGH)
     return self.selector.decode(self, cache, q_BKGH, k_new_BKH, v_new_BKH)
 
   def attended_slots(self, cache: KVCache, q_BKGH):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from rocketkv_jax.budget import check_int, plan_budget, stage2_replan
+from rocketkv_jax.budget import check_int, decode_budget_plan, plan_budget, stage2_replan
 from rocketkv_jax.methods.base import MethodConfig
 from rocketkv_jax.methods.hsa import HSASelector
-from rocketkv_jax.methods.snapkv import SnapKVPolicy
+from rocketkv_jax.methods.snapkv import SnapKVPolicy, decode_room
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window (ALGORITHM.md §2)
 
@@ -73,13 +73,15 @@ class RocketKVConfig(MethodConfig):
     s_max = max_prompt_len + max_new_tokens if max_len is None else min(max_len, max_prompt_len + max_new_tokens)
     rows = [(s - 1, 1) for s in range(2, s_max + 1)]
     rows += [(c // 2, c - c // 2) for c in range(2, min(2 * max_new_tokens, s_max) + 1)]
+    if max_new_tokens > 1:  # with a decode budget the plan depends on the prompt's length alone: each with the most
+      rows += [(n, max_new_tokens) for n in range(1, max_prompt_len + 1)]  # new tokens
     return rows + [(max_prompt_len, max_new_tokens)]
 
   @classmethod
   def _batch_of(cls, configs, fields):
     """Slots for the row that needs the most (its prompt budget + its new tokens), not the largest prompt
     budget plus the most new tokens (rows planned for fewer new tokens keep more of their prompt)."""
-    fields["prompt_budget"] = max(c.capacity for c in configs) - fields["max_new_tokens"]
+    fields["prompt_budget"] = max(c.capacity for c in configs) - decode_room(cls(**fields))
     return super()._batch_of(configs, fields)
 
   @classmethod
@@ -91,8 +93,13 @@ class RocketKVConfig(MethodConfig):
     if window_size is None:
       window_size = min(DEFAULT_WINDOW, prompt_len) if isinstance(prompt_len, int) and prompt_len >= 1 \
           else DEFAULT_WINDOW
-    plan = plan_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len,
-                       window_size=1 if "prompt_budget" in kw else window_size)
+    if kw.get("decode_budget") is None:
+      plan = plan_budget(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len,
+                         window_size=1 if "prompt_budget" in kw else window_size)
+    else:  # the output no longer counts in the prompt's compression (docs/ALGORITHM.md §4b)
+      plan = decode_budget_plan(token_budget, prompt_len, max_new_tokens, head_dim, max_len=max_len,
+                                window_size=1 if "prompt_budget" in kw else window_size,
+                                region=kw["decode_budget"] + kw.get("decode_buffer", cls.decode_buffer))
     page_size, topr, topk = plan.page_size, plan.top_r, plan.top_k
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # a subclass's defaults plan too
     plan_page_size = kw.get("plan_page_size", defaults["plan_page_size"])

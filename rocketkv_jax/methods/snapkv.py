@@ -16,13 +16,16 @@ DEFAULT_WINDOW = 32  # SnapKV's observation window (its original setting)
 class SnapKVPolicy(Policy):
   """SnapKV with group-wise selection (`stage1`, ALGORITHM.md §2): prefill keeps the config's `prompt_budget`
   prompt tokens per KV head (the observation window's `window_size` last ones included; votes max-pooled with
-  `kernel_size`; `sink_tokens` first ones forced in), and the cache has room for `max_new_tokens` more."""
+  `kernel_size`; `sink_tokens` first ones forced in), and the cache has room for `max_new_tokens` more, or with a
+  decode budget for its region at most (`decode_room`)."""
+
+  bounds_decode: ClassVar[bool] = True
 
   def check(self, config):
     stage1.check_config(config)
 
   def capacity(self, config):
-    return config.prompt_budget + config.max_new_tokens
+    return config.prompt_budget + decode_room(config)
 
   def prompt_queries(self, config):
     return config.window_size
@@ -32,6 +35,14 @@ class SnapKVPolicy(Policy):
 
   def kept_positions(self, config, cache, q_BTNH, k_BTKH, lengths_B, rows=None):
     return stage1.kept_positions(config, cache, q_BTNH, k_BTKH, lengths_B, rows)
+
+
+def decode_room(config) -> int:
+  """Slots after the prompt set that a row's generated tokens fill: max_new_tokens, or with a decode budget at most
+  its region, decode_budget + decode_buffer (an output shorter than the region never fills it: never compacted)."""
+  if config.decode_budget is None:
+    return config.max_new_tokens
+  return min(config.max_new_tokens, config.decode_budget + config.decode_buffer)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -58,6 +58,19 @@ def _console(stderr: bool):
   return c
 
 
+def serving_log_to(console) -> None:
+  """Prints the serving layer's log (logger "rocketkv_jax.serving": requests, warm-up, sessions) on `console`
+  through rich, once. The logger stops propagating: absl's first log call (orbax logs while the weight cache loads)
+  runs `logging.basicConfig()`, which gives the root logger a stderr handler that printed every line a second
+  time in plain text. A logger that already has a handler (an embedding application's) is left as it is."""
+  from rich.logging import RichHandler
+  serving_log = logging.getLogger("rocketkv_jax.serving")
+  if not serving_log.handlers:
+    serving_log.addHandler(RichHandler(console=console, show_path=False))
+    serving_log.setLevel(logging.INFO)
+    serving_log.propagate = False
+
+
 def _mb(n: int) -> str:
   return f"{n / 2**20:.1f} MiB"
 
@@ -271,6 +284,9 @@ def kv_report(s, max_new_tokens: int) -> tuple[str, str | None]:
   line = (f"KV held {_mb(s.kv_bytes)} ({s.capacity} slots per KV head and layer) vs full {_mb(s.full_kv_bytes)} "
           f"({full_tokens} = prompt + max new tokens): {size}; compression ratio {_round(s.compression_ratio, 3):.3f}"
           " (kvpress-style: the fraction of full's KV not held)")
+  if any(s.kept_whole):
+    line += (f"; kept whole: {s.method}'s cache would have held at least full's for a sequence this short "
+             f"against the budget ({s.token_budget}), so every token was kept and attended")
   if held <= 1.01:
     return line, None
   aux = s.kv_bytes - s.capacity * slot_bytes
@@ -439,11 +455,7 @@ def _cmd_serve(args) -> int:
       slot_memory(mesh)
     except ValueError as e:
       raise FlagError(f"--max-slots auto: {e}") from None
-  from rich.logging import RichHandler
-  serving_log = logging.getLogger("rocketkv_jax.serving")
-  if not serving_log.handlers:
-    serving_log.addHandler(RichHandler(console=err, show_path=False))
-    serving_log.setLevel(logging.INFO)
+  serving_log_to(err)
   log(f"loading {args.model}")
   model, tok = load(args.model, cache_dir=args.cache, use_cache=not args.no_cache, log=log, dtype=args.dtype,
                     mesh=mesh)
@@ -463,7 +475,7 @@ def _cmd_serve(args) -> int:
   log(engine.plan_summary())
   name = served_model_name(args)
   app = create_app(engine, model, tok, ServerConfig(model_name=name, drain_s=args.drain_s, warmup=not args.no_warmup,
-                                                    api_key=api_key(args),
+                                                    warmup_full=args.full_warmup, api_key=api_key(args),
                                                     max_body_bytes=int(args.max_body_mb * 2**20),
                                                     allowed_hosts=tuple(args.allowed_host)),
                    sessions=sessions)
@@ -471,11 +483,15 @@ def _cmd_serve(args) -> int:
                             keep_alive_s=args.keep_alive_s)
   config = uvicorn_config(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
                           timeout_graceful_shutdown=args.drain_s + 5)
-  server = UvicornServer(config, app.state.runner, drain_s=args.drain_s)
-  if not args.no_warmup:
-    log(f"warming up: compiling {len(engine_config.prefill_buckets)} prefill buckets and the decode step")
-  log(f"serving {name!r} ({args.method}, budget {args.token_budget}, {engine_config.max_slots} slots) "
-      f"on http://{args.host}:{args.port}/v1")
+  runner = app.state.runner
+
+  def listening(url: str) -> None:  # once the socket is bound: only then is it true
+    state = ("warming up: /health answers 503 until ready, requests sent meanwhile wait" if runner.warming else
+             "ready" + (": --no-warmup, every program compiles on first use" if args.no_warmup else ""))
+    log(f"listening: {name!r} ({args.method}, budget {args.token_budget}, {engine_config.max_slots} slots) on {url} "
+        f"({state})")
+
+  server = UvicornServer(config, runner, drain_s=args.drain_s, on_listening=listening)
   # uvicorn drains, shuts down, then re-raises the signal it caught: Ctrl-C and SIGTERM end here, exit 0.
   signal.signal(signal.SIGTERM, _interrupt)
   try:
@@ -712,7 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--max-prompt-tokens", type=tokens, default=2048, help="longest prompt accepted (default 2048)")
   s.add_argument("--max-queue", type=_number(int, low=0), default=64,
                  help="requests waiting for a slot before new ones get 429 (default 64)")
-  s.add_argument("--steps-per-call", type=count, default=4, help="decode steps per engine call (default 4)")
+  s.add_argument("--steps-per-call", type=count, default=1,
+                 help="decode steps per engine call (default 1: a streamed answer comes one token per chunk, at the "
+                      "tokens/s of longer calls, which the engine's pipelining keeps; more send tokens in bursts)")
   s.add_argument("--prefill-chunk-tokens", type=_number(int, low=0), default=0,
                  help="chunked prefill: a prompt longer than N is prefilled one chunk per engine step, between "
                       "decode calls, each chunk costing about what N tokens at the prompt's start cost (later ones "
@@ -725,7 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--chat-template", default=None, metavar="FILE",
                  help="a jinja2 chat template file (or a .json with \"chat_template\") replacing the checkpoint's")
   s.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                 help="require `Authorization: Bearer KEY` on every route but /health and /version; repeat it for "
+                 help="require `Authorization: Bearer KEY` on every route but /health, /version and the schema (/docs, "
+                      "/openapi.json), /metrics included; repeat it for "
                       "several tenants, whose requests never reuse each other's prompts (default: env "
                       "ROCKETKV_API_KEY, else none)")
   s.add_argument("--max-body-mb", type=_number(float, low=0, low_open=True), default=8.0,
@@ -745,8 +764,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "front, or a reused connection can be closed under a request")
   s.add_argument("--drain-s", type=_number(float, low=0), default=10.0,
                  help="on shutdown, seconds requests in flight may finish before they are aborted (default 10)")
-  s.add_argument("--no-warmup", action="store_true",
-                 help="skip compiling every prefill bucket before accepting requests (the first ones then wait)")
+  warm = s.add_mutually_exclusive_group()
+  warm.add_argument("--no-warmup", action="store_true",
+                    help="no warm-up: /health says ready at once and every program compiles on first use (the first "
+                         "requests wait for it). By default the server listens at once and, before /health says "
+                         "ready, compiles what a default request needs (the smallest prefill bucket, greedy and "
+                         "default sampling decode); requests sent meanwhile wait")
+  warm.add_argument("--full-warmup", action="store_true",
+                    help="before /health says ready, compile every prefill bucket (each again with prompt logprobs) "
+                         "and every decode kind, so nothing compiles on live traffic (ready later)")
   s.add_argument("--history-gb", type=_number(float, low=0), default=4.0,
                  help="host memory for the K/V history of past prompts, so a conversation's next turn (or a new "
                       "question after a long context) prefills only its new tokens (default 4; 0 = off)")

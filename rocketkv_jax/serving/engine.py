@@ -37,7 +37,9 @@ greedy; sampling; sampling with top-p / top-k cuts; any row processed: four at m
 the rows' arrays); with a history, one extend prefill per (whole prompt, new tokens) bucket pair instead of the
 prefills; with chunked prefill, one chunk executable per (prompt bucket, chunk length); with contexts, one feed
 per power of two up to the longest question; with prompt logprobs, one scoring prefill per bucket; with
-processed rows, one row reset. `DeviceEngine.compiles` counts them.
+processed rows, one row reset. `DeviceEngine.compiles` counts them, `program_name` names them (by their cache key), and
+`DeviceEngine.compile_log`, when set, is told of each compile as it starts and ends (the server's warm-up and
+first-use log lines).
 
 Processed rows (penalties, logit bias, min_tokens or logprobs: `SamplingParams.processed`): the loop's
 processing kind (`models/loop.RowProcessing`; neutral values for the other rows, whose tokens it does not
@@ -61,6 +63,7 @@ import bisect
 import dataclasses
 import functools
 import math
+import time
 from typing import Sequence
 
 import jax
@@ -69,7 +72,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rocketkv_jax import cache_nbytes, get_method, plan_limits, plan_rows
+from rocketkv_jax import cache_nbytes, get_method, plan_rows, plan_static
+from rocketkv_jax.methods import whole_overrides
 from rocketkv_jax.budget import MIN_TOKEN_BUDGET, check_int
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.executables import Executables
@@ -78,7 +82,8 @@ from rocketkv_jax.models.params import fingerprint
 from rocketkv_jax.models.sharding import DATA, MODEL, cache_spec, default_impl, resolve_mesh
 
 __all__ = ["Context", "DecodeState", "DeviceEngine", "EngineConfig", "LimitError", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
-           "Prefilled", "Request", "SamplingParams", "check_limits", "chunk_sizes", "default_buckets", "insert_jit"]
+           "Prefilled", "Request", "SamplingParams", "check_limits", "chunk_sizes", "default_buckets", "insert_jit",
+           "program_name"]
 
 MIN_BUCKET = 64  # the smallest padded prompt length of the default buckets
 CHUNK_ALIGN = 64  # chunked prefill's chunk sizes are multiples of this (`DeviceEngine.chunks`)
@@ -139,6 +144,23 @@ def _chunk_grid(cfg: llama.LlamaConfig, c: int) -> list[int]:
   return grid
 
 
+_PROGRAMS = {  # a DeviceEngine executable's cache key (its kind, then its shape) -> what it is, in words
+    "prefill": "prefill bucket {}",
+    "prefill_scored": "prefill bucket {} with prompt logprobs",
+    "extend": "prefill over a history (bucket {}, {} new tokens)",
+    "chunk": "prefill chunk (bucket {}, {} tokens)",
+    "feed": "context feed of {} tokens",
+    "insert": "insert",
+    "reset_row": "processing row reset",
+    "decode": "decode ({})",
+}
+
+
+def program_name(key: tuple) -> str:
+  """What the device engine's executable cached under `key` is, in words: ("prefill", 64) -> 'prefill bucket 64'."""
+  return _PROGRAMS[key[0]].format(*key[1:])
+
+
 def default_buckets(max_prompt_tokens: int) -> tuple[int, ...]:
   """Powers of two from 64 below max_prompt_tokens, then max_prompt_tokens itself."""
   out, b = [], MIN_BUCKET
@@ -154,7 +176,12 @@ class EngineConfig:
 
   method, token_budget: the KV method and its budget (any method of the core). max_slots: requests decoded at
   once. max_prompt_tokens / max_new_tokens: the longest prompt and answer a request may have; with the
-  method they fix the plan (module doc). steps_per_call: tokens every active slot advances per decode call.
+  method they fix the plan (module doc); a request may have max_prompt_tokens + max_new_tokens tokens in all
+  (`DeviceEngine.max_model_len`; how many new ones after a given prompt: `DeviceEngine.max_tokens_for`).
+  steps_per_call: tokens every active slot advances per decode call; 1 (the default) gives a streamed answer one
+  token per event, and the scheduler's pipelining (call k queued before call k - 1's tokens are read) keeps the
+  device as busy as longer calls do (measured on CPU with SmolLM2, 8 slots: equal tokens/s at 1 and 4,
+  `benchmarks/serve.py --model smollm2`); more tokens per call arrive in bursts.
   prefill_buckets: padded prompt lengths that prefill compiles for (sorted; max_prompt_tokens is added when
   missing); None for the default (`default_buckets`). max_queue: requests that may wait for a slot.
   method_overrides: fields of the method config (e.g. impl="xla"), given as extra keywords or as a dict.
@@ -181,7 +208,7 @@ class EngineConfig:
   history_device_bytes: int
 
   def __init__(self, method: str = "rocketkv", token_budget: int = 256, max_slots: int = 8,
-               max_prompt_tokens: int = 2048, max_new_tokens: int = 256, steps_per_call: int = 4,
+               max_prompt_tokens: int = 2048, max_new_tokens: int = 256, steps_per_call: int = 1,
                prefill_buckets: Sequence[int] | None = None, max_queue: int = 64, history_bytes: int = 0,
                history_spill_dir: str | None = None, history_disk_bytes: int = 0,
                method_overrides: dict | Sequence[tuple[str, object]] | None = None, prefill_chunk_tokens: int = 0,
@@ -233,7 +260,9 @@ def _finite(x) -> bool:
 class SamplingParams:
   """How one request samples and stops.
 
-  max_tokens: new tokens at most (finish "length"). temperature: in [0, MAX_TEMPERATURE], 0 is greedy (and so is
+  max_tokens: new tokens at most (finish "length"); 0: the prompt is prefilled (and scored, with prompt_logprobs)
+  and the request ends at once, finish "length", no token generated and no slot taken (vLLM's echo with
+  max_tokens=0, lm-eval's log-likelihood scoring). temperature: in [0, MAX_TEMPERATURE], 0 is greedy (and so is
   anything below MIN_TEMPERATURE). top_p in (0, 1] (1 is off), top_k >= 0 (0 is off; `Engine.validate` also
   bounds it by the vocabulary). seed: in [0, 2**32): token j is sampled with fold_in(key(seed), j), so a request's
   samples are the same whatever runs next to it. stop_ids: token ids that end the answer (on top of the
@@ -272,7 +301,7 @@ class SamplingParams:
             or self.min_tokens > 0 or bool(self.logit_bias) or self.logprobs is not None)
 
   def __post_init__(self):
-    check_int("max_tokens", self.max_tokens, 1)
+    check_int("max_tokens", self.max_tokens, 0)
     if self.max_tokens > MAX_INT32:
       raise ValueError(f"max_tokens={self.max_tokens} must be < 2**31")
     for name in ("temperature", "top_p"):
@@ -338,19 +367,20 @@ class SamplingParams:
 
 
 class LimitError(ValueError):
-  """A sampling value outside this engine's limits (`check_limits`); `field`: the SamplingParams field."""
+  """A sampling value outside this engine's limits (`check_limits`, `Engine.check_length`); `field`: the
+  SamplingParams field; `code`: OpenAI's error code for it ("context_length_exceeded": prompt + max_tokens past
+  max_model_len)."""
 
-  def __init__(self, message: str, field: str):
+  def __init__(self, message: str, field: str, code: str = "invalid_value"):
     super().__init__(message)
-    self.field = field
+    self.field, self.code = field, code
 
 
-def check_limits(s: SamplingParams, *, max_new_tokens: int, vocab: int) -> None:
-  """LimitError naming the value unless sampling `s` fits an engine of max_new_tokens and a vocabulary of `vocab`
-  token ids: what `SamplingParams` cannot check on its own. The one copy of these checks: `Engine.validate` runs it
-  on every request, and the server before submitting, so that its 400 names the HTTP field."""
-  if s.max_tokens > max_new_tokens:
-    raise LimitError(f"max_tokens={s.max_tokens} exceeds the engine's max_new_tokens={max_new_tokens}", "max_tokens")
+def check_limits(s: SamplingParams, *, vocab: int) -> None:
+  """LimitError naming the value unless sampling `s` fits a vocabulary of `vocab` token ids: what `SamplingParams`
+  cannot check on its own (max_tokens against the prompt's length: `Engine.check_length`). The one copy of these
+  checks: `Engine.validate` runs it on every request, and the server before submitting, so that its 400 names the
+  HTTP field."""
   if s.top_k > vocab:
     raise LimitError(f"top_k={s.top_k} exceeds the vocabulary size {vocab} (0 is off)", "top_k")
   bad = [i for i in s.stop_ids if i >= vocab]
@@ -508,15 +538,23 @@ class DeviceEngine:
     overrides = dict(config.method_overrides)
     if default_impl(mesh):
       overrides.setdefault("impl", default_impl(mesh))
-    self._overrides = overrides
-    self.method_config = plan_limits(config.method, token_budget=config.token_budget,
+    self._max_tokens: dict[int, int] = {}  # max_tokens_for's answers, per prompt length
+    # a method whose slots would hold at least full's bytes keeps every request whole (`plan_static`)
+    self.method_config = plan_static(config.method, token_budget=config.token_budget,
                                      max_prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
-                                     head_dim=cfg.head_dim, max_len=cfg.max_len, **overrides)
+                                     head_dim=cfg.head_dim, n_kv_heads=cfg.n_kv_heads, model_dtype=model.dtype,
+                                     max_len=cfg.max_len, **overrides)
+    if self.method_config.method != config.method:
+      overrides = whole_overrides(overrides)
+    self._overrides = overrides
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
     self.model_id = fingerprint(model)
     self._graphdef, self._state = nnx.split(model)
     self._layers = llama.split_layers(model)  # what the per-layer prefills run, split once
     self._executables = Executables(mesh=mesh)
+    # called with a line as each compile starts and ends ('compiling decode (greedy)', then '... (12.3s)'): the
+    # server sets it (its warm-up and first-use log lines); None: silent
+    self.compile_log = None
     # one request's (logits, caches): the shapes of a batch-1 prefill, the same for every bucket (a saved
     # context must match them; a slot's row has them)
     T = config.prefill_buckets[0]
@@ -561,9 +599,44 @@ class DeviceEngine:
   def plan(self, n_prompt: int, max_tokens: int):
     """The `RowPlan` (batch 1) of a request of n_prompt tokens and max_tokens new ones under the engine's
     config. Raises ValueError naming the value when the paper's plan for that length is invalid."""
-    return plan_rows(self.config.method, token_budget=self.config.token_budget, prompt_lens=[n_prompt],
+    return plan_rows(self.method_config.method, token_budget=self.config.token_budget, prompt_lens=[n_prompt],
                      max_new_tokens=max_tokens, head_dim=self.model.config.head_dim,
                      max_len=self.model.config.max_len, config=self.method_config, **self._overrides).rows
+
+  @property
+  def max_model_len(self) -> int:
+    """The most prompt + new tokens a request may have (vLLM's max_model_len, what the server's /v1/models
+    advertises): max_prompt_tokens + max_new_tokens, which a prompt of max_prompt_tokens reaches with
+    max_new_tokens new tokens."""
+    return self.config.max_prompt_tokens + self.config.max_new_tokens
+
+  def max_tokens_for(self, n_prompt: int) -> int:
+    """The most new tokens a prompt of n_prompt tokens (1 .. max_prompt_tokens) may ask for: max_model_len -
+    n_prompt when the plan of that request fits the slots, else the most whose plan fits, at least max_new_tokens
+    (what the slots are planned for). A method whose cache grows with the sequence (full, hsa, quest, exact_topk:
+    slots of max_model_len tokens) takes max_model_len - n_prompt after any prompt; one that keeps a budget of the
+    prompt plus room for new tokens (snapkv, rocketkv: `prompt_budget + max_new_tokens` slots) takes
+    max_new_tokens. Found by bisection over `plan` (fits or raises), once per prompt length; safe from any thread
+    (a function of the config)."""
+    got = self._max_tokens.get(n_prompt)
+    if got is not None:
+      return got
+
+    def fits(m: int) -> bool:
+      try:
+        self.plan(n_prompt, m)
+      except ValueError:
+        return False
+      return True
+
+    lo, hi = min(self.config.max_new_tokens, self.max_model_len - n_prompt), self.max_model_len - n_prompt
+    if fits(hi):
+      lo = hi
+    while hi - lo > 1:  # lo fits (the slots' own limits), hi does not
+      mid = (lo + hi) // 2
+      lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    self._max_tokens[n_prompt] = lo
+    return lo
 
   def bucket(self, n_tokens: int) -> int:
     """The padded prompt length a prompt of n_tokens is prefilled at."""
@@ -607,7 +680,15 @@ class DeviceEngine:
                         self._placement)
 
   def _compiled(self, key, lower):
-    return self._executables.get(key, lower)
+    say = self.compile_log
+    if say is None or key in self._executables:
+      return self._executables.get(key, lower)
+    name = program_name(key)
+    say(f"compiling {name}")
+    t0 = time.perf_counter()
+    exe = self._executables.get(key, lower)
+    say(f"compiled {name} ({time.perf_counter() - t0:.1f}s)")
+    return exe
 
   # ------------------------------------------------------------------ prefill (batch 1)
 

@@ -407,6 +407,17 @@ class HistoryStore:
     self.dropped += 1
     self.version += 1
 
+  def drop_salt(self, salt: str) -> int:
+    """Forgets every segment stored for `salt` (a whole tree: a child has its parent's salt); returns how many."""
+    with self._lock:
+      gone = [seg for seg in self.segments if seg.salt == salt]
+      for seg in reversed(gone):  # children (added after their parents) first
+        self.segments.remove(seg)
+        self._unspill(seg)
+      if gone:
+        self.version += 1
+      return len(gone)
+
   def clear(self) -> None:
     with self._lock:
       for seg in self.segments:

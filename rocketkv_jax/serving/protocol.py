@@ -75,16 +75,18 @@ class _Sampling(_Body):
   """The fields completions and chat share. None (or absent) means the default."""
 
   model: str = Field(description="the served model's id (`GET /v1/models`)")
-  max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32,
-                                    description="new tokens at most (default: 16 for completions, else the "
-                                                "engine's max_new_tokens)")
+  max_tokens: Optional[int] = Field(None, ge=0, le=MAX_INT32,
+                                    description="new tokens at most; prompt + max_tokens at most max_model_len "
+                                                "(`/v1/models`). Default: all the prompt leaves (completions: 16), "
+                                                "at most what the server's slots hold after it. 0: completions "
+                                                "with echo only (the prompt and its logprobs, nothing generated)")
   temperature: Optional[float] = _num(ge=0, le=MAX_TEMPERATURE, description="0 is greedy (default: the "
                                       "checkpoint's generation_config.json, else 1)")
   top_p: Optional[float] = _num(gt=0, le=1, description="nucleus sampling (1 is off)")
   top_k: Optional[int] = Field(None, ge=-1, le=MAX_INT32, description="vLLM's: the k most likely only (0 or -1: off)")
   seed: Optional[int] = Field(None, ge=0, le=MAX_SEED,
-                              description="default 0: the same request gets the same answer; sample i of n uses "
-                                          "seed + i")
+                              description="the same seed gives the same samples; none: a fresh random seed per "
+                                          "request (OpenAI's); sample i of n uses seed + i")
   stop: Union[str, list[str], None] = Field(None, description="strings that end the answer (cut before them)")
   stop_token_ids: Optional[list[int]] = Field(None, description="vLLM's: token ids that end the answer")
   presence_penalty: Optional[float] = _num(ge=-2, le=2, description="subtracted once from the logit of every token "
@@ -186,6 +188,13 @@ class CompletionRequest(_Sampling):
   echo: Optional[bool] = Field(None, description="the answer starts with the prompt (with logprobs: the prompt's "
                                                  "positions first, the first one None)")
 
+  @model_validator(mode="after")
+  def _zero_needs_echo(self):
+    if self.max_tokens == 0 and not self.echo:
+      raise RequestError("max_tokens=0 generates nothing: only with echo (the prompt and, with logprobs, its "
+                         "logprobs); ask for at least 1 token", param="max_tokens")
+    return self
+
   @field_validator("prompt")
   @classmethod
   def _non_empty(cls, v):
@@ -227,6 +236,13 @@ class ChatCompletionRequest(_Sampling):
                                       description="with logprobs: the k most likely alternatives per token")
 
   refused: ClassVar[dict] = CHAT_REFUSED
+
+  @model_validator(mode="after")
+  def _some_tokens(self):
+    if self.max_tokens == 0 and self.max_completion_tokens is None:
+      raise RequestError("max_tokens=0 generates nothing (chat has no echo): ask for at least 1 token",
+                         param="max_tokens")
+    return self
 
   @model_validator(mode="after")
   def _top_needs_logprobs(self):

@@ -6,8 +6,10 @@ The concurrency model of serving, in one place: the scheduler is not thread-safe
 thread is the only one that touches it; submit, abort and shutdown travel to it through a command queue, and
 `stats()` reads a snapshot the thread refreshes after every command and step. Periodic work that reads the
 engine's state (saving sessions) runs on this thread too, between steps (`every`). The HTTP layer's event loop
-only parses, encodes, submits and awaits events. The one exception is start-up and shutdown: the server's
-warm-up and session loading run before this thread starts, and the last session save after it has stopped.
+only parses, encodes, submits and awaits events. The server's warm-up runs on this thread too, first
+(`warm_up_first`): the thread takes no command until it is done, so requests submitted meanwhile wait in order
+(none is refused), while the HTTP layer already answers /health. The one exception is start-up and shutdown:
+session loading runs before this thread starts, and the last session save after it has stopped.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class EngineRunner:
     self._error: BaseException | None = None  # the last step failure
     self._rate = collections.deque()          # (time, tokens_generated), engine thread only
     self._periodic: list = []                 # [every_s, fn, next due (monotonic)]
+    self._warmup = None                       # fn(stopping) run first on the engine thread
+    self._warming = False
+    self._stopping = threading.Event()        # shutdown asked: a warm-up stops early
 
   # --- any thread -------------------------------------------------------------------------------
 
@@ -76,6 +81,14 @@ class EngineRunner:
     Register before start(). fn's exceptions are logged; the thread goes on."""
     if seconds > 0:
       self._periodic.append([float(seconds), fn, None])
+    return self
+
+  def warm_up_first(self, fn: Callable[[Callable[[], bool]], object]) -> "EngineRunner":
+    """Calls fn(stopping) on the engine thread when it starts, before it takes any command: commands sent meanwhile
+    (submits, aborts) wait in order and run after it. stopping() turns true once shutdown is asked: fn should
+    then return soon. `warming` is true until fn returns; an exception it raises is logged and the thread goes on.
+    Register before start()."""
+    self._warmup, self._warming = fn, True
     return self
 
   def start(self) -> "EngineRunner":
@@ -92,6 +105,11 @@ class EngineRunner:
   @property
   def accepting(self) -> bool:
     return self._accepting and self.alive
+
+  @property
+  def warming(self) -> bool:
+    """True while the warm-up (`warm_up_first`) has not returned: submitted requests wait for it."""
+    return self._warming
 
   def submit(self, request, sink: Sink) -> concurrent.futures.Future:
     """Validates and submits on the engine thread. The future resolves to None once the engine holds the
@@ -123,6 +141,7 @@ class EngineRunner:
     """Stops accepting, aborts every request still in flight (each consumer gets `Aborted`) and ends the
     thread. Idempotent."""
     self._accepting = False
+    self._stopping.set()
     if self._thread is None:
       return
     self._cmds.put(("stop", reason))
@@ -131,6 +150,14 @@ class EngineRunner:
   # --- engine thread ----------------------------------------------------------------------------
 
   def _run(self) -> None:
+    if self._warmup is not None:
+      try:
+        self._warmup(self._stopping.is_set)
+      except Exception:  # noqa: BLE001 - what it did not compile compiles on first use
+        log.exception("the warm-up failed; serving without it")
+      finally:
+        self._warming = False
+      self._refresh_stats()
     stop_reason = None
     while stop_reason is None:
       busy = self._has_work()

@@ -8,7 +8,12 @@ insert each), then `generate()`: one decode call of every active slot, whose tok
 (`output.advance`: stop ids and strings, incremental detokenization, logprobs) turns into events on the host;
 finished slots are freed at once. Pipelined: `generate()` queues decode call k on the device before it reads call
 k - 1's tokens, so the device never idles while the host checks stops, detokenizes and admits requests; the
-scheduler holds the call in flight.
+scheduler holds the call in flight. So one token per call (steps_per_call=1, the default: a stream's events carry
+one token each) costs no throughput while the host's work per call is shorter than the device's.
+
+Limits (`check_length`, vLLM's): a request may have max_model_len = max_prompt_tokens + max_new_tokens tokens in
+all, and after a prompt of n tokens at most `max_tokens_for(n)` new ones (max_model_len - n where the slots hold
+it; a method that keeps a budget of the prompt plans its slots for max_new_tokens new tokens).
 
 Chunked prefill (`EngineConfig.prefill_chunk_tokens`): the prefills of one step stop once they have taken that
 many prompt tokens or one chunk of a long prompt (`DeviceEngine.chunks`: each about the cost of that many tokens
@@ -57,10 +62,10 @@ from rocketkv_jax.models.loop import RowProcessing, RowSampling
 from rocketkv_jax.models.sharding import DATA, MODEL
 
 from . import saved
-from .engine import (MAX_LOGIT_BIAS, MAX_STOP_IDS, Context, DeviceEngine, EngineConfig, Prefilled, Request,
-                     SamplingParams, check_limits)
+from .engine import (MAX_LOGIT_BIAS, MAX_STOP_IDS, Context, DeviceEngine, EngineConfig, LimitError, Prefilled,
+                     Request, SamplingParams, check_limits)
 from .history import MAX_SALT, HistoryStore, own_rows
-from .output import RequestState, TokenEvent, advance
+from .output import RequestState, TokenEvent, advance, prompt_logprobs
 
 __all__ = ["Engine", "QueueFull", "prompt_tokens"]
 
@@ -91,6 +96,7 @@ class Engine:
     self._slots: list[RequestState | None] = [None] * config.max_slots
     self._pending: list[TokenEvent] = []  # abort and error events, emitted by the next step
     self._inflight = None  # (tokens of the last decode call, not read yet; [(row, RequestState)] it decoded)
+    self._scored: list = []  # (Prefilled, seconds queued) of max_tokens=0 requests, answered by the next generate()
     self._tokens_generated = 0
     self._arrived: dict[str, float] = {}  # request id -> submit time (monotonic), while queued
     self._process_rows = None  # (the active rows it was built for, their RowProcessing on the device)
@@ -116,6 +122,32 @@ class Engine:
   def plan(self, n_prompt: int, max_tokens: int):
     """`DeviceEngine.plan`: the `RowPlan` of a request of n_prompt tokens and max_tokens new ones."""
     return self.device.plan(n_prompt, max_tokens)
+
+  @property
+  def max_model_len(self) -> int:
+    """`DeviceEngine.max_model_len`: the most prompt + new tokens a request may have."""
+    return self.device.max_model_len
+
+  def max_tokens_for(self, n_prompt: int) -> int:
+    """`DeviceEngine.max_tokens_for`: the most new tokens a prompt of n_prompt tokens may ask for."""
+    return self.device.max_tokens_for(n_prompt)
+
+  def check_length(self, n_prompt: int, max_tokens: int) -> None:
+    """LimitError naming the numbers unless a prompt of n_prompt tokens (at most max_prompt_tokens) may ask for
+    max_tokens new ones: refused when n_prompt + max_tokens exceeds max_model_len (vLLM's rule and words, code
+    context_length_exceeded), or, within it, when the slots hold fewer new tokens after such a prompt
+    (`max_tokens_for`: a method that keeps a budget of the prompt has room for max_new_tokens)."""
+    total, most = self.max_model_len, self.max_tokens_for(n_prompt)
+    if n_prompt + max_tokens > total:
+      raise LimitError(f"This model's maximum context length is {total} tokens. However, you requested "
+                       f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion). "
+                       f"Please reduce the length of the prompt or completion.", "max_tokens",
+                       "context_length_exceeded")
+    if max_tokens > most:
+      raise LimitError(f"max_tokens={max_tokens} exceeds the {most} new tokens a request may have after a prompt of "
+                       f"{n_prompt} tokens: the {self.config.method} slots are planned for "
+                       f"max_new_tokens={self.config.max_new_tokens} new tokens (max_model_len={total} counts "
+                       f"prompt + new tokens)", "max_tokens")
 
   @property
   def decode_state(self):
@@ -145,7 +177,7 @@ class Engine:
     s = request.sampling
     if not isinstance(s, SamplingParams):
       raise ValueError(f"sampling={s!r} must be SamplingParams")
-    check_limits(s, max_new_tokens=c.max_new_tokens, vocab=vocab)
+    check_limits(s, vocab=vocab)
     if not isinstance(request.cache_salt, str) or len(request.cache_salt) > MAX_SALT:
       raise ValueError(f"cache_salt={str(request.cache_salt)[:40]!r} must be a string of at most {MAX_SALT} "
                        f"characters")
@@ -159,6 +191,7 @@ class Engine:
                          f"tokens + max_tokens={s.max_tokens} exceeds the engine's max_new_tokens="
                          f"{c.max_new_tokens}")
     else:
+      self.check_length(len(ids), s.max_tokens)
       self.plan(len(ids), s.max_tokens)  # the paper's plan for this length is valid (ValueError names why not)
 
   def submit(self, request: Request) -> None:
@@ -182,6 +215,12 @@ class Engine:
         self._arrived.pop(request_id, None)
         self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(r), 0))
         return True
+    for p in self._scored:
+      if p[0].request.request_id == request_id:
+        self._scored.remove(p)
+        self._pending.append(TokenEvent(request_id, [], "", True, "abort", prompt_tokens(p[0].request), 0,
+                                        p[0].cached))
+        return True
     if self._filling is not None and self._filling[0].request_id == request_id:
       r = self._filling[0]
       self._filling[1].close()
@@ -197,8 +236,8 @@ class Engine:
     return False
 
   def has_work(self) -> bool:
-    return bool(self._queue or self._pending or self._inflight is not None or self._filling is not None or
-                self._storing is not None or any(a is not None for a in self._slots))
+    return bool(self._queue or self._pending or self._scored or self._inflight is not None or
+                self._filling is not None or self._storing is not None or any(a is not None for a in self._slots))
 
   def stats(self) -> dict:
     h = self.history
@@ -436,13 +475,20 @@ class Engine:
     for a row it decodes is real, so the host ends it by length or an earlier stop), and no call is launched when
     every active row is such a row: a request of max_tokens <= steps_per_call (lm-eval's log-likelihood requests
     ask for one token) costs one decode call, not two. Once no slot is active, generate() only reads the last
-    call."""
+    call. A request of max_tokens=0 (echo scoring) never takes a slot: its one event (the prompt's logprobs, finish
+    "length") comes from the generate() after its prefill, read once that call's decode is queued."""
     events, self._pending = self._pending, []
     previous, self._inflight = self._inflight, None
     active = [(i, a) for i, a in enumerate(self._slots)
               if a is not None and a.sampled < a.request.sampling.max_tokens]
     if active:
       self._inflight = (self._launch(active), active)
+    scored, self._scored = self._scored, []
+    for p, waited in scored:  # max_tokens=0: the prompt (and its logprobs) only, read after the launch
+      r = p.request
+      events.append(TokenEvent(r.request_id, [], "", True, "length", prompt_tokens(r), 0, p.cached, waited,
+                               logprobs=[] if r.sampling.logprobs is not None else None,
+                               prompt_logprobs=prompt_logprobs(r, p.scores)))
     if previous is not None:
       (tokens, scores), rows = previous
       tokens = np.asarray(tokens)
@@ -529,6 +575,9 @@ class Engine:
         spent += budget if (prefilled is None or chunked) else n
         if prefilled is None:
           self._filling = (req, fill, waited, True)
+        elif req.sampling.max_tokens == 0:  # nothing to decode: answered by generate(), no slot taken
+          self._filling = None
+          self._scored.append((prefilled, waited))
         else:
           self._filling = None
           slot = self._slots.index(None)

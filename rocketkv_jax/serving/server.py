@@ -8,6 +8,15 @@ Text exists only here and in the engine's detokenizer: a request is parsed and c
 (chat through the tokenizer's chat template), and handed to the engine thread (`runner.py`) as token ids;
 events come back through an asyncio queue per HTTP request.
 
+Start-up: the server listens as soon as the model is loaded (and the sessions, if any); the warm-up
+(`ServerConfig.warmup`, `Warmup`) then runs on the engine thread. `/health` answers 503 `{"status": "warming up",
+"warmup": {"compiled", "compiling", "remaining", "done", "total", "elapsed_s"}}` (Retry-After: 5) until it is done,
+then 200 `{"status": "ok"}`; 503 `{"status": "shutting down"}` once shutdown began and `{"status": "engine
+stopped"}` if the engine thread is gone. A request sent during the warm-up is not refused: it waits (requests are
+taken in arrival order once the warm-up is done; those past the queue's `max_queue` then get the usual 429) and is
+answered as it would be later, its own programs compiled on first use if the warm-up does not compile them (a log
+line says so). Every other route answers at once.
+
 Requests are parsed by the pydantic models of `protocol.py` (strict JSON types, the engine's own bounds), which
 `/docs` and `/openapi.json` show. OpenAI semantics kept: `temperature` and `top_p` default to 1 (unless the
 checkpoint's generation_config.json sets them: then its values, as vLLM does), `stop` is a string or a list,
@@ -16,11 +25,26 @@ validation failure is a 400, never FastAPI's 422; 429 when the engine's queue is
 Implemented: `presence_penalty` / `frequency_penalty` ([-2, 2]), `logit_bias` (token id -> [-100, 100]),
 `logprobs` (completions: 0..20 alternatives, OpenAI's legacy format; chat: `logprobs: true` + `top_logprobs`),
 `echo` (completions: the text starts with the prompt; with `logprobs`, the prompt's positions come first, the first
-one None, as lm-eval's log-likelihood requests need), and `n` (1..16 samples per prompt: sample i uses seed + i, so
-greedy gives n equal answers; choices are indexed prompt * n + i; usage counts each prompt once). Extensions (vLLM's):
-`top_k` (0 or -1 = off, at most the vocabulary size), `stop_token_ids`, `repetition_penalty`, `min_tokens`,
-`cache_salt`, `/tokenizer_info`. Departure: `seed` defaults to 0, so the same request gets the same answer (OpenAI
-draws a fresh seed); pass a seed to vary samples.
+one None, as lm-eval's log-likelihood requests need; with `max_tokens: 0`, vLLM's scoring idiom, the answer is the
+prompt and its logprobs alone, no token generated, `finish_reason` "length", `completion_tokens` 0), `seed` (the
+same seed gives the same samples; without one, every request draws a fresh random seed, as OpenAI and vLLM do), and
+`n` (1..16 samples per prompt: sample i uses seed + i, so greedy gives n equal answers; choices are indexed
+prompt * n + i; usage counts each prompt once). Extensions (vLLM's): `top_k` (0 or -1 = off, at most the vocabulary
+size), `stop_token_ids`, `repetition_penalty`, `min_tokens`, `cache_salt`, `/tokenizer_info`.
+
+Lengths, as vLLM defines them: `max_model_len` (`/v1/models`, `/tokenize`, `/tokenizer_info`'s model_max_length) is
+the most prompt + new tokens a request may have, --max-prompt-tokens + --max-new-tokens. A prompt over
+--max-prompt-tokens is a 400 `context_length_exceeded` (param `prompt` / `messages`); prompt + `max_tokens` (chat:
+`max_completion_tokens`, which wins) over max_model_len a 400 `context_length_exceeded` naming both numbers (param
+`max_tokens`); within it, `max_tokens` over what the slots hold after that prompt (`Engine.max_tokens_for`:
+max_model_len - prompt for a method whose cache grows with the sequence, --max-new-tokens for one that keeps a
+budget of the prompt, rocketkv and snapkv) a 400 `invalid_value` naming that number. Without `max_tokens`: chat
+gets all the prompt leaves (max_model_len - prompt tokens), completions OpenAI's 16, either at most what the slots
+hold after the prompt.
+
+Streaming (`stream: true`): one server-sent event per engine event, which carries one token with the engine's
+default steps_per_call=1 (`--steps-per-call`; text that may begin a stop string or an incomplete UTF-8 character
+waits for the next token), so a client's inter-token latency measures tokens, not chunks of them.
 
 Nothing that changes sampling is ignored: every field this server does not implement (OpenAI's and vLLM's,
 `protocol.REFUSED`) is accepted only at its neutral value, else 400 `unsupported_parameter` naming it; other
@@ -38,11 +62,14 @@ is one tenant: clients that must not share prefixes send distinct salts. `usage.
 (`cached_tokens`) is reported only to a request with a tenant (an API key or a cache_salt): an anonymous request,
 whose history every anonymous client shares, gets usage without it (vLLM leaves it out by default too).
 
-Access: with `api_key` set (one key or several), every route but `/health`, `/version`, `/docs` and `/openapi.json`
-needs `Authorization: Bearer KEY` (else 401). A request that arrives on a loopback address (a server bound to 127.0.0.1,
-the default) must name a loopback host in `Host` (localhost, 127.0.0.1, [::1], any port, or one of
-`allowed_hosts`), and its `Origin`, when sent, must be one too: else 403 (a defence against DNS rebinding and
-cross-site requests from a browser).
+Access: with `api_key` set (one key or several), every route but `/health`, `/version`, `/docs` (with its Swagger UI
+files under `/docs/static/`, served from the fastapi-offline package: no CDN) and `/openapi.json` needs
+`Authorization: Bearer KEY` (else 401), `/metrics` included: a choice, since its reuse counters (prompt tokens
+reused vs prefilled) tell about other clients' prompts. The rule planned for /metrics (another issue): with a key
+set it needs the key; without one it exposes no per-reuse counters. A request that arrives on a loopback address
+(a server bound to 127.0.0.1, the default) must name a loopback host in `Host` (localhost, 127.0.0.1, [::1], any
+port, or one of `allowed_hosts`), and its `Origin`, when sent, must be one too: else 403 (a defence against DNS
+rebinding and cross-site requests from a browser).
 Prompts are tokenized in a worker thread, so a large prompt does not stall `/health` or the streams.
 """
 
@@ -57,11 +84,13 @@ import hmac
 import ipaddress
 import json
 import logging
+import secrets
 import time
 import urllib.parse
 import uuid
 
 from fastapi import FastAPI, Request as HttpRequest
+from fastapi_offline import FastAPIOffline
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -73,12 +102,11 @@ from .engine import LimitError, Request, SamplingParams, check_limits
 from .runner import Aborted, EngineRunner, Failed, ShuttingDown
 from .scheduler import QueueFull
 
-__all__ = ["APIError", "ServerConfig", "UvicornServer", "create_app", "request_sampling", "sample_sampling",
-           "warm_up"]
+__all__ = ["APIError", "ServerConfig", "UvicornServer", "Warmup", "create_app", "request_sampling",
+           "sample_sampling", "warm_up"]
 
 log = logging.getLogger("rocketkv_jax.serving")
 
-DEFAULT_SEED = 0               # see the module docstring
 COMPLETIONS_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 8 * 2**20
 LOOPBACK_NAMES = ("localhost",)
@@ -103,8 +131,12 @@ class APIError(Exception):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
   """model_name: the id `/v1/models` lists and requests must name. drain_s: on shutdown, how long requests in
-  flight may run to their end before they are aborted. warmup: before accepting requests, compile every
-  prefill bucket and decode kind so no client waits for a compile (`warm_up`). history_dir: where the engine's prompt
+  flight may run to their end before they are aborted. warmup: compile what a default request needs (`Warmup`: the
+  smallest prefill bucket, the insert, greedy decode and the default sampling's decode) on the engine thread before it
+  takes requests, while the server already listens: /health answers 503 with the progress until then, and requests
+  sent meanwhile wait; everything else compiles on first use. warmup_full (with warmup): also every other prefill
+  bucket, each again with prompt logprobs, and every decode kind, so nothing compiles on live traffic (ready later).
+  history_dir: where the engine's prompt
   histories (sessions) are loaded from at start-up, when there, and saved to atomically every
   `--sessions-save-s` seconds (on the engine thread) and at shutdown (needs an engine with history; a file saved
   for another model, or one whose segment table does not match its arrays, is refused at start-up). api_key: when set, the bearer token every
@@ -115,54 +147,118 @@ class ServerConfig:
   model_name: str
   drain_s: float = 10.0
   warmup: bool = False
+  warmup_full: bool = False
   history_dir: str | None = None
   api_key: str | tuple[str, ...] | None = None
   max_body_bytes: int = MAX_BODY_BYTES
   allowed_hosts: tuple[str, ...] = ()
 
 
-def warm_up(engine, log=None) -> float:
-  """Compiles every piece a request can reach before serving, so no client waits for a compile: one 1-token
-  request per prefill bucket (a prompt of the bucket's length: its prefill and the insert), the same again with
-  prompt logprobs (`echo` + `logprobs`: the scored prefill, one executable per bucket), then one request per decode
-  kind (greedy; sampling; sampling with top-p / top-k cuts; the processed kind: penalties, bias, min_tokens and
-  logprobs), each long enough for a decode call. The history it made is cleared and the engine's counters zeroed,
-  so /metrics counts client traffic only. Not compiled ahead: a history's extend prefill (one per history/question
-  length pair, with sessions) and a context's feed lengths (library `contexts`, not served). Call before the engine
-  thread starts. Returns the seconds taken."""
-  t0 = time.perf_counter()
+class Warmup:
+  """The server's warm-up: one small request per program to compile, run on the engine thread before it takes any
+  client request (`EngineRunner.warm_up_first`), while the server already answers /health (503 with `status()`
+  until done). Which programs (`plan`): a 1-token prompt of the smallest prefill bucket (its prefill, through the
+  history when the engine keeps one, the insert and the greedy decode), then a request decoded as a request that
+  sets no sampling field is (the checkpoint's generation defaults, else OpenAI's temperature 1: the sampling kind),
+  unless that is greedy. With `full`, also every other prefill bucket, every bucket again with prompt logprobs (`echo`
+  + `logprobs`: the scored prefill), and every decode kind (greedy; sampling; sampling with top-p / top-k cuts; the
+  processed kind: penalties, bias, min_tokens and logprobs). Anything else compiles on first use (the engine's
+  `compile_log` says so): without `full`, the larger buckets, prompt logprobs and the other decode kinds; always, a
+  history's extend prefill for a reused prefix (one per history/question length pair) and a context's feed lengths
+  (library `contexts`, not served).
 
-  def run(request_id, prompt, sampling, what):
-    engine.submit(Request(request_id=request_id, prompt_ids=prompt, sampling=sampling))
-    while engine.has_work():
-      engine.step()
-    if log:
-      log(f"warm-up: {what} compiled ({time.perf_counter() - t0:.1f}s)")
+  Its requests carry their own cache_salt (`SALT`), so they never reuse a loaded session's history, and the history
+  they leave is dropped at the end; the engine's counters are zeroed, so /metrics counts client traffic only
+  (compiles excepted). Not thread-safe but `status()`: it runs on the engine thread."""
 
-  buckets = getattr(engine.config, "prefill_buckets", None) or (1,)
-  first = 0  # prompts with distinct first tokens: none reuses another's history
+  SALT = "\x00rocketkv-warm-up"  # no client's salt: a client's is behind its tenant tag or printable JSON text
 
-  def prompt(length):
-    nonlocal first
-    first += 1
-    return [first - 1] * length
+  def __init__(self, engine, *, full: bool = False, default_sampling: SamplingParams | None = None, log=None):
+    """default_sampling: how a request that sets no sampling field is sampled (`request_sampling`'s defaults);
+    None: OpenAI's (temperature 1). log: called with each progress line."""
+    self.engine, self.full, self.log = engine, full, log
+    self.items = self.plan(engine.config, full=full, default_sampling=default_sampling)
+    self.compiled: list[str] = []
+    self.failed: list[str] = []
+    self.t0 = self.seconds = None
 
-  for b in buckets:
-    run(f"warmup-{b}", prompt(b), SamplingParams(max_tokens=1), f"prompt bucket {b}")
-  for b in buckets:
-    run(f"warmup-scored-{b}", prompt(b), SamplingParams(max_tokens=1, prompt_logprobs=0),
-        f"prompt bucket {b} with prompt logprobs")
-  n = getattr(engine.config, "steps_per_call", 1) + 1  # the first token comes from the prefill
-  kinds = (("greedy", SamplingParams(max_tokens=n)), ("sampling", SamplingParams(max_tokens=n, temperature=1.0)),
-           ("top-p / top-k cuts", SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9)),
-           ("processed: penalties, bias, logprobs", SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, logprobs=1,
-                                                                   repetition_penalty=1.1)))
-  for j, (what, sampling) in enumerate(kinds):
-    run(f"warmup-decode-{j}", prompt(buckets[0]), sampling, f"decode ({what})")
-  if getattr(engine, "history", None) is not None:
-    engine.history.clear()
-  engine.reset_counters()
-  return time.perf_counter() - t0
+  @staticmethod
+  def plan(config, *, full: bool, default_sampling: SamplingParams | None = None
+           ) -> list[tuple[str, int, SamplingParams]]:
+    """(what it compiles, prompt length, sampling) of each warm-up request, in order (class doc)."""
+    buckets = config.prefill_buckets
+    first = buckets[0]
+    n = config.steps_per_call + 1  # the first token comes from the prefill: these reach a decode call
+    out = [(f"prompt bucket {first}", first, SamplingParams(max_tokens=1))]
+    sampled = SamplingParams(max_tokens=n, temperature=1.0)
+    cut = SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9)
+    if full:
+      out += [(f"prompt bucket {b}", b, SamplingParams(max_tokens=1)) for b in buckets[1:]]
+      out += [(f"prompt bucket {b} with prompt logprobs", b, SamplingParams(max_tokens=1, prompt_logprobs=0))
+              for b in buckets]
+      kinds = [("greedy", SamplingParams(max_tokens=n)), ("sampling", sampled), ("top-p / top-k cuts", cut),
+               ("processed: penalties, bias, logprobs",
+                SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, logprobs=1, repetition_penalty=1.1))]
+    else:
+      d = default_sampling or sampled
+      kinds = []
+      if d.temperature > 0:  # greedy is compiled by the first request already
+        d = SamplingParams(max_tokens=n, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
+        kinds = [("top-p / top-k cuts" if d.top_p < 1 or d.top_k > 0 else "sampling", d)]
+    return out + [(f"decode ({what})", first, sampling) for what, sampling in kinds]
+
+  def status(self) -> dict:
+    """The progress /health reports: what is compiled, what is compiling now, what remains (any thread)."""
+    names = [what for what, _, _ in self.items]
+    done = len(self.compiled) + len(self.failed)
+    out = {"compiled": list(self.compiled), "compiling": names[done] if done < len(names) else None,
+           "remaining": names[done:], "done": done, "total": len(names),
+           "elapsed_s": round(time.perf_counter() - self.t0, 1) if self.t0 is not None else 0.0}
+    if self.failed:
+      out["failed"] = list(self.failed)
+    return out
+
+  def __call__(self, stopping=lambda: False) -> float:
+    """Runs the warm-up on the calling thread (the engine's only one); stops early once stopping() is true.
+    Returns the seconds taken."""
+    engine, self.t0 = self.engine, time.perf_counter()
+    say = self.log or (lambda msg: None)
+    for i, (what, length, sampling) in enumerate(self.items):
+      if stopping():
+        break
+      rid = f"warmup-{i}"  # distinct first tokens: no warm-up prompt reuses another's history
+      try:
+        engine.submit(Request(request_id=rid, prompt_ids=[i] * length, sampling=sampling, cache_salt=self.SALT))
+        while engine.has_work() and not stopping():
+          engine.step()
+      except Exception:  # noqa: BLE001 - the requests that need it fail alone, or compile it on first use
+        log.exception(f"warm-up: {what} failed")
+        self.failed.append(what)
+        engine.abort(rid)
+        while engine.has_work():
+          engine.step()
+        continue
+      if stopping():  # shutting down: the thread stops next
+        engine.abort(rid)
+        break
+      self.compiled.append(what)
+      say(f"warm-up: {what} compiled ({time.perf_counter() - self.t0:.1f}s, {i + 1} of {len(self.items)})")
+    if engine.history is not None:
+      engine.history.drop_salt(self.SALT)
+    engine.reset_counters()
+    self.seconds = time.perf_counter() - self.t0
+    if not stopping():
+      rest = ("nothing compiles on live traffic" if self.full else
+              "other prompt buckets, prompt logprobs and decode kinds compile on first use")
+      failed = f"; failed: {', '.join(self.failed)}" if self.failed else ""
+      say(f"ready: warm-up done in {self.seconds:.1f}s ({', '.join(self.compiled)}{failed}); {rest}")
+    return self.seconds
+
+
+def warm_up(engine, log=None, *, full: bool = True) -> float:
+  """`Warmup(engine, full=full, log=log)()` on the calling thread (before the engine thread starts): with `full`,
+  every prefill bucket and decode kind is compiled. Returns the seconds taken."""
+  return Warmup(engine, full=full, log=log)()
 
 
 def _version() -> str:
@@ -254,11 +350,15 @@ def tenant_tag(key: bytes) -> str:
   return "t" + hashlib.sha256(key).hexdigest()[:16] + "/"
 
 
+# Where /docs's Swagger UI files (script, stylesheet, favicon) are served: public, like /docs itself.
+DOCS_STATIC = "/docs/static/"
+
+
 class _Guard:
   """ASGI middleware, before routing: on a loopback connection, Host and Origin must be loopback (403); with an
   API key, every route but /health, /version and the API's schema (/docs, /openapi.json) needs it (401). Pure ASGI: streams and disconnects pass as is."""
 
-  OPEN = ("/health", "/version", "/docs", "/openapi.json")
+  OPEN = ("/health", "/version", "/docs", "/openapi.json")  # and the files of /docs, under DOCS_STATIC
 
   def __init__(self, app, *, api_key, allowed_hosts: tuple[str, ...], counters: "_Metrics"):
     self.app, self.counters = app, counters
@@ -281,7 +381,8 @@ class _Guard:
       if origin is not None and not self._ok_host(urllib.parse.urlsplit(origin).netloc or origin):
         return APIError(403, f"Origin {origin!r} is not allowed: cross-site requests are refused",
                         type="permission_error", code="origin_not_allowed")
-    if self.keys and scope.get("path") not in self.OPEN:
+    path = scope.get("path", "")
+    if self.keys and path not in self.OPEN and not path.startswith(DOCS_STATIC):
       auth = headers.get("authorization", "").encode("latin-1")
       match = [hmac.compare_digest(auth, b"Bearer " + k) for k in self.keys]  # every key compared: no timing hint
       if not any(match):
@@ -303,11 +404,13 @@ def request_sampling(req: protocol.CompletionRequest | protocol.ChatCompletionRe
                      stop_ids: tuple[int, ...], defaults: dict | None = None) -> SamplingParams:
   """The sampling of a parsed request (sample 0 of n: sample i uses seed + i). A field it leaves out takes the
   checkpoint's generation default (`defaults`: generation_config.json's temperature / top_p / top_k, as vLLM
-  does), else OpenAI's (1, 1, off). The request's fields were range-checked by the protocol models with the
+  does), else OpenAI's (1, 1, off); max_tokens default_max_tokens; no seed draws a fresh random one (OpenAI's and
+  vLLM's: two such requests sample independently). The request's fields were range-checked by the protocol models with the
   engine's own bounds, so SamplingParams refusing one is a server bug, not the client's 400."""
   defaults = defaults or {}
   chat = isinstance(req, protocol.ChatCompletionRequest)
-  max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens or default_max_tokens
+  given = given_max_tokens(req)
+  max_tokens = default_max_tokens if given is None else given  # 0 is given (echo only: `protocol`)
   if (req.min_tokens or 0) > max_tokens:
     raise APIError(400, f"min_tokens={req.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens",
                    code="invalid_value")
@@ -321,12 +424,19 @@ def request_sampling(req: protocol.CompletionRequest | protocol.ChatCompletionRe
   return SamplingParams(
       max_tokens=max_tokens, temperature=pick(req.temperature, defaults.get("temperature", 1.0)),
       top_p=pick(req.top_p, defaults.get("top_p", 1.0)), top_k=0 if top_k == -1 else top_k,  # -1: vLLM's off
-      seed=pick(req.seed, DEFAULT_SEED), ignore_eos=bool(req.ignore_eos),
+      seed=secrets.randbits(32) if req.seed is None else req.seed, ignore_eos=bool(req.ignore_eos),
       stop_ids=(() if req.ignore_eos else tuple(stop_ids)) + tuple(req.stop_token_ids or ()),
       stop_strings=req.stop_strings(), presence_penalty=req.presence_penalty or 0.0,
       frequency_penalty=req.frequency_penalty or 0.0, repetition_penalty=pick(req.repetition_penalty, 1.0),
       min_tokens=req.min_tokens or 0, logit_bias=req.bias_pairs(), logprobs=logprobs,
       prompt_logprobs=prompt_logprobs)
+
+
+def given_max_tokens(req) -> int | None:
+  """The max_tokens a request asks for (chat's max_completion_tokens wins over max_tokens), None when it sets none."""
+  if isinstance(req, protocol.ChatCompletionRequest) and req.max_completion_tokens is not None:
+    return req.max_completion_tokens
+  return req.max_tokens
 
 
 def sample_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
@@ -600,15 +710,16 @@ class _Timer:
 def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: EngineRunner | None = None,
                sessions=None) -> FastAPI:
   """The FastAPI app serving `engine` (built over `model` and `tokenizer`). Its lifespan starts the engine
-  thread and, on shutdown, aborts whatever is still in flight and stops the thread. Sessions: `sessions`, an
-  opened `sessions.SessionsDir` (the CLI's), else one opened on config.history_dir (locked, loaded at start-up,
-  saved every 60 s on the engine thread and at shutdown, released at shutdown)."""
+  thread (which runs the warm-up first, with config.warmup, while the server listens: `Warmup`) and, on shutdown,
+  aborts whatever is still in flight and stops the thread. Sessions: `sessions`, an opened `sessions.SessionsDir`
+  (the CLI's), else one opened on config.history_dir (locked, loaded at start-up before the server listens, saved
+  every 60 s on the engine thread and at shutdown, released at shutdown)."""
   runner = runner or EngineRunner(engine)
   counters = _Metrics(config.model_name, runner.stats)
   created = int(time.time())
   eng_cfg = getattr(engine, "config", None)
   max_prompt = getattr(eng_cfg, "max_prompt_tokens", None)
-  max_new = getattr(eng_cfg, "max_new_tokens", 256)
+  max_total = engine.max_model_len  # vLLM's max_model_len: prompt + new tokens (`Engine.check_length`)
   stops = {False: model_stop_ids(model, tokenizer, False), True: model_stop_ids(model, tokenizer, True)}
   vocab = model.config.vocab_size  # the engine's bound on sampled / stop / biased token ids
   token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special=False))
@@ -626,10 +737,29 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
   app_sessions = sessions
   # --- end sessions ---
 
+  # --- warm-up: on the engine thread, first; compiles after it are logged as first use ---
+  warmup = None
+  if config.warmup:
+    default = request_sampling(_parsed(protocol.CompletionRequest, {"model": config.model_name, "prompt": "."}),
+                               default_max_tokens=1, stop_ids=(), defaults=getattr(tokenizer, "generation", None))
+    warmup = Warmup(engine, full=config.warmup_full, default_sampling=default, log=log.info)
+    runner.warm_up_first(warmup)
+
+  def compile_log(msg: str) -> None:  # the device engine's 'compiling X' and 'compiled X (12.3s)'
+    if runner.warming:
+      if not msg.startswith("compiling"):
+        log.info(f"warm-up: {msg}")
+    elif msg.startswith("compiling"):
+      log.info(f"{msg} on first use: the requests that need it wait for it")
+    else:
+      log.info(f"first use: {msg}")
+
+  device = getattr(engine, "device", None)
+  if device is not None:
+    device.compile_log = compile_log
+
   @contextlib.asynccontextmanager
   async def lifespan(app):
-    if config.warmup:  # before the engine thread starts: this thread is the only one touching the engine
-      await asyncio.to_thread(warm_up, engine, log.info)
     if app_sessions is not None:
       try:
         n = await asyncio.to_thread(app_sessions.load, engine)
@@ -648,9 +778,13 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
         if own_sessions:
           app_sessions.close()
 
-  app = FastAPI(title="rocketkv-jax", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+  # /docs is Swagger UI served from fastapi-offline's copy of its files (under DOCS_STATIC), not FastAPI's default
+  # CDN links: a server without internet access showed a blank page.
+  app = FastAPIOffline(title="rocketkv-jax", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                       openapi_url="/openapi.json", static_url=DOCS_STATIC.rstrip("/"))
   app.add_middleware(_Guard, api_key=config.api_key, allowed_hosts=config.allowed_hosts, counters=counters)
   app.state.runner = runner
+  app.state.warmup = warmup
   app.state.sessions = app_sessions
   app.state.counters = counters
 
@@ -703,12 +837,29 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
     so the 400 names the HTTP field (what is left for the engine to refuse is about the prompt: its length and
     plan)."""
     try:
-      check_limits(sampling, max_new_tokens=max_new, vocab=vocab)
+      check_limits(sampling, vocab=vocab)
     except LimitError as e:
-      param = {"max_tokens": "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens",
-               "stop_ids": "stop_token_ids"}.get(e.field, e.field)
-      hint = " (this server's --max-new-tokens)" if e.field == "max_tokens" else ""
-      raise APIError(400, f"{param}: {e}{hint}", param=param, code="invalid_value") from None
+      param = {"stop_ids": "stop_token_ids"}.get(e.field, e.field)
+      raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
+  def prompt_sampling(req, sampling: SamplingParams, n_prompt: int, chat: bool) -> SamplingParams:
+    """The sampling of one prompt of n_prompt tokens: without max_tokens in the request, all the prompt leaves
+    (chat: max_model_len - its tokens, as vLLM gives; completions: OpenAI's 16), at most what the slots hold
+    after it (`Engine.max_tokens_for`); then the engine's length check (`Engine.check_length`, which it runs again
+    at submission) as a 400 naming the numbers."""
+    if given_max_tokens(req) is None:
+      most = engine.max_tokens_for(n_prompt)
+      sampling = dataclasses.replace(sampling, max_tokens=most if chat else min(COMPLETIONS_MAX_TOKENS, most))
+      if sampling.min_tokens > sampling.max_tokens:
+        raise APIError(400, f"min_tokens={sampling.min_tokens} exceeds the {sampling.max_tokens} new tokens a request "
+                       f"may have after a prompt of {n_prompt} tokens", param="min_tokens", code="invalid_value")
+    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    try:
+      engine.check_length(n_prompt, sampling.max_tokens)
+    except LimitError as e:
+      hint = "" if e.code == "context_length_exceeded" else " (this server's --max-new-tokens)"
+      raise APIError(400, f"{e}{hint}", param=param, code=e.code) from None
+    return sampling
 
   async def submit_all(requests: list[Request], prompt_param: str):
     """Submits each request; on a refusal aborts the ones already in and raises the APIError."""
@@ -760,16 +911,18 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
         return
 
   def parse(body: dict, chat: bool):
-    """(request, prompts as token ids, sampling) of a request body; runs in a worker thread (tokenization)."""
+    """(request, prompts as token ids, each prompt's sampling) of a request body; runs in a worker thread
+    (tokenization)."""
     req = _parsed(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, body)
     check_model(req.model)
-    sampling = request_sampling(req, default_max_tokens=max_new if chat else min(COMPLETIONS_MAX_TOKENS, max_new),
+    # without max_tokens: the most any prompt may get here (chat), each prompt's own below (`prompt_sampling`)
+    sampling = request_sampling(req, default_max_tokens=max_total if chat else COMPLETIONS_MAX_TOKENS,
                                 stop_ids=stops[chat], defaults=getattr(tokenizer, "generation", None))
     check_sampling(req, sampling)
     prompts = [_chat_prompt(req, tokenizer)] if chat else _completion_prompts(req, tokenizer, tokenizer.vocab_size)
     for ids in prompts:
       check_prompt(ids, "messages" if chat else "prompt")
-    return req, prompts, sampling
+    return req, prompts, [prompt_sampling(req, sampling, len(ids), chat) for ids in prompts]
 
   async def parse_off_loop(fn, *args):
     """fn(*args) in a worker thread; a malformed value it trips over is the client's 400, never a 500."""
@@ -803,12 +956,12 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
 
   async def run(request: HttpRequest, body: dict, *, chat: bool):
     timer = counters.timer()  # from arrival
-    req, prompts, sampling = await parse_off_loop(parse, body, chat)
+    req, prompts, samplings = await parse_off_loop(parse, body, chat)
     n = req.n or 1
-    choices = choices_of(req, prompts, sampling, chat)
+    choices = choices_of(req, prompts, samplings[0], chat)
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     request_ids = [base] if len(choices) == 1 else [f"{base}-{j}" for j in range(len(choices))]
-    requests = [Request(request_id=rid, prompt_ids=prompts[j // n], sampling=sample_sampling(sampling, j % n),
+    requests = [Request(request_id=rid, prompt_ids=prompts[j // n], sampling=sample_sampling(samplings[j // n], j % n),
                         cache_salt=request.scope.get("state", {}).get("tenant", "") + (req.cache_salt or ""))
                 for j, rid in enumerate(request_ids)]
     # cached_tokens tells a client whether a stored prompt began like its own: only said to a request with a
@@ -916,8 +1069,7 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
 
   def model_card():
     card = {"id": config.model_name, "object": "model", "created": created, "owned_by": "rocketkv-jax"}
-    if max_prompt is not None:
-      card["max_model_len"] = max_prompt + max_new
+    card["max_model_len"] = max_total  # the most prompt + new tokens a request may have (`Engine.check_length`)
     return card
 
   async def body_of(request: HttpRequest) -> dict:
@@ -983,6 +1135,9 @@ def create_app(engine, model, tokenizer, config: ServerConfig, *, runner: Engine
       return JSONResponse({"status": "engine stopped"}, status_code=503)
     if not runner.accepting:
       return JSONResponse({"status": "shutting down"}, status_code=503)
+    if runner.warming:  # requests sent now wait for the warm-up: 503 tells a load balancer not to route yet
+      return JSONResponse({"status": "warming up", "warmup": warmup.status() if warmup is not None else None},
+                          status_code=503, headers={"Retry-After": "5"})
     return {"status": "ok"}
 
   @app.get("/metrics")
@@ -1021,11 +1176,18 @@ if uvicorn is not None:
   class UvicornServer(uvicorn.Server):
     """uvicorn.Server that drains the engine before closing connections: on shutdown it stops accepting,
     lets requests in flight run up to `drain_s`, then aborts the rest, so each client gets a definite end
-    (a finished answer, or an error object / 503) instead of a cut connection."""
+    (a finished answer, or an error object / 503) instead of a cut connection. on_listening(url): called once the
+    socket is bound (the URL of its real port: --port 0 picks one), while the warm-up may still run."""
 
-    def __init__(self, config: "uvicorn.Config", runner: EngineRunner, drain_s: float):
+    def __init__(self, config: "uvicorn.Config", runner: EngineRunner, drain_s: float, on_listening=None):
       super().__init__(config)
-      self.runner, self.drain_s = runner, drain_s
+      self.runner, self.drain_s, self.on_listening = runner, drain_s, on_listening
+
+    async def startup(self, sockets=None) -> None:
+      await super().startup(sockets)
+      if self.started and self.on_listening is not None and self.servers:
+        port, host = self.servers[0].sockets[0].getsockname()[1], self.config.host
+        self.on_listening(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1")
 
     async def shutdown(self, sockets=None) -> None:
       self.runner.stop_accepting()

@@ -69,6 +69,10 @@ class RefSequence:
       self.v.append([v[p, kh] for p in keep])
       self.extra.append(extra)
     self.v_all = [list(v[:L, kh]) for kh in range(self.n_kv)]  # SparQ's mean over every token seen
+    # the decode budget (rocketkv_jax/decode_region.py): where each head's decode region starts, the last queries
+    self.decode_budget = getattr(cfg, "decode_budget", None)
+    self.start = [len(x) for x in self.keep]
+    self.ring = []
 
   def _prefill_keep(self, q, k, v, L, kh):
     m, c = self.method, self.cfg
@@ -96,11 +100,34 @@ class RefSequence:
   def step(self, q_NH, k_KH, v_KH):
     q_NH, k_KH, v_KH = (np.asarray(x, np.float64) for x in (q_NH, k_KH, v_KH))
     out = np.zeros_like(q_NH)
+    if self.decode_budget is not None:
+      self.ring = (self.ring + [q_NH])[-self.cfg.decode_window:]
     for kh in range(self.n_kv):
+      if self.decode_budget is not None:
+        self._compact_if_full(kh)
       qg = q_NH[kh * self.g:(kh + 1) * self.g]
       out[kh * self.g:(kh + 1) * self.g] = self._step_head(kh, qg, k_KH[kh], v_KH[kh])
     self.pos += 1
     return out
+
+  def _compact_if_full(self, kh):
+    """A full decode region (decode_budget + decode_buffer tokens) keeps its decode_window newest tokens and the
+    best others by the ring queries' attention (softmax over every kept slot, summed over the queries and the
+    group's heads), decode_budget in all, in slot order."""
+    c, st = self.cfg, self.start[kh]
+    r = c.decode_budget + c.decode_buffer
+    if len(self.keep[kh]) - st < r:
+      return
+    K = np.stack(self.k[kh])
+    mass = np.zeros(len(K))
+    for q in self.ring:
+      for qg in q[kh * self.g:(kh + 1) * self.g]:
+        mass += softmax(K @ qg / math.sqrt(self.h))
+    region = mass[st:]
+    forced = np.arange(r) >= r - c.decode_window
+    chosen = sorted(top_sorted(np.where(forced, np.inf, region), c.decode_budget))
+    for lst in (self.keep[kh], self.k[kh], self.v[kh]):
+      lst[st:] = [lst[st + i] for i in chosen]
 
   def _append(self, kh, kn, vn, slot=None):
     if slot is None:

@@ -34,16 +34,20 @@ def free_port() -> int:
 
 
 class Served:
-  """A running server: its URL, engine and runner, an `openai` client, and raw HTTP for malformed input."""
+  """A running server: its URL, engine and runner, an `openai` client, and raw HTTP for malformed input. It is
+  running once the socket is bound (a warm-up may still run: /health says when it is done). prepare(engine): called
+  before the server starts (a test's hook into the engine)."""
 
   def __init__(self, model, tok, *, limits: ConnectionLimits | None = None, drain_s=5.0, server_kw=None,
-               **engine_kw):
+               prepare=None, **engine_kw):
     import openai
 
     from rocketkv_jax.serving import Engine, EngineConfig
     from rocketkv_jax.serving.connections import uvicorn_config
     from rocketkv_jax.serving.server import ServerConfig, UvicornServer, create_app
     self.engine = Engine(model, tok, EngineConfig(**engine_kw))
+    if prepare is not None:
+      prepare(self.engine)
     self.api_key = (server_kw or {}).get("api_key")
     self.app = create_app(self.engine, model, tok, ServerConfig(model_name=MODEL, drain_s=drain_s, **(server_kw or {})))
     self.runner = self.app.state.runner
@@ -57,7 +61,7 @@ class Served:
     self.thread.start()
     t0 = time.monotonic()
     while not self.server.started:
-      if not self.thread.is_alive() or time.monotonic() - t0 > 600:  # warm-up compiles every executable
+      if not self.thread.is_alive() or time.monotonic() - t0 > 600:
         raise RuntimeError("the server did not start")
       time.sleep(0.02)
     self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.api_key or "none",
@@ -96,6 +100,19 @@ class Served:
         out[name] = float(value)
     return out
 
+  def wait_ready(self, timeout=600.0) -> dict:
+    """Polls /health until it answers 200 (the warm-up is done); returns the last 503's warm-up progress seen."""
+    t0, seen = time.monotonic(), {}
+    while True:
+      status, body = self.http("GET", "/health")
+      if status == 200:
+        return seen
+      assert status == 503 and json.loads(body)["status"] == "warming up", (status, body)
+      seen = json.loads(body)["warmup"]
+      if time.monotonic() - t0 > timeout:
+        raise AssertionError(f"not ready after {timeout}s: {body}")
+      time.sleep(0.05)
+
   def wait_metric(self, name, pred, timeout=30.0):
     t0 = time.monotonic()
     while True:
@@ -107,9 +124,10 @@ class Served:
       time.sleep(0.05)
 
 
-# The SmolLM2 server the tests talk to (test_lm_eval.py starts one with longer answers).
+# The SmolLM2 server the tests talk to (test_lm_eval.py starts one with longer answers); the engine's default
+# steps_per_call (1: a stream's chunks carry one token each), as `rocketkv serve` runs it.
 SERVED = dict(method="rocketkv", token_budget=64, max_slots=4, max_prompt_tokens=512, max_new_tokens=16,
-              steps_per_call=4, max_queue=64)
+              max_queue=64)
 
 
 @contextlib.contextmanager

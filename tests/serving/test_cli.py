@@ -43,7 +43,7 @@ def test_generate_json(tiny_gguf, capsys):
 def test_generate_with_an_fp8_kv_cache(tiny_gguf, capsys):
   """--kv-cache-dtype fp8 stores K/V in float8_e4m3fn: the cache the run reports holds fewer bytes than the same
   run's in the model's dtype (float32 here), and it still generates."""
-  args = ["generate", "--model", tiny_gguf, "--method", "rocketkv", "--token-budget", "64", "--max-new-tokens", "4",
+  args = ["generate", "--model", tiny_gguf, "--method", "rocketkv", "--token-budget", "16", "--max-new-tokens", "4",
           "--prompt", PROMPT * 6]
   plain, _ = run_json(capsys, args)
   fp8, _ = run_json(capsys, args + ["--kv-cache-dtype", "fp8"])
@@ -120,12 +120,23 @@ def test_one_token_has_no_rate_and_empty_output_warns(tiny_gguf, capsys, monkeyp
   assert "empty output" in err and "drop --no-chat" in err
 
 
-def test_kv_report_warns_when_the_cache_holds_more_than_full(tiny_gguf, capsys):
+def test_a_short_prompt_is_kept_whole_never_larger_than_full(tiny_gguf, capsys):
+  """A prompt the budget covers used to hold several times full's KV (KT pages, a bucket's slots): it is now kept
+  whole, full's cache, and the report says so."""
   assert main(["generate", "--model", tiny_gguf, "--method", "rocketkv", "--token-budget", "256",
                "--max-new-tokens", "4", "--prompt", PROMPT, "--no-cache", "--no-compile-cache"]) == 0
   err = capsys.readouterr().err
-  assert "compression ratio" in err and "kvpress" in err
-  assert "MORE KV than full" in err and "not the cache size" in err
+  assert "compression ratio" in err and "kvpress" in err and "kept whole" in err
+  assert "MORE KV than full" not in err and "about the same" in err
+
+
+def test_kv_report_warns_when_the_cache_holds_more_than_full():
+  from rocketkv_jax.models.generate import GenerateStats
+  s = GenerateStats(method="rocketkv", token_budget=64, batch=1, prompt_tokens=[100], new_tokens=[8],
+                    kv_bytes=2000, full_kv_bytes=1000, compression=0.5, compression_ratio=-1.0, capacity=108,
+                    prefill_s=1.0, decode_s=1.0, decode_steps=7, tokens_per_s=7.0, compile_s=0.0)
+  line, warning = kv_report(s, 8)
+  assert "MORE KV than full" in warning and "not the cache size" in warning and "LARGER" in line
 
 
 def test_kv_report_without_warning():
@@ -256,6 +267,27 @@ def test_help_states_the_defaults_used(capsys):
     assert f"(default {default})" in " ".join(capsys.readouterr().out.split())
   from rocketkv_jax.models.demo import DEFAULT_MAX_NEW_TOKENS
   assert DEFAULT_MAX_NEW_TOKENS == 24
+
+
+def test_the_serving_log_prints_each_line_once():
+  """Every server log line used to print twice: rich's, then plain text from the root logger's stderr handler that
+  absl's first log call installs (`logging.basicConfig()`; orbax logs while the weight cache loads). A stand-in
+  for that root handler here; the conftest fixture puts the serving logger back."""
+  import io
+  import logging
+
+  from rich.console import Console
+
+  from rocketkv_jax.serving.cli import serving_log_to
+  root_text, console_text = io.StringIO(), io.StringIO()
+  root_handler = logging.StreamHandler(root_text)
+  logging.root.addHandler(root_handler)
+  try:
+    serving_log_to(Console(file=console_text, width=200))
+    logging.getLogger("rocketkv_jax.serving").info("cmpl-1: prompt 2 tokens")
+  finally:
+    logging.root.removeHandler(root_handler)
+  assert console_text.getvalue().count("cmpl-1: prompt 2 tokens") == 1 and root_text.getvalue() == ""
 
 
 def test_version(capsys):

@@ -85,10 +85,11 @@ def test_greedy_engine_equals_generate_with_the_same_plan(model, alone):
   """The engine plans each request from its own length and max_tokens, the rule generate follows, and samples as
   generate does: greedy tokens agree with generate's for the same prompt and max_new_tokens, alone and in a batch
   of mixed lengths, sampled ones for the same seed (generate's list ends with its stop id, the engine's does
-  not)."""
+  not). (generate with keep_whole=False: the engine's slots are sized for its limits, so a short request runs the
+  method's plan where generate alone would keep it whole.)"""
   greedy = [i for i in range(len(LENGTHS)) if SAMPLINGS[i].temperature == 0]
   for i in greedy:
-    res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32,
+    res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32, keep_whole=False,
                    max_new_tokens=SAMPLINGS[i].max_tokens)
     got = res.token_ids[0]
     if got and got[-1] == 2:
@@ -97,7 +98,7 @@ def test_greedy_engine_equals_generate_with_the_same_plan(model, alone):
   # one sampler: a sampled request (temperature, top-p, seed) gets generate's tokens for the same seed
   for i in (1, 4):
     s = SAMPLINGS[i]
-    res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32,
+    res = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32, keep_whole=False,
                    max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
     got = res.token_ids[0]
     if got and got[-1] == 2:
@@ -106,9 +107,11 @@ def test_greedy_engine_equals_generate_with_the_same_plan(model, alone):
   # one generate batch of every greedy prompt (lengths 5 to 150, three plans) with the same max_new_tokens
   n = 13
   batch = generate(model, Tok(), [prompt(LENGTHS[i], i) for i in greedy], method="rocketkv", token_budget=32,
+                   keep_whole=False,
                    max_new_tokens=n)
   for i, got in zip(greedy, batch.token_ids):
-    one = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32, max_new_tokens=n)
+    one = generate(model, Tok(), [prompt(LENGTHS[i], i)], method="rocketkv", token_budget=32, keep_whole=False,
+                   max_new_tokens=n)
     assert got == one.token_ids[0], i
 
 
@@ -202,7 +205,7 @@ def test_validation_errors(model, engine):
     Engine(model, Tok(), EngineConfig(**{**KW, "max_prompt_tokens": 500}))
   for bad, match in ((dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
                      (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
-                     (dict(seed=-1), "seed"), (dict(seed=2**32), "seed"), (dict(max_tokens=0), "max_tokens"),
+                     (dict(seed=-1), "seed"), (dict(seed=2**32), "seed"), (dict(max_tokens=-1), "max_tokens"),
                      (dict(stop_ids=(-2,)), "stop_ids"), (dict(stop_strings=("",)), "stop_strings"),
                      # nothing that would overflow the device's int32 / float32 / uint32 (the server's 400s)
                      (dict(top_k=10**12), "top_k"), (dict(max_tokens=2**31), "max_tokens"),

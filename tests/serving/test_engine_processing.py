@@ -135,6 +135,38 @@ def test_a_failing_prefill_fails_its_request_only(engine_rk, monkeypatch):
   assert all(v[-1].finish_reason == "length" for k, v in out.items() if k != "bad")
 
 
+def test_one_length_limit_and_max_tokens_0(model, full_engine, engine_rk):
+  """max_model_len = max_prompt_tokens + max_new_tokens is the most prompt + new tokens a request may have. full's
+  slots hold that many tokens, so a short prompt may ask for more than max_new_tokens and gets them (issue 60:
+  max_tokens=257 was refused while max_model_len said 2304); rocketkv's slots hold a budget of the prompt plus
+  max_new_tokens, and its refusal names that number; past max_model_len, vLLM's context_length_exceeded. A request
+  of max_tokens=0 is prefilled and scored, takes no slot and ends at once with the prompt's logprobs."""
+  from rocketkv_jax.serving.engine import LimitError
+  L, M = KW["max_prompt_tokens"] + KW["max_new_tokens"], KW["max_new_tokens"]
+  assert full_engine.max_model_len == engine_rk.max_model_len == L
+  assert [full_engine.max_tokens_for(n) for n in (5, 100, 200)] == [L - 5, L - 100, M]
+  assert [engine_rk.max_tokens_for(n) for n in (5, 200)] == [M, M]
+  ids = prompt(5, 3)
+  got = _events(full_engine, [Request("long", ids, SamplingParams(max_tokens=M + 40, ignore_eos=True)),
+                              Request("score", prompt(20, 4), SamplingParams(max_tokens=0, prompt_logprobs=1)),
+                              Request("one", prompt(20, 4), SamplingParams(max_tokens=1, prompt_logprobs=1))])
+  toks = _tokens(got["long"])
+  assert len(toks) == M + 40 and got["long"][-1].finish_reason == "length"
+  lp = _log_softmax(np.asarray(forward_full(model, np.asarray([ids + toks], np.int32)))[0])
+  for i, t in enumerate(toks):  # greedy over every kept token: the dense model's most likely, past max_new_tokens too
+    assert lp[len(ids) - 1 + i, t] >= lp[len(ids) - 1 + i].max() - 1e-4, i
+  (score,) = got["score"]
+  assert (score.token_ids, score.finished, score.finish_reason, score.completion_tokens) == ([], True, "length", 0)
+  assert score.prompt_logprobs == got["one"][0].prompt_logprobs and len(score.prompt_logprobs) == 20
+  for engine, n, m, code, match in (
+      (full_engine, 200, M + 1, "context_length_exceeded", rf"maximum context length is {L} tokens\. However, you "
+                                                           rf"requested {201 + M} tokens \(200 in the prompt"),
+      (engine_rk, 5, M + 1, "invalid_value", rf"max_tokens={M + 1} exceeds the {M} new tokens .* prompt of 5 tokens")):
+    with pytest.raises(LimitError, match=match) as e:
+      engine.submit(Request("x", prompt(n, 5), SamplingParams(max_tokens=m)))
+    assert e.value.code == code and e.value.field == "max_tokens"
+
+
 def test_validation(engine_rk):
   ids = prompt(10, 1)
   with pytest.raises(ValueError, match=r"logit_bias token ids \[500\]"):

@@ -201,37 +201,68 @@ def test_penalties_break_a_repetition(served, field):
 
 
 def test_n_samples(served):
-  r = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, n=2)
+  r = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, n=2, seed=5)
   assert [c.index for c in r.choices] == [0, 1]
-  assert r.choices[0].text != r.choices[1].text  # seeds 0 and 1
+  assert r.choices[0].text != r.choices[1].text  # seeds 5 and 6
   assert r.usage.prompt_tokens == _complete(served, prompt=PROMPTS[3], max_tokens=1).usage.prompt_tokens  # once
   assert r.usage.completion_tokens == 16
   # sample i is the request with seed + i
-  one = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, seed=1)
+  one = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, seed=6)
   assert one.choices[0].text == r.choices[1].text
   # greedy: n equal answers
   g = _complete(served, prompt=PROMPTS[3], max_tokens=8, temperature=0, n=3)
   assert len({c.text for c in g.choices}) == 1 and len(g.choices) == 3
   # two prompts, n = 2: prompt p's sample i is choice 2p + i; streamed, the same texts per index
-  r = _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=4, temperature=1.0, n=2)
+  r = _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=4, temperature=1.0, n=2, seed=3)
   assert [c.index for c in r.choices] == [0, 1, 2, 3]
   texts = {}
-  for chunk in _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=4, temperature=1.0, n=2, stream=True):
+  for chunk in _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=4, temperature=1.0, n=2, seed=3,
+                         stream=True):
     for c in chunk.choices:
       texts[c.index] = texts.get(c.index, "") + c.text
   assert texts == {c.index: c.text for c in r.choices}
   # chat
   msgs = [{"role": "user", "content": QUESTIONS[1]}]
-  r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, n=2)
+  r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, n=2, seed=3)
   assert [c.index for c in r.choices] == [0, 1] and all(c.message.role == "assistant" for c in r.choices)
   roles, texts = {}, {}
   for chunk in served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, n=2,
-                                                     stream=True):
+                                                     seed=3, stream=True):
     for c in chunk.choices:
       roles[c.index] = roles.get(c.index) or c.delta.role
       texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
   assert roles == {0: "assistant", 1: "assistant"}
   assert texts == {c.index: c.message.content for c in r.choices}
+
+
+def test_no_seed_samples_afresh_and_a_seed_repeats(served):
+  """OpenAI's and vLLM's seed: a request without one draws a fresh random seed, so unseeded temperature-1 requests
+  differ (issue 60: the default seed 0 gave every such request the same text); the same seed, the same text."""
+  kw = dict(prompt=PROMPTS[3], max_tokens=8, temperature=1.0)
+  unseeded = [_complete(served, **kw).choices[0].text for _ in range(3)]
+  assert len(set(unseeded)) > 1, unseeded
+  seeded = [_complete(served, seed=7, **kw).choices[0].text for _ in range(2)]
+  assert seeded[0] == seeded[1]
+  msgs = [{"role": "user", "content": QUESTIONS[1]}]
+  chats = [served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=1.0)
+           .choices[0].message.content for _ in range(3)]
+  assert len(set(chats)) > 1, chats
+
+
+def test_a_stream_sends_one_token_per_chunk(served):
+  """Every streamed chunk carries one token (the engine's default steps_per_call=1), so what a client measures
+  between chunks is the time per token (issue 60: 4-5 tokens a chunk, and guidellm's ITL measured chunks)."""
+  for stream in (_complete(served, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=0, stream=True,
+                           extra_body={"ignore_eos": True}),
+                 served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                                       max_tokens=8, temperature=0, logprobs=True, stream=True,
+                                                       extra_body={"ignore_eos": True})):
+    per_chunk = []
+    for chunk in stream:
+      lp = chunk.choices[0].logprobs if chunk.choices else None
+      if lp is not None:
+        per_chunk.append(len(lp.content) if hasattr(lp, "content") and lp.content is not None else len(lp.tokens))
+    assert per_chunk == [1] * 8, per_chunk
 
 
 def test_cache_salt_separates_prefix_reuse(served):
@@ -291,6 +322,37 @@ def test_echo_of_text_prompts_and_without_logprobs(served):
   plain = _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=3, temperature=0)
   assert [c.text for c in r.choices] == [p + c.text for p, c in zip(PROMPTS[:2], plain.choices)]
   assert all(c.logprobs is None for c in r.choices)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(served, smollm2_lite):
+  """vLLM's scoring idiom (lm-eval's log-likelihood requests may send it): echo with max_tokens=0 answers the prompt
+  and its logprobs, nothing generated, finish_reason "length" (it was a 400); the logprobs are those max_tokens=1
+  gives the prompt. Without echo, and in chat, max_tokens=0 is still a 400."""
+  _, tok = smollm2_lite
+  ids = tok.encode(PROMPTS[0] + " Paris, and the capital of Spain is")
+  one = _complete(served, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True).choices[0].logprobs
+  r = _complete(served, prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True)
+  c = r.choices[0]
+  assert c.finish_reason == "length" and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+  assert c.text == tok.decode(ids, skip_special=False)
+  assert c.logprobs.tokens == one.tokens[:len(ids)] and c.logprobs.text_offset == one.text_offset[:len(ids)]
+  assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+  np.testing.assert_allclose(c.logprobs.token_logprobs[1:], one.token_logprobs[1:len(ids)], atol=1e-5)
+  text, tokens, finish = "", [], None
+  for chunk in _complete(served, prompt=ids, max_tokens=0, logprobs=1, echo=True, stream=True):
+    text += chunk.choices[0].text
+    tokens += chunk.choices[0].logprobs.tokens
+    finish = chunk.choices[0].finish_reason or finish
+  assert (text, tokens, finish) == (c.text, c.logprobs.tokens, "length")
+  # text prompts, no logprobs (through the prompt history: nothing to decode either)
+  r = _complete(served, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=0, echo=True)
+  assert [c.text for c in r.choices] == PROMPTS[:2] and r.usage.completion_tokens == 0
+  assert {c.finish_reason for c in r.choices} == {"length"} and all(c.logprobs is None for c in r.choices)
+  for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+                     ("/v1/chat/completions", dict(CHAT, max_tokens=0))):
+    status, got = _post(served, path, {"model": MODEL, **body})
+    assert status == 400 and got["error"]["param"] == "max_tokens", got
+  assert served.metrics()["rocketkv_active_slots"] == 0
 
 
 def test_completion_logprobs_streamed_and_not(served):

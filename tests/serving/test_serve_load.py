@@ -1,44 +1,29 @@
-"""benchmarks/serve_load.py (the HTTP load benchmark) in its --tiny mode against a real `rocketkv serve` (the
-embedded SmolLM2, launched by the benchmark itself on a free port): doc-qa and chat, a handful of requests,
-and the records it writes checked; then --table and --plot over the file."""
+"""benchmarks/serve_load.py (the HTTP load benchmark, guidellm driving the traffic): the tokenizer folder it hands
+guidellm, the run config it writes, the figures it reads back from guidellm's report, the side-by-side table;
+then, where guidellm is installed (the `bench` extra; not the suite's `test` one: it brings torch), a tiny doc-qa
+run against a `rocketkv serve` it launches itself."""
 
+import importlib.util
 import json
-import math
-import random
+import os
 
 import pytest
 
-pytest.importorskip("aiohttp")
-pytest.importorskip("uvicorn")
+from benchmarks import serve_load
 
-from benchmarks import serve_load  # noqa: E402
+pytestmark = pytest.mark.xla_opt  # the launched server decodes for many steps: XLA's default optimization (conftest)
 
-pytestmark = pytest.mark.xla_opt  # many decode steps: run with XLA's default optimization (conftest)
-
-# FP8 K/V (the serving recommendation): the server, its sessions and the record's label carry it
+# FP8 K/V (the serving recommendation): the server and the record's label carry it
 SERVER = ("--model smollm2 --method rocketkv --token-budget 64 --max-prompt-tokens 512 --max-slots 4 "
           "--max-new-tokens 16 --kv-cache-dtype fp8 --no-warmup --log-level warning")
 
 
-def test_percentile_matches_linear_interpolation():
-  np = pytest.importorskip("numpy")
-  rng = random.Random(0)
-  for n in (1, 2, 3, 10, 101):
-    xs = [rng.random() for _ in range(n)]
-    for q in (0, 50, 90, 99, 100):
-      assert math.isclose(serve_load.percentile(xs, q), float(np.percentile(xs, q)), rel_tol=1e-12)
-  assert serve_load.percentile([], 50) is None
-
-
-def test_summary_goodput_counts_requests_meeting_both_bounds():
-  def req(ttft, tpot, ok=True):
-    return dict(ok=ok, error=None if ok else "x", ttft_s=ttft, tpot_s=tpot, e2e_s=(ttft or 0) + 1, prompt_tokens=10,
-                output_tokens=4, cached_tokens=0, expected_tokens=4)
-  rs = [req(1.0, 0.01), req(6.0, 0.01), req(1.0, 0.2), req(None, None, ok=False), req(0.5, None)]
-  s = serve_load.summarize(rs, 2.0, slo_ttft=5.0, slo_tpot=0.05)
-  assert (s["requests"], s["requests_ok"], s["requests_failed"], s["good_requests"]) == (5, 4, 1, 2)
-  assert s["goodput"] == 1.0 and s["request_throughput"] == 2.0 and s["errors"] == {"x": 1}
-  assert s["output_tokens_exact"] is True and s["output_tokens_per_s"] == 8.0
+def _has_guidellm() -> bool:
+  try:
+    serve_load.guidellm_command(None)
+    return True
+  except RuntimeError:
+    return False
 
 
 def test_metrics_parse_keeps_the_engine_stats():
@@ -48,72 +33,129 @@ def test_metrics_parse_keeps_the_engine_stats():
   assert serve_load.parse_metrics(text) == {"tokens_generated": 42, "active_slots": 2, "tokens_per_s": 3.5}
 
 
-def test_plot_takes_a_repeated_point(tmp_path):
-  """Two records of one method at one rate (a rerun in the same file) plot in run order; they once raised
-  TypeError (records compared as dicts)."""
-  pytest.importorskip("matplotlib")
-  rec = dict(workload="prefill-heavy", method="rocketkv", rate=0.1, ttft_s_p50=3.9, ttft_s_p99=4.1, tpot_ms_p50=11.0,
-             tpot_ms_p99=11.1, goodput=0.08, request_throughput=0.08, slo_ttft_s=5.0, slo_tpot_s=0.05,
-             rate_unit="requests/s")
-  serve_load.plot([rec, dict(rec, ttft_s_p50=2.8, ttft_s_p99=2.9)], str(tmp_path / "p.png"))
-  assert (tmp_path / "p.png").stat().st_size > 0
+@pytest.mark.parametrize("source", ["smollm2", "random:tiny"])
+def test_the_tokenizer_folder_encodes_as_the_project_does(source, tmp_path):
+  """The folder guidellm loads as its processor: tokenizer.json gives the project tokenizer's ids, and
+  tokenizer_config.json its special tokens and chat template (transformers, where installed, renders it alike)."""
+  from tokenizers import Tokenizer
+
+  from rocketkv_jax.models.weights import load_tokenizer
+  tok = load_tokenizer(source)  # smollm2: from the GGUF's metadata (about 7 s: gguf's reader), no weights read
+  folder = tok.save_hf(str(tmp_path / "tok"))
+  assert serve_load.processor_dir(folder, str(tmp_path / "unused")) == folder  # a folder is taken as it is
+  if source.startswith("random:"):  # a model source gets a folder written from its tokenizer
+    written = serve_load.processor_dir(source, str(tmp_path / "written"))
+    assert sorted(os.listdir(written)) == ["tokenizer.json", "tokenizer_config.json"]
+  text = "Alice was beginning to get very tired of sitting by her sister on the bank. Ünïcode 42"
+  hf = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+  assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text)
+  with open(os.path.join(folder, "tokenizer_config.json")) as f:
+    cfg = json.load(f)
+  assert cfg["chat_template"] == tok.chat_template and cfg["eos_token"] == tok.tokenizer.id_to_token(tok.eos_id)
+  assert cfg["add_bos_token"] is bool(tok.add_bos and tok.bos_id is not None)
+  transformers = pytest.importorskip("transformers")
+  auto = transformers.AutoTokenizer.from_pretrained(folder)
+  assert auto.encode(text, add_special_tokens=False) == tok.encode(text)
+  chat = [{"role": "user", "content": "hi"}]
+  assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == tok.apply_chat(chat)
 
 
-def test_tiny_load_against_a_launched_server(tmp_path, capsys):
-  out, png, log = tmp_path / "load.jsonl", tmp_path / "load.png", tmp_path / "serve.log"
-  rc = serve_load.main(["--tiny", "--workload", "doc-qa,chat", "--requests", "3", "--rate", "8", "--seed", "1",
-                        "--out", str(out), "--plot", str(png), "--server-log", str(log), "--launch", SERVER])
+def test_each_workload_is_a_guidellm_config(tmp_path):
+  args = serve_load.parse_args(["--url", "http://x", "--tiny", "--profile", "poisson", "--rate", "2",
+                                "--max-concurrency", "3", "--data", "prompt_tokens_stdev=4"])
+  for name, w in serve_load.TINY.items():
+    cfg = serve_load.scenario(w, url="http://127.0.0.1:1", model="m", processor="/tok", profile="poisson", rate=2.0,
+                              requests=3, duration=None, salt="s-1", seed=0, report=str(tmp_path / "r.json"),
+                              args=args)["spec"]
+    assert cfg["backend"]["request_format"] == ("/v1/chat/completions" if name == "chat" else "/v1/completions")
+    assert cfg["backend"]["extras"]["body"] == {"cache_salt": "s-1", "temperature": 0.0}
+    assert cfg["profile"] == {"kind": "poisson", "rate": [2.0], "max_concurrency": 3}
+    assert cfg["constraints"] == [{"kind": "max_requests", "count": 3 * w.turns}]  # guidellm counts turns
+    data = cfg["data"][0]
+    assert (data["prompt_tokens"], data["output_tokens"], data["prompt_tokens_stdev"]) == (
+        w.prompt_tokens, w.output_tokens, 4)
+    assert data.get("prefix_tokens", 0) == w.prefix_tokens and data.get("turns", 1) == w.turns
+    assert cfg["metrics"]["slo"] == {"ttft_ms": 30000.0, "tpot_ms": 1000.0}  # --tiny's CPU bounds
+    if importlib.util.find_spec("guidellm"):  # guidellm's own schema takes it, where it is importable here
+      from guidellm.schemas.benchmark import BenchmarkScenario
+      BenchmarkScenario.model_validate({"spec": cfg})
+  # the full-size presets keep their lengths: 8k/2k, a 32k document, 8 turns past 32k, 32k/128
+  full = serve_load.WORKLOADS
+  assert (full["long-gen"].prompt_tokens, full["long-gen"].output_tokens) == (8192, 2048)
+  assert full["doc-qa"].prefix_tokens == 32768 and full["chat"].turns == 8 and full["chat"].max_prompt() > 32768
+  assert (full["prefill-heavy"].prompt_tokens, full["prefill-heavy"].output_tokens) == (32768, 128)
+  with pytest.raises(SystemExit):
+    serve_load.parse_args(["--url", "http://x", "--profile", "poisson"])  # a rate is needed
+
+
+def _request(ttft_ms, itl_ms, *, ok=True, out=4):
+  return {"info": {"conversation_id": "c" * 36, "turn_index": 0, "error": None if ok else "boom"},
+          "time_to_first_token_ms": ttft_ms, "inter_token_latency_ms": itl_ms, "request_latency": 1.0,
+          "prompt_tokens": 10, "output_tokens": out, "cached_tokens": 5, "request_start_time": 100.0}
+
+
+def _dist(values):
+  return {"successful": {"count": len(values), "mean": sum(values) / len(values),
+                         "percentiles": {"p50": values[0], "p90": values[-1], "p99": values[-1]}}}
+
+
+def test_goodput_counts_the_requests_meeting_both_bounds():
+  """guidellm's shape (requests by status, metrics as distributions): percentiles and throughput are its own;
+  goodput is counted here, a one-token answer (no ITL) by its TTFT alone."""
+  ok = [_request(1000, 10), _request(6000, 10), _request(1000, 200), _request(500, None, out=1)]
+  bench = {"duration": 2.0, "requests": {"successful": ok, "errored": [_request(None, None, ok=False)],
+                                         "incomplete": [_request(100, None)]},
+           "metrics": {"time_to_first_token_ms": _dist([1000, 6000]), "inter_token_latency_ms": _dist([10, 200]),
+                       "request_latency": _dist([1.0, 1.0]), "requests_per_second": {"successful": {"mean": 2.0}},
+                       "output_tokens_per_second": {"successful": {"mean": 6.5}}, "slo_attainment": 0.5}}
+  s = serve_load.summarize(bench, slo_ttft=5.0, slo_tpot=0.05, expected_tokens=4)
+  assert (s["requests"], s["requests_ok"], s["requests_failed"], s["requests_incomplete"]) == (6, 4, 1, 1)
+  assert s["good_requests"] == 2  # an incomplete request (cut off by --duration) is not good
+  assert s["goodput"] == 1.0 and s["request_throughput"] == 2.0 and s["errors"] == {"boom": 1}
+  assert (s["ttft_s_p50"], s["ttft_s_p99"], s["tpot_ms_p50"], s["tpot_ms_p99"]) == (1.0, 6.0, 10.0, 200.0)
+  assert s["output_tokens_exact"] is False and s["cached_fraction"] == 0.5  # the one-token answer
+  assert [q["status"] for q in s["per_request"]] == ["ok"] * 4 + ["errored", "incomplete"]
+  assert s["per_request"][0]["start_s"] == 0.0
+
+
+def test_the_table_puts_methods_side_by_side(capsys):
+  from rich.console import Console
+
+  def rec(method, rate, goodput, profile="poisson"):
+    return dict(kind="serve_load", method=method, label=method, workload="doc-qa", rate=rate, profile=profile,
+                goodput=goodput, good_requests=int(goodput * 10), requests=10, requests_ok=10, ttft_s_p50=1.0,
+                ttft_s_p99=2.0, tpot_ms_p50=10.0, tpot_ms_p99=20.0, e2e_s_p50=3.0, e2e_s_p99=4.0,
+                request_throughput=goodput, output_tokens_per_s=100.0, engine_stats={"max_slots": 4})
+  old = dict(rec("full", None, 0.5), profile=None)  # a record of the earlier client: a burst
+  records = [rec("full", 1.0, 0.8), rec("rocketkv", 1.0, 1.6), old, rec("rocketkv", None, 0.5, "synchronous")]
+  console = Console(width=240)
+  serve_load.print_table(records, console)
+  serve_load.compare_table(records, console)
+  shown = capsys.readouterr().out
+  assert "2.00x" in shown and "rocketkv goodput" in shown and "burst" in shown and "synchronous" in shown
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_guidellm(), reason="guidellm is not installed (pip install -e '.[bench]')")
+def test_tiny_doc_qa_against_a_launched_server(tmp_path, capsys):
+  out, log = tmp_path / "load.jsonl", tmp_path / "serve.log"
+  rc = serve_load.main(["--tiny", "--workload", "doc-qa", "--profile", "synchronous", "--requests", "2",
+                        "--no-warmup-pass", "--out", str(out), "--reports", str(tmp_path / "reports"),
+                        "--server-log", str(log), "--launch", SERVER])
   records = serve_load.read_records(str(out))
   assert rc == 0, (records and records[-1].get("errors"), log.read_text()[-3000:])
-  assert [r["workload"] for r in records] == ["doc-qa", "chat"]
-  for r in records:
-    name = r["workload"]
-    spec = serve_load.TINY[name]
-    reqs = r["per_request"]
-    # every request succeeded, and the point counted them
-    assert r["requests_failed"] == 0 and r["requests_ok"] == r["requests"] == len(reqs), r["errors"]
-    assert all(q["ok"] and q["error"] is None for q in reqs)
-    assert r["requests"] == (3 * spec.turns if name == "chat" else 3)
-    # percentiles ordered, goodput within throughput
-    for key in ("ttft_s", "tpot_ms", "e2e_s"):
-      assert r[f"{key}_p50"] is not None and r[f"{key}_p50"] <= r[f"{key}_p90"] <= r[f"{key}_p99"], (name, key)
-    assert 0 <= r["goodput"] <= r["request_throughput"] and r["good_requests"] <= r["requests_ok"]
-    assert (r["slo_ttft_s"], r["slo_tpot_s"]) == (30.0, 1.0)  # --tiny's CPU bounds
-    good = [q for q in reqs if q["ttft_s"] <= r["slo_ttft_s"] and q["tpot_s"] <= r["slo_tpot_s"]]
-    assert r["good_requests"] == len(good) and math.isclose(r["goodput"], len(good) / r["wall_s"], rel_tol=1e-2)
-    assert r["output_tokens_per_s"] > 0 and r["wall_s"] > 0
-    for q in reqs:
-      assert 0 < q["ttft_s"] <= q["e2e_s"] and q["tpot_s"] > 0 and 0 <= q["max_gap_s"] <= q["e2e_s"]
-    # ignore_eos forced every answer to its full length
-    assert r["ignore_eos"] and r["output_tokens_exact"] is True
-    assert all(q["output_tokens"] == spec.output_tokens == q["expected_tokens"] for q in reqs)
-    assert all(q["finish_reason"] == "length" for q in reqs)
-    # the record says what served it
-    assert r["method"] == "rocketkv" and r["token_budget"] == 64 and r["served_model"] == "smollm2"
-    assert r["kv_cache_dtype"] == "float8_e4m3fn" and r["label"] == "rocketkv[kv_cache_dtype=float8_e4m3fn]"
-    assert r["server_version"]["version"] and r["server_models"]["data"][0]["id"] == "smollm2"
-    assert r["engine_stats"]["max_slots"] == 4 and r["engine_stats"]["engine_alive"] == 1
-    assert r["engine_delta"]["tokens_generated"] >= sum(q["output_tokens"] for q in reqs)
-    assert r["engine_delta"]["prompt_tokens_reused"] > 0
-  doc, chat = records
-  # doc-qa: the priming request prefilled the document; every question then reused it through the server
-  assert doc["prime"]["ok"] and doc["prime"]["prompt_tokens"] == serve_load.TINY["doc-qa"].doc_tokens
-  assert doc["prime"]["cached_tokens"] == 0
-  for q in doc["per_request"]:
-    assert q["prompt_tokens"] > serve_load.TINY["doc-qa"].doc_tokens
-    assert q["cached_tokens"] >= serve_load.TINY["doc-qa"].doc_tokens // 2, q
-  assert len({q["prompt_tokens"] for q in doc["per_request"]}) >= 2  # different questions
-  # chat: each session's history grows, and each later turn reuses the earlier turns' K/V
-  for s in range(3):
-    turns = sorted((q for q in chat["per_request"] if q["session"] == s), key=lambda q: q["turn"])
-    assert [q["turn"] for q in turns] == list(range(serve_load.TINY["chat"].turns))
-    for prev, q in zip(turns, turns[1:]):
-      assert q["prompt_tokens"] > prev["prompt_tokens"] + prev["output_tokens"]
-      assert q["cached_tokens"] >= prev["prompt_tokens"] // 2, (prev, q)
-  assert png.stat().st_size > 10_000
+  (r,) = records
+  w = serve_load.TINY["doc-qa"]
+  assert r["requests_ok"] == r["requests"] == 2 and r["requests_failed"] == 0
+  assert r["ttft_s_p50"] <= r["ttft_s_p99"] and r["tpot_ms_p50"] > 0 and 0 < r["goodput"] <= r["request_throughput"]
+  assert r["output_tokens_exact"] is True  # ignore_eos: every answer its full length
+  # the primed document served every question from the server's history, under the point's salt
+  assert r["prime"]["ok"] and r["prime"]["cached_tokens"] == 0 and r["cache_salt"].endswith("synchronous-0")
+  for q in r["per_request"]:
+    assert q["prompt_tokens"] >= w.prefix_tokens + w.prompt_tokens - 2 and q["cached_tokens"] >= w.prefix_tokens // 2
+  assert r["engine_delta"]["tokens_generated"] >= 2 * w.output_tokens and r["engine_delta"]["prompt_tokens_reused"] > 0
+  assert r["engine_stats"]["max_slots"] == 4 and r["label"] == "rocketkv[kv_cache_dtype=float8_e4m3fn]"
+  assert os.path.exists(r["guidellm_report"])
   capsys.readouterr()
-  # the side-by-side table reads the file back
   assert serve_load.main(["--table", str(out)]) == 0
-  shown = capsys.readouterr().out
-  assert "doc-qa" in shown and "chat" in shown and "rocketkv goodput" in shown
-  json.dumps(records)  # records are plain JSON
+  assert "doc-qa" in capsys.readouterr().out

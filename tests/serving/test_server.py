@@ -164,6 +164,32 @@ def test_bad_input_gets_openai_errors(served, case):
     assert err["code"] == "context_length_exceeded"
 
 
+def test_one_length_limit_as_vllm_defines_it(served, smollm2_lite):
+  """max_model_len (/v1/models, /tokenize) is the most prompt + new tokens a request may have (512 + 16 here):
+  prompt + max_tokens past it is a 400 context_length_exceeded naming the numbers, in vLLM's words; a prompt past
+  --max-prompt-tokens names that limit; within max_model_len, rocketkv's slots hold --max-new-tokens new tokens
+  after any prompt, and max_tokens past that names it; without max_tokens a chat gets what the slots hold."""
+  _, tok = smollm2_lite
+  assert served.client.models.list().data[0].model_extra["max_model_len"] == 528
+  for prompt, max_tokens, code, words in (
+      ([42] * 510, 19, "context_length_exceeded",
+       ["maximum context length is 528 tokens", "you requested 529 tokens (510 in the prompt, 19 in the completion)"]),
+      ([42] * 513, 1, "context_length_exceeded", ["513 tokens", "at most 512"]),
+      ([42] * 5, 17, "invalid_value", ["max_tokens=17 exceeds the 16 new tokens", "prompt of 5 tokens",
+                                       "max_model_len=528"])):
+    status, err = error_of(*served.http("POST", "/v1/completions",
+                                        json.dumps(dict(model=MODEL, prompt=prompt, max_tokens=max_tokens))))
+    assert status == 400 and err["code"] == code, err
+    assert err["param"] == ("prompt" if len(prompt) > 512 else "max_tokens"), err
+    assert all(w in err["message"] for w in words), err
+  status, err = error_of(*served.http("POST", "/v1/chat/completions", json.dumps(dict(
+      model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=600))))
+  assert status == 400 and err["param"] == "max_completion_tokens" and err["code"] == "context_length_exceeded", err
+  r = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[3]}],
+                                            temperature=0, extra_body={"ignore_eos": True})
+  assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
 def test_unknown_route_gets_openai_error(served):
   status, body = served.http("GET", "/v1/nothing")
   assert status == 404 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}

@@ -1,10 +1,12 @@
 """The server's lifecycle end to end, beside `test_server.py` (split from it so the suite's workers share the
-load): overload (429), disconnects, the API key, shutdown, `rocketkv serve` as a command, generation defaults, and
-ready-means-compiled (nothing compiles on live traffic after warm-up)."""
+load): overload (429), disconnects, the API key, shutdown, `rocketkv serve` as a command, generation defaults, the
+warm-up (the server listens while it warms up; /health says when it is ready; an early request waits) and
+ready-means-compiled with the full warm-up (nothing compiles on live traffic after it)."""
 
 import concurrent.futures
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -110,6 +112,29 @@ def test_api_key_guards_all_but_health(tiny):
   assert [m.id for m in tiny.client.models.list().data] == [MODEL]
 
 
+def test_docs_load_nothing_from_outside(tiny):
+  """/docs used FastAPI's CDN links (a blank page offline): now every file it names is this server's, public like
+  /docs itself (no key sent here, the server has one), and nothing outside the server is named."""
+  import re
+  status, _, page = http_request(tiny.port, "GET", "/docs")
+  assert status == 200 and "SwaggerUIBundle" in page
+  assert not re.findall(r"https?://|//[\w.-]+\.\w", page), page
+  assets = re.findall(r'(?:src|href)="([^"]+)"', page)
+  assert any(a.endswith(".js") for a in assets) and any(a.endswith(".css") for a in assets), assets
+  for path in assets:  # bytes, not text (the favicon)
+    conn = http.client.HTTPConnection("127.0.0.1", tiny.port, timeout=60)
+    try:
+      conn.request("GET", path)
+      r = conn.getresponse()
+      status, kind, body = r.status, r.getheader("content-type", ""), r.read()
+    finally:
+      conn.close()
+    assert status == 200 and body, path
+    assert kind.split(";")[0] in ("text/javascript", "text/css", "image/png"), (path, kind)
+  for path in ("/docs/static/../metrics", "/docs/static/nope.js"):  # the open prefix opens no other route
+    assert http_request(tiny.port, "GET", path)[0] in (401, 404), path
+
+
 def test_shutdown_aborts_in_flight_cleanly(tiny):
   stream, it = _first_chunk(tiny.client)
   tiny.wait_metric("rocketkv_active_slots", lambda v: v == 1)
@@ -140,14 +165,18 @@ def test_rocketkv_serve_command(smollm2, tmp_path):
   try:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     t0 = time.monotonic()
-    while True:
+    while True:  # it listens before it is ready: /health is 503 with the warm-up's progress, then 200
       try:
-        assert [m.id for m in client.models.list().data] == [MODEL]
-        break
-      except openai.APIConnectionError:
-        assert proc.poll() is None, open(tmp_path / "serve.log").read()
-        assert time.monotonic() - t0 < 400, "the server did not come up"  # warm-up compiles every executable
-        time.sleep(0.2)
+        status, body = http_request(port, "GET", "/health")[::2]
+        if status == 200:
+          break
+        assert status == 503 and json.loads(body)["status"] == "warming up", (status, body)
+      except OSError:
+        pass
+      assert proc.poll() is None, open(tmp_path / "serve.log").read()
+      assert time.monotonic() - t0 < 400, "the server did not come up"
+      time.sleep(0.2)
+    assert [m.id for m in client.models.list().data] == [MODEL]
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
                                        max_tokens=4, temperature=0)
     assert r.choices[0].message.content and r.usage.completion_tokens <= 4
@@ -177,13 +206,54 @@ def test_sampling_defaults_come_from_the_generation_config():
   assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
 
 
+def test_health_while_warming_and_an_early_request(smollm2_lite, caplog):
+  """The server listens while it warms up (on the engine thread): /health answers 503 with the progress, then 200. A
+  request sent during the warm-up waits and gets the answer the same request gets after it, and needs no program
+  the warm-up did not compile; one that needs more (a larger bucket with prompt logprobs) compiles it on first use,
+  with a log line saying so. The engine settings of `test_ready_means_compiled`: no new shapes."""
+  model, tok = smollm2_lite
+  gate = threading.Event()
+
+  def hold(engine):  # the warm-up's first engine step waits for the test, which so sees the server warming up
+    step = engine.step
+    engine.step = lambda: (gate.wait(120), step())[1]
+
+  with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True), prepare=hold) as s, \
+      concurrent.futures.ThreadPoolExecutor(1) as pool:
+    status, body = s.http("GET", "/health")
+    assert status == 503, (status, body)
+    w = json.loads(body)
+    assert w["status"] == "warming up" and w["warmup"]["compiled"] == [] and w["warmup"]["done"] == 0
+    assert w["warmup"]["compiling"] == "prompt bucket 64" and len(w["warmup"]["remaining"]) == w["warmup"]["total"]
+    assert s.http("GET", "/v1/models")[0] == 200  # every other route answers at once
+    early = pool.submit(complete, s.client, PROMPTS[0], 4, False)
+    time.sleep(0.3)
+    assert not early.done()  # it waits for the warm-up, neither refused nor answered before
+    gate.set()
+    seen = s.wait_ready()
+    assert early.result(timeout=300)[0]
+    m = s.metrics()
+    compiles = m["rocketkv_compiles_total"]
+    assert m["rocketkv_tokens_generated_total"] == 4  # the early request's; the warm-up's are not counted
+    assert early.result() == complete(s.client, PROMPTS[0], 4, False)
+    assert s.metrics()["rocketkv_compiles_total"] == compiles, seen
+    with caplog.at_level(logging.INFO, logger="rocketkv_jax.serving"):
+      r = s.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=2, temperature=0, echo=True,
+                                      logprobs=0)
+    assert r.choices[0].logprobs.token_logprobs[0] is None and r.usage.completion_tokens == 2
+    assert s.metrics()["rocketkv_compiles_total"] > compiles
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any(x.startswith("compiling prefill bucket 128 with prompt logprobs on first use") for x in lines), lines
+
+
 def test_ready_means_compiled(smollm2_lite):
-  """With warm-up, nothing compiles on live traffic: a mixed stream (prompt lengths in every bucket, greedy,
+  """With the full warm-up, nothing compiles on live traffic: a mixed stream (prompt lengths in every bucket, greedy,
   sampled, top-p and top-k cut, penalties, logit bias, min_tokens, logprobs, echo with logprobs (the scored
   prefill), n > 1, completions and chat, streaming or not) leaves the compile count where start-up left it, and
   /metrics starts at zero tokens (warm-up traffic is not counted)."""
   model, tok = smollm2_lite
-  with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True)) as s:
+  with serving(model, tok, max_prompt_tokens=256, server_kw=dict(warmup=True, warmup_full=True)) as s:
+    s.wait_ready()
     m = s.metrics()
     compiles = m["rocketkv_compiles_total"]
     assert compiles > 0 and m["rocketkv_tokens_generated_total"] == 0
