@@ -71,3 +71,17 @@ def test_ragged_rows_and_poisoned_junk():
 def test_bad_decode_budgets_are_refused(method, kw, match):
   with pytest.raises(ValueError, match=match):
     plan_config(method, 64, 300, 100, **kw)
+
+
+@pytest.mark.gpu
+def test_compaction_with_the_kernels_equals_xla():
+  """On the GPU: the Pallas decode path (append with KT pages, HSA scoring and selection, sparse attention) with
+  compactions between its steps gives the XLA path's outputs."""
+  T, lengths = 300, [300, 187]
+  config = plan_config("rocketkv", 64, T, 10_000, **DB)
+  q, k, v = _inputs(14, 2, T)
+  steps = _steps(14, 2, N_STEPS)
+  want, _ = run_steps(config, q, k, v, lengths, steps)
+  got, cache = run_steps(dataclasses.replace(config, impl="pallas"), q, k, v, lengths, steps)
+  np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+  assert (np.asarray(cache.length) - np.asarray(cache.decode_start) == 8 + (N_STEPS - 12) % 4).all()
