@@ -396,8 +396,11 @@ def check_bind(host: str, port: int) -> None:
 
 
 def kv_dtype_override(args) -> dict:
-  """--kv-cache-dtype as a method override (none when K/V stay in the model's dtype)."""
-  return {} if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype}
+  """--kv-cache-dtype and --decode-budget / --decode-buffer as method overrides (none when unset)."""
+  out = {} if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype}
+  if args.decode_budget is not None:
+    out.update(decode_budget=args.decode_budget, decode_buffer=args.decode_buffer)
+  return out
 
 
 def _cmd_serve(args) -> int:
@@ -673,6 +676,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "on their prompt mean, one scale per sequence and KV head) and stores RocketKV's page "
                          "summaries in float8_e5m2; fp8 is recommended for serving many long sequences: it ties "
                          "bf16's accuracy and doubles the sequences that fit (docs/ALGORITHM.md)")
+    sp.add_argument("--decode-budget", type=int, default=None, metavar="N",
+                    help="bound the generated tokens (snapkv, rocketkv, rocketkv_plus; this project's extension, off "
+                         "by default): a region of N kept + --decode-buffer fresh tokens after the prompt set, "
+                         "compacted by attention when full, so memory no longer grows with the output "
+                         "(docs/ALGORITHM.md §4b)")
+    sp.add_argument("--decode-buffer", type=int, default=128, metavar="N",
+                    help="fresh tokens between two compactions with --decode-budget (default 128)")
 
   g = sub.add_parser("generate", help="generate text for one prompt")
   common(g, 64)

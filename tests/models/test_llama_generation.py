@@ -166,3 +166,16 @@ def test_prefill_over_token_chunks_equals_whole(tiny_model, monkeypatch, chunk):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(forward_full(tiny_model, toks)), whole_full, atol=1e-5, rtol=1e-5)
   jax.clear_caches()
+
+
+def test_decode_budget_bounds_a_long_generation(tiny_model):
+  """With a decode budget the cache stays prompt set + region however long the output (up to 200 tokens into a
+  region of 24: a compaction every 8 after the first 24); without one it has room for every token."""
+  ps = prompts([300], seed=9)
+  kw = dict(method="rocketkv", token_budget=32, max_new_tokens=200)
+  bounded = generate(tiny_model, IdTokenizer(), ps, decode_budget=16, decode_buffer=8, **kw)
+  plain = generate(tiny_model, IdTokenizer(), ps, **kw)
+  assert bounded.stats.new_tokens == [200] or bounded.finish_reasons == ["stop"]  # (the tiny model may end early)
+  assert bounded.stats.new_tokens[0] > 24  # past the first compactions
+  assert plain.stats.capacity >= 200 and bounded.stats.capacity < 300 / 2 + 24
+  assert bounded.stats.kv_bytes < plain.stats.kv_bytes / 2
