@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import datetime
 import hashlib
 import importlib
@@ -257,13 +258,34 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
 
 
-def plan(method, budget, contexts, cfg, impl, kv_cache_dtype=None, kt_cache_dtype=None) -> rk.BatchPlan:
+def plan(method, budget, contexts, cfg, impl, kv_cache_dtype=None, kt_cache_dtype=None, *, output_at: int = 0,
+         decode_budget: int | None = None) -> rk.BatchPlan:
   """The plans of a batch of prompts of these lengths (`rocketkv_jax.plan_rows`, each row its own length's), for
-  NEW_TOKENS new tokens, K/V stored as `kv_cache_dtype` (the config field; None: the model's dtype), and the page
-  summaries as `kt_cache_dtype` where the method keeps them (None: the keys' dtype; other methods ignore it)."""
+  output_at + NEW_TOKENS new tokens, K/V stored as `kv_cache_dtype` (the config field; None: the model's dtype), the
+  page summaries as `kt_cache_dtype` where the method keeps them (None: the keys' dtype; other methods ignore it),
+  and a decode budget where given (docs/ALGORITHM.md §4b)."""
   kt = {"kt_cache_dtype": kt_cache_dtype} if kt_cache_dtype and rk.get_method(method).uses_kt_pages else {}
-  return rk.plan_rows(method, token_budget=budget, prompt_lens=contexts, max_new_tokens=NEW_TOKENS,
+  if decode_budget is not None:
+    kt["decode_budget"] = decode_budget
+  return rk.plan_rows(method, token_budget=budget, prompt_lens=contexts, max_new_tokens=NEW_TOKENS + output_at,
                       head_dim=cfg.head_dim, impl=impl, kv_cache_dtype=kv_cache_dtype, **kt)
+
+
+def fast_forward(caches, config, n: int):
+  """Each layer's cache as it is after n generated tokens (`--output-at`): its length and position advanced, the
+  generated tokens' slots left as the prefill's padding (decode time does not depend on values). With a decode
+  budget the region holds what n tokens leave in it: n, or after the first compaction decode_budget plus the
+  tokens since the last one, so the timed steps compact as often as a real long generation does."""
+  out = []
+  for c in caches:
+    if config.decode_budget is None:
+      length = jnp.minimum(c.length + n, config.capacity)
+    else:
+      r, buf = config.decode_budget + config.decode_buffer, config.decode_buffer
+      filled = n if n <= r else config.decode_budget + (n - r - 1) % buf + 1
+      length = c.decode_start + filled
+    out.append(dataclasses.replace(c, length=length.astype(jnp.int32), pos=(c.pos + n).astype(jnp.int32)))
+  return tuple(out)
 
 
 def prefill_rows(model, batch_plan: rk.BatchPlan, contexts, seed: int):
@@ -380,6 +402,12 @@ def main(argv=None):
   ap.add_argument("--limits", default=None,
                   help="with --mixed: run the mixed batch under an engine's static config for prompts up to this many "
                        "tokens (plan_limits)")
+  ap.add_argument("--output-at", type=parse_tokens, default=0, metavar="N",
+                  help="time the step after N generated tokens (long outputs: each cache advanced by N, "
+                       "`fast_forward`; plans made for N + 256 new tokens)")
+  ap.add_argument("--decode-budgets", default="",
+                  help="comma list of decode budgets (docs/ALGORITHM.md §4b) to run besides none, for the methods "
+                       "that take one (snapkv, rocketkv, rocketkv_plus)")
   ap.add_argument("--out", default=None, help="append JSON lines here")
   args = ap.parse_args(argv)
   ab = parse_ab(args.ab) if args.ab else None
@@ -462,14 +490,20 @@ def main(argv=None):
   for context in contexts:
     for method in methods:
       budgeted = rk.get_method(method).budgeted  # full: the budget changes nothing, run once
-      for budget in (budgets if budgeted else budgets[:1]):
-        config = plan(method, budget, [context], cfg, args.impl, args.kv_cache_dtype, args.kt_cache_dtype).config
+      bounds = rk.get_method(method).policy.bounds_decode
+      dbs = [None] + ([int(x) for x in args.decode_budgets.split(",") if x] if bounds else [])
+      for budget, db in ((b, d) for b in (budgets if budgeted else budgets[:1]) for d in dbs):
+        config = plan(method, budget, [context], cfg, args.impl, args.kv_cache_dtype, args.kt_cache_dtype,
+                      output_at=args.output_at, decode_budget=db).config
         base = dict(kind="point", method=method, token_budget=budget if budgeted else None,
                     context=context, capacity=config.capacity, kv_cache_dtype=config.kv_cache_dtype,
-                    kt_cache_dtype=config.kt_cache_dtype if config.uses_kt_pages else None)
+                    kt_cache_dtype=config.kt_cache_dtype if config.uses_kt_pages else None,
+                    output_at=args.output_at, decode_budget=db)
         try:
           caches1, prefill_s = prefill_caches(model, config, context, 1, 1, seed=context, mesh=mesh,
                                               reps=args.prefill_reps)
+          if args.output_at:
+            caches1 = fast_forward(caches1, config, args.output_at)
         except Exception as e:  # noqa: BLE001 - reported, not dropped
           emit(dict(base, batch=1, status="OOM in prefill" if _is_oom(e) else "error in prefill",
                     error=f"{type(e).__name__}: {str(e)[:400]}"))

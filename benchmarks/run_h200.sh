@@ -5,7 +5,8 @@
 #        t1024_more methods_long max_long methods_max t1024_rest t1024_quest t1024_max cmdbuf hsa_large serve32
 #        serve32max serve32max_rk serve32chunk serve32arrive prefill_flops turn2dev turn2 mesh70b kernels_s2 profile391
 #        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part; fp8_tests fp8_lat32 fp8_max32
-#        fp8_lat_long fp8_serve32max fp8kt_lat32 fp8kt_max32: issue 40)
+#        fp8_lat_long fp8_serve32max fp8kt_lat32 fp8kt_max32: issue 40; longgen16 longgen32: 4k prompts, the step after 16k / 32k generated
+#        tokens, with and without a decode budget: issue 61)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
 # stage2_kernels part, which timed the fused selection kernel removed on 2026-12-04, with it.)
@@ -25,6 +26,8 @@ for part in "$@"; do
     lat16_64)  run 220 --contexts 16k,64k --methods rocketkv,full --budgets 256 --batches 1,8 ;;
     methods32) run 200 --contexts 32k --methods snapkv,quest --budgets 256 --batches 1,8 ;;
     max32)     run 200 --contexts 32k --methods full,rocketkv --budgets 256 --batches 32,max ;;
+    longgen16) run 420 --contexts 4k --output-at 16k --methods full,rocketkv --budgets 256 --decode-budgets 2048 --batches 1,max --steps 256 --chunk 16 ;;
+    longgen32) run 420 --contexts 4k --output-at 32k --methods full,rocketkv --budgets 256 --decode-budgets 2048 --batches 1,max --steps 256 --chunk 16 ;;
     t1024)     run 150 --contexts 32k,128k --methods rocketkv --budgets 1024 --batches 1,8 ;;
     t1024_more) run 220 --contexts 16k,64k --methods rocketkv,snapkv,quest --budgets 1024 --batches 1,8 ;;
     methods_long) run 300 --contexts 16k,64k,128k --methods snapkv,quest --budgets 256 --batches 1,8 ;;
