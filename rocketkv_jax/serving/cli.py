@@ -491,7 +491,9 @@ def _cmd_serve(args) -> int:
   def listening(url: str) -> None:  # once the socket is bound: only then is it true
     state = ("warming up: /health answers 503 until ready, requests sent meanwhile wait" if runner.warming else
              "ready" + (": --no-warmup, every program compiles on first use" if args.no_warmup else ""))
-    log(f"listening: {name!r} ({args.method}, budget {args.token_budget}, {engine_config.max_slots} slots) on {url} "
+    whole = ", every request kept whole" if engine.kept_whole else ""
+    log(f"listening: {name!r} ({args.method}, budget {args.token_budget}{whole}, {engine_config.max_slots} slots) "
+        f"on {url} "
         f"({state})")
 
   server = UvicornServer(config, runner, drain_s=args.drain_s, on_listening=listening)

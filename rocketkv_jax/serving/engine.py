@@ -587,9 +587,19 @@ class DeviceEngine:
     """What the slots are sized for (the start-up line of `rocketkv serve`)."""
     c, cfg = self.method_config, self.config
     per_slot = cache_nbytes(self.prefill_shapes[1])
-    return (f"{cfg.max_slots} slots of {c.capacity} cache slots per KV head and layer ({per_slot / 2**20:.1f} MiB "
+    head = (f"{cfg.max_slots} slots of {c.capacity} cache slots per KV head and layer ({per_slot / 2**20:.1f} MiB "
             f"each), the largest plan of a request up to max_prompt_tokens={cfg.max_prompt_tokens} and "
-            f"max_new_tokens={cfg.max_new_tokens}: {c.cache_spec()}; each request runs the plan of its own length")
+            f"max_new_tokens={cfg.max_new_tokens}: ")
+    if self.kept_whole:
+      return head + (f"every request kept whole ({cfg.method} at budget {cfg.token_budget} would hold at least "
+                     f"full's bytes for such a request), attended densely: {c.cache_spec()}")
+    return head + f"{c.cache_spec()}; each request runs the plan of its own length"
+
+  @property
+  def kept_whole(self) -> bool:
+    """Whether the slots keep every request whole (`plan_static`: the method's largest plan would hold at least
+    full's bytes), so `method_config` is full's."""
+    return self.method_config.method != self.config.method
 
   def slot_bytes(self) -> int:
     """Device bytes one slot holds: its cache rows and its logits row (from shapes: nothing is allocated)."""

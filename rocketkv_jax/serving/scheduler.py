@@ -118,6 +118,11 @@ class Engine:
                                   max_device_bytes=config.history_device_bytes,
                                   max_disk_bytes=config.history_disk_bytes)
 
+  @property
+  def kept_whole(self) -> bool:
+    """Whether every request is kept whole (`DeviceEngine.kept_whole`)."""
+    return self.device.kept_whole
+
   def plan_summary(self) -> str:
     """What the slots are sized for (the start-up line of `rocketkv serve`)."""
     return self.device.plan_summary()

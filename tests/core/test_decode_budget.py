@@ -7,7 +7,7 @@ import pytest
 
 import rocketkv_jax as rk
 from tests.core.reference import RefSequence
-from tests.core.test_methods import K, _inputs, _poison_cache, _steps, decode_steps, plan_config, run_steps
+from tests.core.test_methods import K, random_inputs, poison_cache, random_steps, decode_steps, plan_config, run_steps
 
 DB = dict(decode_budget=8, decode_buffer=4, decode_window=4)  # a region of 12: compacted every 4 steps after 12
 N_STEPS = 21
@@ -20,8 +20,8 @@ def test_compaction_matches_reference(method, t, T, lengths):
   prompt_budget + region whatever max_new_tokens is."""
   config = plan_config(method, t, T, 10_000, **DB)
   assert config.capacity == config.prompt_budget + 12
-  q, k, v = _inputs(11, len(lengths), T)
-  steps = _steps(11, len(lengths), N_STEPS)
+  q, k, v = random_inputs(11, len(lengths), T)
+  steps = random_steps(11, len(lengths), N_STEPS)
   ours, cache = run_steps(config, q, k, v, lengths, steps)
   for b, L in enumerate(lengths):
     ref = RefSequence(method, config, q[b], k[b], v[b], L)
@@ -40,8 +40,8 @@ def test_a_region_that_never_fills_changes_nothing():
   plain = plan_config("rocketkv", 64, T, n_steps)
   bounded = dataclasses.replace(plain, decode_budget=n_steps, decode_buffer=1, decode_window=4)
   assert bounded.capacity == plain.capacity
-  q, k, v = _inputs(12, 2, T)
-  steps = _steps(12, 2, n_steps)
+  q, k, v = random_inputs(12, 2, T)
+  steps = random_steps(12, 2, n_steps)
   a, _ = run_steps(plain, q, k, v, lengths, steps)
   b, _ = run_steps(bounded, q, k, v, lengths, steps)
   np.testing.assert_array_equal(a, b)
@@ -52,10 +52,10 @@ def test_ragged_rows_and_poisoned_junk():
   (the padding, the slots past length, empty pages) never reaches an output."""
   T, lengths = 260, [260, 130]
   config = plan_config("rocketkv", 64, T, 10_000, **DB)
-  q, k, v = _inputs(13, 2, T)
-  steps = _steps(13, 2, 20)
+  q, k, v = random_inputs(13, 2, T)
+  steps = random_steps(13, 2, 20)
   cache = rk.prefill_compress(q, k, v, np.asarray(lengths, np.int32), config=config)
-  batch, _ = decode_steps(config, _poison_cache(cache), steps)
+  batch, _ = decode_steps(config, poison_cache(cache), steps)
   assert np.isfinite(batch).all()
   for b, L in enumerate(lengths):
     alone, _ = run_steps(config, q[b:b + 1, :L], k[b:b + 1, :L], v[b:b + 1, :L], [L],
@@ -79,8 +79,8 @@ def test_compaction_with_the_kernels_equals_xla():
   compactions between its steps gives the XLA path's outputs."""
   T, lengths = 300, [300, 187]
   config = plan_config("rocketkv", 64, T, 10_000, **DB)
-  q, k, v = _inputs(14, 2, T)
-  steps = _steps(14, 2, N_STEPS)
+  q, k, v = random_inputs(14, 2, T)
+  steps = random_steps(14, 2, N_STEPS)
   want, _ = run_steps(config, q, k, v, lengths, steps)
   got, cache = run_steps(dataclasses.replace(config, impl="pallas"), q, k, v, lengths, steps)
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)

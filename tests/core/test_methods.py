@@ -14,7 +14,7 @@ from tests.helpers.data import keys, normal
 N, K, H = 8, 2, 32
 
 
-def _inputs(seed, b, t, n=N, n_kv=K, h=H, dtype=jnp.float32):
+def random_inputs(seed, b, t, n=N, n_kv=K, h=H, dtype=jnp.float32):
   ks = keys(seed, 3)
   q = normal(ks[0], (b, t, n, h), dtype)
   k = normal(ks[1], (b, t, n_kv, h), dtype)
@@ -22,7 +22,7 @@ def _inputs(seed, b, t, n=N, n_kv=K, h=H, dtype=jnp.float32):
   return q, k, v
 
 
-def _steps(seed, b, n_steps, n=N, n_kv=K, h=H, dtype=jnp.float32):
+def random_steps(seed, b, n_steps, n=N, n_kv=K, h=H, dtype=jnp.float32):
   ks = keys(seed + 1000, 3)
   return (normal(ks[0], (n_steps, b, n, h), dtype), normal(ks[1], (n_steps, b, n_kv, h), dtype),
           normal(ks[2], (n_steps, b, n_kv, h), dtype))
@@ -66,8 +66,8 @@ CASES = [  # (method, budget, prompt T, lengths)
 def test_matches_reference(method, t, T, lengths):
   n_steps = 6
   config = plan_config(method, t, T, n_steps)
-  q, k, v = _inputs(1, len(lengths), T)
-  steps = _steps(1, len(lengths), n_steps)
+  q, k, v = random_inputs(1, len(lengths), T)
+  steps = random_steps(1, len(lengths), n_steps)
   ours, cache = run_steps(config, q, k, v, lengths, steps)
   for b, L in enumerate(lengths):
     ref = RefSequence(method, config, q[b], k[b], v[b], L)
@@ -82,8 +82,8 @@ def test_matches_reference(method, t, T, lengths):
 def test_rocketkv_sinks_and_fp8_pages():
   T, lengths, n_steps = 400, [400, 333], 4
   config = dataclasses.replace(plan_config("rocketkv", 64, T, n_steps), sink_tokens=4)
-  q, k, v = _inputs(2, 2, T)
-  steps = _steps(2, 2, n_steps)
+  q, k, v = random_inputs(2, 2, T)
+  steps = random_steps(2, 2, n_steps)
   ours, cache = run_steps(config, q, k, v, lengths, steps)
   for b, L in enumerate(lengths):
     ref = RefSequence("rocketkv", config, q[b], k[b], v[b], L)
@@ -103,8 +103,8 @@ def test_full_budget_is_dense(method):
   t = 2 * (T + n_steps)  # top_k = t // 2 covers every token; stage 1 keeps the whole prompt
   config = plan_config(method, t, T, n_steps)
   full = plan_config("full", t, T, n_steps)
-  q, k, v = _inputs(3, 2, T)
-  steps = _steps(3, 2, n_steps)
+  q, k, v = random_inputs(3, 2, T)
+  steps = random_steps(3, 2, n_steps)
   ours, _ = run_steps(config, q, k, v, lengths, steps)
   dense, _ = run_steps(full, q, k, v, lengths, steps)
   np.testing.assert_allclose(ours, dense, rtol=1e-5, atol=1e-5)
@@ -114,8 +114,8 @@ def test_full_budget_is_dense(method):
 def test_ragged_batch_equals_alone(method):
   T, lengths, n_steps = 260, [260, 130, 201], 3
   config = plan_config(method, 64, T, n_steps)
-  q, k, v = _inputs(4, 3, T)
-  steps = _steps(4, 3, n_steps)
+  q, k, v = random_inputs(4, 3, T)
+  steps = random_steps(4, 3, n_steps)
   batch, _ = run_steps(config, q, k, v, lengths, steps)
   for b, L in enumerate(lengths):
     alone, _ = run_steps(config, q[b:b + 1, :L], k[b:b + 1, :L], v[b:b + 1, :L], [L],
@@ -123,7 +123,7 @@ def test_ragged_batch_equals_alone(method):
     np.testing.assert_allclose(batch[b], alone[0], rtol=1e-5, atol=1e-5, err_msg=f"{method} seq {b}")
 
 
-def _poison_cache(cache):
+def poison_cache(cache):
   """NaN in every slot at or past length, and in every page with no valid slot."""
   s = cache.k.shape[2]
   junk = ~(np.arange(s)[None, :] < np.asarray(cache.length)[:, None])
@@ -147,14 +147,14 @@ def _poison_cache(cache):
 def test_poisoned_junk_never_leaks(method):
   T, lengths, n_steps = 200, [200, 90], 3
   config = plan_config(method, 64, T, n_steps)
-  q, k, v = _inputs(5, 2, T)
-  steps = _steps(5, 2, n_steps)
+  q, k, v = random_inputs(5, 2, T)
+  steps = random_steps(5, 2, n_steps)
   clean, _ = run_steps(config, q, k, v, lengths, steps)
   pad = np.arange(T)[None, :, None, None] >= np.asarray(lengths)[:, None, None, None]
   qp, kp, vp = (jnp.where(pad, jnp.nan, x) for x in (q, k, v))  # NaN in the prompt's padding
   cache = rk.prefill_compress(qp, kp, vp, jnp.asarray(lengths), config=config)
   if method not in ("streaming_llm", "h2o"):  # those are full after prefill: no junk slot to poison
-    cache = _poison_cache(cache)
+    cache = poison_cache(cache)
   outs, _ = decode_steps(config, cache, steps)
   assert np.isfinite(outs).all()
   np.testing.assert_allclose(outs, clean, rtol=1e-5, atol=1e-5)
@@ -164,8 +164,8 @@ def test_poisoned_junk_never_leaks(method):
 def test_jit_equals_eager(method):
   T, lengths, n_steps = 160, [160, 100], 2
   config = plan_config(method, 64, T, n_steps)
-  q, k, v = _inputs(6, 2, T)
-  steps = _steps(6, 2, n_steps)
+  q, k, v = random_inputs(6, 2, T)
+  steps = random_steps(6, 2, n_steps)
   jitted, _ = run_steps(config, q, k, v, lengths, steps)
   with jax.disable_jit():
     eager, _ = run_steps(config, q, k, v, lengths, steps)
@@ -176,8 +176,8 @@ def test_decode_inside_user_jit_loop():
   """decode_step traces inside a caller's jit (as the model's decode loop does) without host checks."""
   T, lengths, n_steps = 200, [200, 150], 4
   config = plan_config("rocketkv", 64, T, n_steps)
-  q, k, v = _inputs(7, 2, T)
-  steps = _steps(7, 2, n_steps)
+  q, k, v = random_inputs(7, 2, T)
+  steps = random_steps(7, 2, n_steps)
   want, _ = run_steps(config, q, k, v, lengths, steps)
   cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths), config=config)
 
@@ -195,7 +195,7 @@ def test_decode_inside_user_jit_loop():
 def test_kv_heads_keep_different_tokens():
   T, L = 400, 400
   config = plan_config("rocketkv", 64, T, 4)
-  q, k, v = _inputs(8, 1, T)
+  q, k, v = random_inputs(8, 1, T)
   cache = rk.prefill_compress(q, k, v, jnp.array([L]), config=config)
   n = int(cache.length[0])
   kc = np.asarray(cache.k[0, :, :n])
@@ -208,8 +208,8 @@ def test_kv_heads_keep_different_tokens():
 def test_bfloat16_matches_float32():
   T, lengths, n_steps = 200, [200, 120], 2
   config = plan_config("rocketkv", 256, T, n_steps)  # no eviction, top-k covers all: selection is stable
-  q, k, v = _inputs(9, 2, T)
-  steps = _steps(9, 2, n_steps)
+  q, k, v = random_inputs(9, 2, T)
+  steps = random_steps(9, 2, n_steps)
   f32, _ = run_steps(config, q, k, v, lengths, steps)
   bf, cache = run_steps(config, *(x.astype(jnp.bfloat16) for x in (q, k, v)), lengths,
                    tuple(s.astype(jnp.bfloat16) for s in steps))
@@ -220,10 +220,10 @@ def test_bfloat16_matches_float32():
 def test_cache_is_static_and_donated():
   T, n_steps = 200, 3
   config = plan_config("rocketkv", 64, T, n_steps)
-  q, k, v = _inputs(10, 2, T)
+  q, k, v = random_inputs(10, 2, T)
   cache = rk.prefill_compress(q, k, v, jnp.array([200, 100]), config=config)
   shapes = jax.tree.map(lambda x: (x.shape, x.dtype), cache)
-  steps = _steps(10, 2, n_steps)
+  steps = random_steps(10, 2, n_steps)
   for qs, kn, vn in zip(*steps):
     _, cache = rk.decode_step(cache, qs, kn, vn, config=config)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), cache) == shapes
@@ -236,8 +236,8 @@ def test_sub_batches_assemble_into_one_batch(method):
   """Prefill in sub-batches, concat_caches, decode as one batch == prefill and decode all at once."""
   T, lengths, n_steps = 220, [220, 150, 199], 2
   config = plan_config(method, 64, T, n_steps)
-  q, k, v = _inputs(11, 3, T)
-  steps = _steps(11, 3, n_steps)
+  q, k, v = random_inputs(11, 3, T)
+  steps = random_steps(11, 3, n_steps)
   want, _ = run_steps(config, q, k, v, lengths, steps)
   parts = [rk.prefill_compress(q[:1], k[:1], v[:1], jnp.array(lengths[:1]), config=config),
            rk.prefill_compress(q[1:], k[1:], v[1:], jnp.array(lengths[1:]), config=config)]
@@ -254,8 +254,8 @@ def test_pallas_impl_matches_xla(method):
   T, lengths, n_steps = 150, [150, 77], 2
   xla = plan_config(method, 64, T, n_steps)
   pallas = dataclasses.replace(xla, impl="interpret")
-  q, k, v = _inputs(12, 2, T)
-  steps = _steps(12, 2, n_steps)
+  q, k, v = random_inputs(12, 2, T)
+  steps = random_steps(12, 2, n_steps)
   want, _ = run_steps(xla, q, k, v, lengths, steps)
   got, _ = run_steps(pallas, q, k, v, lengths, steps)
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
@@ -268,8 +268,8 @@ def test_choice_in_append_keeps_the_step(method):
   choice, then attend), over steps that run past the capacity (length stops at it)."""
   T, lengths, n_steps = 150, [150, 77], 4
   config = dataclasses.replace(plan_config(method, 64, T, 2), impl="interpret")  # capacity for 2 new tokens, 4 steps
-  q, k, v = _inputs(14, 2, T)
-  steps = _steps(14, 2, n_steps)
+  q, k, v = random_inputs(14, 2, T)
+  steps = random_steps(14, 2, n_steps)
   cache = rk.prefill_compress(q, k, v, jnp.asarray(lengths, jnp.int32), config=config)
 
   def in_parts(c, q, k, v):
@@ -303,8 +303,8 @@ def test_pallas_impl_matches_xla_gpu(method):
   T, lengths, n_steps = 1000, [1000, 301, 77], 3
   xla = plan_config(method, 128, T, n_steps)
   pallas = dataclasses.replace(xla, impl="pallas")
-  q, k, v = _inputs(13, 3, T)
-  steps = _steps(13, 3, n_steps)
+  q, k, v = random_inputs(13, 3, T)
+  steps = random_steps(13, 3, n_steps)
   with jax.default_matmul_precision("highest"):
     want, _ = run_steps(xla, q, k, v, lengths, steps)
     got, _ = run_steps(pallas, q, k, v, lengths, steps)

@@ -11,10 +11,12 @@ from tests.helpers.server import MODEL, STORY, Served
 
 pytest.importorskip("openai")
 
-ENGINE = dict(method="rocketkv", token_budget=128, max_slots=2, max_prompt_tokens=512, max_new_tokens=48,
+ENGINE = dict(method="rocketkv", token_budget=96, max_slots=2, max_prompt_tokens=512, max_new_tokens=48,
               steps_per_call=4, prefill_buckets=(64, 128, 256, 512), history_bytes=1 << 30)
 # the fact, then a story long enough that the third turn's prompt (about 280 tokens) is past stage 1's prompt
-# budget (its own plan at t=128 and 48 new tokens keeps about 200): the fact must survive the compression
+# budget (its own plan at t=96 and 48 new tokens keeps 177): the fact must survive the compression. At t=128 the
+# slots (sized for 512 + 48 tokens) would hold more bytes than full's, so the engine would keep every request whole
+# (`plan_static`) and nothing would be evicted
 FACT = "My name is Ada and I live in a small town called Brindlewick. Remember that. Here is a story I like: " + STORY * 2
 TURNS = [FACT, "What is the capital of France?", "What is the name of the town where I live?"]
 
@@ -50,6 +52,7 @@ def test_three_turn_conversation_reuses_earlier_turns(smollm2):
       cached = cur.prompt_tokens_details.cached_tokens
       assert cached == min(prev.prompt_tokens, cur.prompt_tokens - W), (prev, cur)
     # the last prompt is past its own plan's prompt budget: stage 1 evicted, and the fact survived
+    assert s.engine.method_config.method == "rocketkv"
     assert usages[-1].prompt_tokens > s.engine.plan(usages[-1].prompt_tokens, 48).prompt_budget[0]
     m = s.metrics()
     assert m["rocketkv_kv_bytes_host"] > 0 and m["rocketkv_prompt_tokens_reused_total"] == sum(

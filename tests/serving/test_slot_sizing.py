@@ -98,4 +98,6 @@ def test_serve_max_slots_auto_sizes_the_engine():
   assert p.returncode == 1 and "the server did not start" in err, err  # stopped by the patched run
   n = int(p.stdout.split()[-1])
   assert n > 1 and f"--max-slots auto: {n} slots fit beside the weights (0.01 GiB reserved)" in err, err
-  assert f"(rocketkv, budget 256, {n} slots)" in err, err
+  # 256 + 16 tokens at budget 256: rocketkv would evict nothing and add KT pages, so each slot is full's 272 tokens
+  assert f"{n} slots of 272 cache slots per KV head and layer" in err, err
+  assert "every request kept whole (rocketkv at budget 256 would hold at least full's bytes" in err, err
