@@ -6,7 +6,7 @@
 #        serve32max serve32max_rk serve32chunk serve32arrive prefill_flops turn2dev turn2 mesh70b kernels_s2 profile391
 #        serve_load_WORKLOAD_METHOD serve_load_table: see the serve_load part; fp8_tests fp8_lat32 fp8_max32
 #        fp8_lat_long fp8_serve32max fp8kt_lat32 fp8kt_max32: issue 40; longgen16 longgen32: 4k prompts, the step after 16k / 32k generated
-#        tokens, with and without a decode budget: issue 61)
+#        tokens, with and without a decode budget: issue 61; stream32: steps_per_call 1 against 4, issue 60)
 # (The sweeps that chose today's stage-2 defaults, with their exact commands, are in the READMEs of
 # benchmarks/results/stage2_h200_2026-12-02*/; the options they compared and removed are gone from tune_hsa, and the
 # stage2_kernels part, which timed the fused selection kernel removed on 2026-12-04, with it.)
@@ -86,6 +86,11 @@ for part in "$@"; do
       for c in 0 1024; do
         serve 200 --methods rocketkv --token-budget 256 --prompt 32k --slots 8 --requests 12 --max-new-tokens 256 \
           --admission step --arrival-s 1.5 --decode-reps 0 --prefill-chunk-tokens $c
+      done ;;
+    stream32)  # issue 60: one token per stream chunk (steps_per_call 1, the default now) against 4 (the old default):
+               # RocketKV 32k at 8 slots and the most, the engine's tokens/s
+      for s in 4 1; do
+        serve 230 --methods rocketkv --token-budget 256 --prompt 32k --slots 8,max --decode-reps 0 --steps-per-call $s
       done ;;
     serve32max_rk)  # serve32max for RocketKV alone (the engine's steady step against the decode benchmark)
       serve 540 --methods rocketkv --token-budget 256 --prompt 32k --slots max ;;
