@@ -493,8 +493,7 @@ def _cmd_serve(args) -> int:
              "ready" + (": --no-warmup, every program compiles on first use" if args.no_warmup else ""))
     whole = ", every request kept whole" if engine.kept_whole else ""
     log(f"listening: {name!r} ({args.method}, budget {args.token_budget}{whole}, {engine_config.max_slots} slots) "
-        f"on {url} "
-        f"({state})")
+        f"on {url} ({state})")
 
   server = UvicornServer(config, runner, drain_s=args.drain_s, on_listening=listening)
   # uvicorn drains, shuts down, then re-raises the signal it caught: Ctrl-C and SIGTERM end here, exit 0.

@@ -544,7 +544,7 @@ class DeviceEngine:
                                      max_prompt_len=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
                                      head_dim=cfg.head_dim, n_kv_heads=cfg.n_kv_heads, model_dtype=model.dtype,
                                      max_len=cfg.max_len, **overrides)
-    if self.method_config.method != config.method:
+    if self.kept_whole:
       overrides = whole_overrides(overrides)
     self._overrides = overrides
     self.loop = LoopConfig(max_new_tokens=config.steps_per_call, carry_logits=True)
